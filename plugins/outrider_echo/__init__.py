@@ -1,0 +1,29 @@
+"""`echo` backend: returns its inputs unchanged and imports no framework.
+
+It measures the runtime's own overhead (protocol, queues, threads) and serves protocol tests.
+It is also the smallest template for a backend plugin.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from outrider import hookimpl
+from outrider.backend import Backend
+
+__version__ = "0.1.0"
+
+
+class EchoBackend(Backend):
+    """Outputs are the inputs, by name, untouched (no copy)."""
+
+    name = "echo"
+    device_kinds = ("cpu",)
+
+    def execute(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return dict(inputs)
+
+
+@hookimpl
+def outrider_register_backends(register) -> None:
+    register(EchoBackend)

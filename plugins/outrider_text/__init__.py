@@ -1,0 +1,140 @@
+"""Text tasks: turn strings into model feeds and model results into the manifest's outputs.
+
+`sentence-embedding` tokenizes a BYTES tensor of sentences with the model's own `tokenizers`
+file. Pooling and L2 normalization live inside the model (the torch module and its ONNX
+export), so every backend returns the final embedding and the server does no numpy pass.
+Importing this plugin is cheap: `tokenizers` is loaded when a manifest asks for the task.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import numpy as np
+
+from outrider import hookimpl
+from outrider.backend import Task
+from outrider.errors import BadRequestError, ManifestError
+from outrider.manifest import Manifest
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+__version__ = "0.1.0"
+
+
+@hookimpl
+def outrider_register_tasks(register: Callable[[type], None]) -> None:
+    """Register the text tasks."""
+    register(SentenceEmbeddingTask)
+
+
+class SentenceEmbeddingTask(Task):
+    """BYTES sentences [N] -> BERT feeds [N, L]; the model returns `embedding` [N, D]."""
+
+    name = "sentence-embedding"
+    input_name = "text"
+    output_name = "embedding"
+
+    def __init__(self, manifest: Manifest) -> None:
+        super().__init__(manifest)
+        model_dir = manifest.model_path()
+        self.max_length = self._max_length(model_dir)
+        self.hidden_size = self._read_json(model_dir / "config.json").get("hidden_size", 384)
+        self.tokenizer = self._load_tokenizer(model_dir)
+
+    def _where(self) -> str:
+        return self.manifest.source_file or self.manifest.name
+
+    def _read_json(self, path: Path) -> dict[str, Any]:
+        try:
+            return json.loads(path.read_text())
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as exc:
+            raise ManifestError(f"{self._where()}: model file {path} is unreadable: {exc}") from None
+
+    def _max_length(self, model_dir: Path) -> int:
+        # sentence-transformers trained this model at 256 tokens; tokenizer.json says 128, which
+        # would silently cut long inputs short of what the model was trained to see.
+        configured = self.manifest.options.get("max_seq_length")
+        if configured is None:
+            configured = self._read_json(model_dir / "sentence_bert_config.json").get("max_seq_length")
+        limit = self._read_json(model_dir / "config.json").get("max_position_embeddings", 512)
+        length = int(configured or limit)
+        if not 2 <= length <= limit:
+            raise ManifestError(
+                f"{self._where()}: field 'options.max_seq_length': expected 2..{limit} (got {length})"
+            )
+        return length
+
+    def _load_tokenizer(self, model_dir: Path) -> "Tokenizer":
+        from tokenizers import Tokenizer
+
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise ManifestError(f"{self._where()}: task {self.name!r} needs {path}, which does not exist")
+        tokenizer = Tokenizer.from_file(str(path))
+        # The shipped file pads every input to a fixed 128; padding to the longest in the batch
+        # is what keeps short requests cheap.
+        pad = tokenizer.padding or {}
+        tokenizer.enable_padding(
+            direction="right",
+            pad_id=pad.get("pad_id", 0),
+            pad_type_id=pad.get("pad_type_id", 0),
+            pad_token=pad.get("pad_token", "[PAD]"),
+        )
+        tokenizer.enable_truncation(max_length=self.max_length)
+        return tokenizer
+
+    def preprocess(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """{'text': BYTES [N]} -> int64 input_ids, attention_mask, token_type_ids [N, L]."""
+        text = inputs.get(self.input_name)
+        if text is None:
+            raise BadRequestError(f"task {self.name!r}: input {self.input_name!r} is missing")
+        if text.ndim != 1:
+            raise BadRequestError(
+                f"task {self.name!r}: input {self.input_name!r} must have shape [N], got {list(text.shape)}"
+            )
+        sentences = [self._decode(i, item) for i, item in enumerate(text)]
+        if not sentences:
+            empty = np.zeros((0, 0), dtype=np.int64)
+            return {"input_ids": empty, "attention_mask": empty, "token_type_ids": empty}
+        encodings = self.tokenizer.encode_batch(sentences)
+        return {
+            "input_ids": np.array([e.ids for e in encodings], dtype=np.int64),
+            "attention_mask": np.array([e.attention_mask for e in encodings], dtype=np.int64),
+            "token_type_ids": np.array([e.type_ids for e in encodings], dtype=np.int64),
+        }
+
+    def _decode(self, index: int, item: object) -> str:
+        if isinstance(item, str):
+            return item
+        if isinstance(item, (bytes, bytearray, memoryview)):
+            try:
+                return bytes(item).decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise BadRequestError(
+                    f"input {self.input_name!r} element {index} is not valid UTF-8 "
+                    f"({exc.reason} at byte {exc.start})"
+                ) from None
+        raise BadRequestError(
+            f"input {self.input_name!r} element {index} is {type(item).__name__}; expected bytes or str"
+        )
+
+    def empty_outputs(self, feeds: dict[str, np.ndarray]) -> Optional[dict[str, np.ndarray]]:
+        """The outputs of an empty batch, so backends need not run the model on zero rows."""
+        if len(feeds["input_ids"]) == 0:
+            return {self.output_name: np.zeros((0, self.hidden_size), dtype=np.float32)}
+        return None
+
+    def postprocess(
+        self, outputs: dict[str, np.ndarray], feeds: dict[str, np.ndarray]
+    ) -> dict[str, np.ndarray]:
+        """The model already pooled and normalized: pass `embedding` through as float32."""
+        embedding = outputs[self.output_name]
+        if embedding.dtype != np.float32:  # an fp16 engine must not change the wire contract
+            embedding = embedding.astype(np.float32)
+        return {self.output_name: embedding}

@@ -1,0 +1,185 @@
+"""What a backend and a task are: the contract between the core and compute plugins."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Optional
+
+import numpy as np
+
+from .errors import BackendUnavailableError, BadRequestError
+from .manifest import Manifest, TensorSpec
+from .protocol import numpy_dtype
+
+log = logging.getLogger("outrider.backend")
+
+
+@dataclass(frozen=True)
+class Availability:
+    """Whether a backend can run here, and if not, why (shown by `outrider plugins`)."""
+
+    available: bool
+    reason: str = ""
+
+
+@dataclass
+class BackendChoice:
+    backend: type["Backend"]
+    device: str
+    skipped: list[str] = field(default_factory=list)
+
+
+class Task:
+    """Input and output processing shared by backends (tokenize, pool, detokenize)."""
+
+    name: ClassVar[str] = ""
+
+    def __init__(self, manifest: Manifest) -> None:
+        self.manifest = manifest
+
+    def preprocess(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Manifest inputs -> model feeds."""
+        return inputs
+
+    def postprocess(
+        self, outputs: dict[str, np.ndarray], feeds: dict[str, np.ndarray]
+    ) -> dict[str, np.ndarray]:
+        """Model results -> manifest outputs."""
+        return outputs
+
+
+class Backend:
+    """One instance of a model on one device.
+
+    Lifecycle, driven by the core: `load()` -> `warmup()` -> `execute()` many times,
+    `health()` at any time -> `unload()`. `execute` may be called from a worker thread;
+    a backend that is not thread-safe gets one instance per thread from the core.
+    """
+
+    name: ClassVar[str] = ""
+    #: devices this backend can use: "cpu", "cuda".
+    device_kinds: ClassVar[tuple[str, ...]] = ("cpu",)
+
+    def __init__(self, manifest: Manifest, device: str, task: Optional[Task] = None) -> None:
+        self.manifest = manifest
+        self.device = device
+        self.task = task
+
+    @classmethod
+    def availability(cls, manifest: Optional[Manifest] = None, device: str = "auto") -> Availability:
+        """Can this backend run here for this manifest and device? Must be cheap."""
+        kind = device.split(":")[0]
+        if kind not in ("auto", *cls.device_kinds):
+            return Availability(False, f"{cls.name} runs on {', '.join(cls.device_kinds)}, not {device}")
+        return Availability(True)
+
+    @classmethod
+    def resolve_device(cls, device: str) -> str:
+        """Turn 'auto' into a concrete device this backend will use."""
+        return "cpu" if device == "auto" else device
+
+    def load(self) -> None:
+        """Load weights and build the session or module."""
+
+    def warmup(self) -> None:
+        """Run the model on warmup inputs so the first real request pays no first-call cost."""
+        inputs = warmup_inputs(self.manifest)
+        for _ in range(self.manifest.warmup.iterations):
+            self.execute(inputs)
+
+    def execute(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Compute outputs for one (possibly batched) set of inputs."""
+        raise NotImplementedError
+
+    def health(self) -> dict[str, Any]:
+        """{'healthy': bool, ...}: anything an operator should see (provider fallbacks, device)."""
+        return {"healthy": True, "device": self.device}
+
+    def unload(self) -> None:
+        """Free what `load` took."""
+
+    def metadata(self) -> dict[str, Any]:
+        """Extra facts for `models` replies (e.g. execution providers)."""
+        return {}
+
+
+def _synth(spec: TensorSpec, batch: int = 1) -> np.ndarray:
+    shape = [batch if i == 0 and d == -1 else (1 if d == -1 else d) for i, d in enumerate(spec.shape)]
+    if spec.datatype == "BYTES":
+        return np.full(shape, b"Outrider warms up with a short sentence.", dtype=object)
+    return np.zeros(shape, dtype=numpy_dtype(spec.datatype))
+
+
+def warmup_inputs(manifest: Manifest) -> dict[str, np.ndarray]:
+    """The manifest's warmup inputs, or inputs synthesized from its input specs."""
+    given = manifest.warmup.inputs or {}
+    out: dict[str, np.ndarray] = {}
+    for spec in manifest.inputs:
+        if spec.name in given:
+            value = given[spec.name]
+            if spec.datatype == "BYTES":
+                out[spec.name] = np.array(
+                    [v.encode() if isinstance(v, str) else v for v in np.ravel(value)], dtype=object
+                ).reshape(np.shape(value))
+            else:
+                out[spec.name] = np.asarray(value, dtype=numpy_dtype(spec.datatype))
+        else:
+            out[spec.name] = _synth(spec)
+    if not manifest.inputs:
+        out = {k: np.asarray(v) for k, v in given.items()} or {"x": np.zeros((1, 4), np.float32)}
+    return out
+
+
+def check_inputs(manifest: Manifest, inputs: dict[str, np.ndarray]) -> None:
+    """Inputs must match the manifest's declared names, datatypes and shapes (-1 = any)."""
+    if not manifest.inputs:
+        return
+    from .protocol import datatype_of
+
+    declared = {t.name for t in manifest.inputs}
+    for name in inputs:
+        if name not in declared:
+            raise BadRequestError(
+                f"model {manifest.name!r} has no input {name!r}; its inputs are {sorted(declared)}"
+            )
+    for spec in manifest.inputs:
+        if spec.name not in inputs:
+            raise BadRequestError(f"model {manifest.name!r}: input {spec.name!r} is missing")
+        array = inputs[spec.name]
+        datatype = datatype_of(array)
+        if datatype != spec.datatype:
+            raise BadRequestError(
+                f"model {manifest.name!r}: input {spec.name!r} is {datatype}; expected {spec.datatype}"
+            )
+        if len(array.shape) != len(spec.shape) or any(
+            d != -1 and d != s for d, s in zip(spec.shape, array.shape)
+        ):
+            raise BadRequestError(
+                f"model {manifest.name!r}: input {spec.name!r} has shape {list(array.shape)}; "
+                f"expected {spec.shape} (-1 = any size)"
+            )
+
+
+def choose_backend(manifest: Manifest, backends: dict[str, type[Backend]]) -> BackendChoice:
+    """Walk the manifest's preference list; the first available backend wins, the rest say why."""
+    skipped: list[str] = []
+    for name in manifest.backend_preferences:
+        cls = backends.get(name)
+        if cls is None:
+            skipped.append(f"{name}: no plugin registers this backend (known: {sorted(backends)})")
+            continue
+        try:
+            avail = cls.availability(manifest, manifest.device)
+        except Exception as exc:  # a broken probe must not hide the other candidates
+            avail = Availability(False, f"availability check failed: {exc!r}")
+        if avail.available:
+            device = cls.resolve_device(manifest.device)
+            for reason in skipped:
+                log.warning("model %s: skipped backend %s", manifest.name, reason)
+            return BackendChoice(cls, device, skipped)
+        skipped.append(f"{name}: {avail.reason}")
+    raise BackendUnavailableError(
+        f"{manifest.source_file or manifest.name}: no backend in {manifest.backend_preferences} can run here: "
+        + "; ".join(skipped)
+    )

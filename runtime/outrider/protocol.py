@@ -1,0 +1,280 @@
+"""Wire format: a type/version frame, a msgpack header, one frame per tensor buffer.
+
+Every size that comes from a peer is checked against `Limits` before any buffer is viewed.
+The full specification, for clients in other languages, is docs/PROTOCOL.md.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+import msgpack
+import numpy as np
+
+from .errors import ProtocolError, TooLargeError
+
+MAGIC = b"outrider/1"
+REQUEST_KINDS = frozenset({"infer", "generate", "health", "models", "cancel"})
+REPLY_KINDS = frozenset({"reply", "chunk"})
+
+# Open Inference Protocol datatype names -> little-endian numpy dtypes.
+_DTYPES: dict[str, str] = {
+    "BOOL": "|b1",
+    "UINT8": "|u1",
+    "UINT16": "<u2",
+    "UINT32": "<u4",
+    "UINT64": "<u8",
+    "INT8": "|i1",
+    "INT16": "<i2",
+    "INT32": "<i4",
+    "INT64": "<i8",
+    "FP16": "<f2",
+    "FP32": "<f4",
+    "FP64": "<f8",
+}
+DATATYPES = frozenset([*_DTYPES, "BF16", "BYTES"])
+_MAX_DIMS = 16
+_MAX_NAME = 256
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds on untrusted input. Defaults suit a sidecar; all can be raised in the server config."""
+
+    max_message_bytes: int = 64 * 1024 * 1024
+    max_header_bytes: int = 64 * 1024
+    max_header_depth: int = 8
+    max_tensors: int = 64
+    max_tensor_elements: int = 16 * 1024 * 1024
+
+
+DEFAULT_LIMITS = Limits()
+
+
+def _bf16_dtype() -> np.dtype:
+    import ml_dtypes  # numpy has no bfloat16; ml_dtypes is the common answer (JAX, ONNX)
+
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+def numpy_dtype(datatype: str) -> np.dtype:
+    """The numpy dtype for a protocol datatype name (BYTES -> object)."""
+    if datatype == "BYTES":
+        return np.dtype(object)
+    if datatype == "BF16":
+        return _bf16_dtype()
+    try:
+        return np.dtype(_DTYPES[datatype])
+    except KeyError:
+        raise ProtocolError(
+            f"unknown datatype {datatype!r}; expected one of {sorted(DATATYPES)}"
+        ) from None
+
+
+def datatype_of(array: np.ndarray) -> str:
+    """The protocol datatype name for a numpy array; str/bytes/object arrays are BYTES."""
+    kind = array.dtype.kind
+    if kind in "OSU":
+        return "BYTES"
+    if array.dtype.name == "bfloat16":
+        return "BF16"
+    for name, dt in _DTYPES.items():
+        if np.dtype(dt) == array.dtype.newbyteorder("<") or np.dtype(dt) == array.dtype:
+            return name
+    raise ProtocolError(f"numpy dtype {array.dtype} has no protocol datatype")
+
+
+def encode_bytes_tensor(array: np.ndarray) -> bytes:
+    """BYTES elements as <uint32 little-endian length><bytes>, in C order (as Triton does)."""
+    parts = []
+    for item in array.reshape(-1):
+        if isinstance(item, str):
+            item = item.encode("utf-8")
+        elif not isinstance(item, (bytes, bytearray, memoryview)):
+            raise ProtocolError(
+                f"BYTES tensor element of type {type(item).__name__}; expected str or bytes"
+            )
+        parts.append(struct.pack("<I", len(item)))
+        parts.append(bytes(item))
+    return b"".join(parts)
+
+
+def decode_bytes_tensor(buffer: memoryview, count: int, name: str) -> np.ndarray:
+    """Parse `count` length-prefixed elements; the buffer must be consumed exactly."""
+    out = np.empty(count, dtype=object)
+    offset, end = 0, len(buffer)
+    for i in range(count):
+        if offset + 4 > end:
+            raise ProtocolError(
+                f"tensor {name!r}: BYTES frame ends inside the length of element {i} of {count}"
+            )
+        (length,) = struct.unpack_from("<I", buffer, offset)
+        offset += 4
+        if offset + length > end:
+            raise ProtocolError(
+                f"tensor {name!r}: BYTES element {i} claims {length} bytes, "
+                f"only {end - offset} remain in the frame"
+            )
+        out[i] = bytes(buffer[offset : offset + length])
+        offset += length
+    if offset != end:
+        raise ProtocolError(
+            f"tensor {name!r}: BYTES frame has {end - offset} bytes left after {count} elements"
+        )
+    return out
+
+
+def _buffer(frame: Any) -> memoryview:
+    buf = getattr(frame, "buffer", None)  # zmq.Frame received with copy=False
+    return buf if buf is not None else memoryview(frame)
+
+
+def _check_depth(obj: Any, limit: int) -> None:
+    stack = [(obj, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            raise TooLargeError(f"header nests deeper than {limit} levels")
+        if isinstance(item, dict):
+            stack.extend((v, depth + 1) for v in item.values())
+            stack.extend((k, depth + 1) for k in item.keys() if isinstance(k, (list, dict)))
+        elif isinstance(item, (list, tuple)):
+            stack.extend((v, depth + 1) for v in item)
+
+
+def pack_header(header: dict) -> bytes:
+    return msgpack.packb(header, use_bin_type=True)
+
+
+def unpack_header(raw: memoryview | bytes, limits: Limits = DEFAULT_LIMITS) -> dict:
+    """Decode and bound-check a msgpack header; anything but a map is an error."""
+    if len(raw) > limits.max_header_bytes:
+        raise TooLargeError(
+            f"header is {len(raw)} bytes; the limit is {limits.max_header_bytes}"
+        )
+    try:
+        header = msgpack.unpackb(
+            raw,
+            raw=False,
+            strict_map_key=True,
+        )
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise ProtocolError(f"header is not valid msgpack: {exc}") from None
+    if not isinstance(header, dict):
+        raise ProtocolError(f"header must be a msgpack map, got {type(header).__name__}")
+    _check_depth(header, limits.max_header_depth)
+    return header
+
+
+def _check_shape(name: str, shape: Any, limits: Limits) -> tuple[int, ...]:
+    if not isinstance(shape, (list, tuple)) or len(shape) > _MAX_DIMS:
+        raise ProtocolError(
+            f"tensor {name!r}: shape must be a list of at most {_MAX_DIMS} integers, got {shape!r}"
+        )
+    for dim in shape:
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
+            raise ProtocolError(
+                f"tensor {name!r}: shape {list(shape)} has {dim!r}; expected non-negative integers"
+            )
+    count = math.prod(shape)
+    if count > limits.max_tensor_elements:
+        raise TooLargeError(
+            f"tensor {name!r}: {count} elements; the limit is {limits.max_tensor_elements}"
+        )
+    return tuple(shape)
+
+
+def decode_tensors(
+    specs: Any, frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS
+) -> dict[str, np.ndarray]:
+    """View tensor frames as numpy arrays (zero-copy for numeric types), after every check."""
+    if not isinstance(specs, list):
+        raise ProtocolError(f"'inputs' must be a list of tensor descriptions, got {type(specs).__name__}")
+    if len(specs) > limits.max_tensors:
+        raise TooLargeError(f"{len(specs)} tensors; the limit is {limits.max_tensors}")
+    if len(specs) != len(frames):
+        raise ProtocolError(
+            f"header describes {len(specs)} tensors but the message carries {len(frames)} tensor frames"
+        )
+    tensors: dict[str, np.ndarray] = {}
+    for index, (spec, frame) in enumerate(zip(specs, frames)):
+        if not isinstance(spec, dict):
+            raise ProtocolError(f"tensor #{index}: description must be a map")
+        name = spec.get("name")
+        if not isinstance(name, str) or not name or len(name) > _MAX_NAME:
+            raise ProtocolError(f"tensor #{index}: 'name' must be a non-empty string of at most {_MAX_NAME} characters")
+        if name in tensors:
+            raise ProtocolError(f"tensor {name!r} appears twice")
+        datatype = spec.get("datatype")
+        if datatype not in DATATYPES:
+            raise ProtocolError(
+                f"tensor {name!r}: unknown datatype {datatype!r}; expected one of {sorted(DATATYPES)}"
+            )
+        shape = _check_shape(name, spec.get("shape"), limits)
+        buffer = _buffer(frame)
+        count = math.prod(shape)
+        if datatype == "BYTES":
+            tensors[name] = decode_bytes_tensor(buffer, count, name).reshape(shape)
+            continue
+        dtype = numpy_dtype(datatype)
+        expected = count * dtype.itemsize
+        if len(buffer) != expected:
+            raise ProtocolError(
+                f"tensor {name!r}: shape {list(shape)} x {dtype.itemsize} bytes ({datatype}) = "
+                f"{expected} bytes, but its frame has {len(buffer)}"
+            )
+        tensors[name] = np.frombuffer(buffer, dtype=dtype, count=count).reshape(shape)
+    return tensors
+
+
+def encode_tensors(tensors: dict[str, np.ndarray]) -> tuple[list[dict], list[Any]]:
+    """Tensor descriptions for the header and the buffers to send after it (no copy if contiguous)."""
+    specs: list[dict] = []
+    buffers: list[Any] = []
+    for name, value in tensors.items():
+        array = np.asarray(value)
+        datatype = datatype_of(array)
+        specs.append({"name": name, "datatype": datatype, "shape": list(array.shape)})
+        if datatype == "BYTES":
+            buffers.append(encode_bytes_tensor(array))
+        else:
+            if array.dtype.byteorder == ">":
+                array = array.astype(array.dtype.newbyteorder("<"))
+            buffers.append(memoryview(np.ascontiguousarray(array)).cast("B"))
+    return specs, buffers
+
+
+def encode_message(
+    kind: str, header: dict, tensors: dict[str, np.ndarray] | None = None, key: str = "inputs"
+) -> list[Any]:
+    """Frames for one message: type frame, header, then tensor buffers under header[key]."""
+    buffers: list[Any] = []
+    if tensors is not None:
+        header = dict(header)
+        header[key], buffers = encode_tensors(tensors)
+    return [MAGIC + b" " + kind.encode("ascii"), pack_header(header), *buffers]
+
+
+def parse_type_frame(frame: Any, allowed: Iterable[str]) -> str:
+    """Check the type/version frame and return the message kind."""
+    raw = bytes(_buffer(frame))
+    if len(raw) > 64:
+        raise ProtocolError("type frame longer than 64 bytes")
+    magic, _, kind = raw.partition(b" ")
+    if magic != MAGIC:
+        if magic.startswith(b"outrider/"):
+            raise ProtocolError(
+                f"protocol version {magic[9:].decode('ascii', 'replace')!r} is not supported; this server speaks {MAGIC.decode()}"
+            )
+        raise ProtocolError(f"type frame must start with {MAGIC.decode()!r}")
+    text = kind.decode("ascii", "replace")
+    if text not in allowed:
+        raise ProtocolError(f"unknown message type {text!r}; expected one of {sorted(allowed)}")
+    return text
+
+
+def message_size(frames: Sequence[Any]) -> int:
+    return sum(len(_buffer(f)) for f in frames)

@@ -1,0 +1,411 @@
+"""The server: one I/O loop thread in front, model instances behind, the main thread for signals.
+
+Request path: ROUTER -> I/O loop (decode, check, queue: never blocks, never computes)
+-> a free instance pulls it -> its reply goes back over an inproc PUSH/PULL pair, because
+only the I/O thread may touch the ROUTER socket.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from typing import Any, Callable, Optional
+
+import numpy as np
+import zmq
+
+from . import __version__
+from .backend import check_inputs
+from .errors import (
+    BadRequestError,
+    InternalError,
+    ManifestError,
+    ModelNotFoundError,
+    OutriderError,
+    ProtocolError,
+    TooLargeError,
+    UnavailableError,
+)
+from .manifest import Manifest
+from .model import PendingRequest, Scheduler, ServedModel, cancel_error
+from .plugins import PluginRegistry
+from .protocol import (
+    DEFAULT_LIMITS,
+    REQUEST_KINDS,
+    Limits,
+    decode_tensors,
+    encode_message,
+    message_size,
+    parse_type_frame,
+    unpack_header,
+)
+from .transport import DEFAULT_ADDRESS, CurveServerKeys, server_socket, start_authenticator
+
+log = logging.getLogger("outrider.server")
+
+_MAX_ID_LENGTH = 256
+_BURST = 256  # messages moved per socket per wake-up, so neither direction starves the other
+
+
+class Server:
+    """Serves a set of models on one address until told to stop."""
+
+    def __init__(
+        self,
+        manifests: list[Manifest],
+        registry: PluginRegistry,
+        address: str = DEFAULT_ADDRESS,
+        limits: Limits = DEFAULT_LIMITS,
+        curve: Optional[CurveServerKeys] = None,
+        drain_timeout: float = 30.0,
+        metrics_port: Optional[int] = None,
+    ) -> None:
+        names = [m.name for m in manifests]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ManifestError(f"two manifests name the same model: {duplicates}")
+        self.registry = registry
+        self.address = address
+        self.limits = limits
+        self.curve = curve
+        self.drain_timeout = drain_timeout
+        self.metrics_port = metrics_port
+        self.models: dict[str, ServedModel] = {}
+        for manifest in manifests:
+            self.models[manifest.name] = self._build_model(manifest)
+        self.inflight: dict[tuple[bytes, Any], PendingRequest] = {}
+        self.draining = False
+        self.started = time.time()
+        self._io_stop = threading.Event()
+        self._stop_requested = threading.Event()
+        self._io_thread: Optional[threading.Thread] = None
+        self._io_ident: Optional[int] = None
+        self._local = threading.local()
+        self._push_sockets: list[zmq.Socket] = []
+        self._push_lock = threading.Lock()
+        self._auth = None
+        self.ctx: Optional[zmq.Context] = None
+
+    # -- set-up ---------------------------------------------------------------------------
+
+    def _build_model(self, manifest: Manifest) -> ServedModel:
+        choice = self.registry.choose_backend(manifest)
+        if manifest.model and manifest.model.task and manifest.model.task not in self.registry.tasks:
+            raise ManifestError(
+                f"{manifest.source_file}: field 'model.task': no plugin registers task "
+                f"{manifest.model.task!r}; known: {sorted(self.registry.tasks)}"
+            )
+        scheduler: Optional[Scheduler] = None
+        for section in ("batching", "speculative", "quantize"):
+            if getattr(manifest, section) is None:
+                continue
+            factory = self.registry.accelerators.get(section)
+            if factory is None:
+                raise ManifestError(
+                    f"{manifest.source_file}: field '{section}': no loaded plugin provides this accelerator "
+                    f"(loaded accelerators: {sorted(self.registry.accelerators) or 'none'})"
+                )
+            made = factory(manifest)
+            if isinstance(made, Scheduler):
+                scheduler = made
+        return ServedModel(
+            manifest,
+            choice,
+            make_task=lambda m=manifest: self.registry.make_task(m),
+            scheduler=scheduler,
+            on_state=self.registry.notify_state,
+        )
+
+    def start(self) -> None:
+        """Bind, start the I/O loop, then load and warm up every model in the background."""
+        self.ctx = zmq.Context()
+        if self.curve is not None:
+            self._auth = start_authenticator(self.ctx, self.curve)
+        self.router = server_socket(self.ctx, self.address, self.limits, self.curve)
+        self._reply_address = f"inproc://outrider-replies-{id(self)}"
+        self._pull = self.ctx.socket(zmq.PULL)
+        self._pull.bind(self._reply_address)
+        self._io_thread = threading.Thread(target=self._io_loop, name="outrider-io", daemon=True)
+        self._io_thread.start()
+        if self.metrics_port is not None:
+            from .stats import start_metrics_server
+
+            start_metrics_server(self.metrics_port, lambda: self.models)
+            log.info("metrics on http://127.0.0.1:%d/metrics", self.metrics_port)
+        log.info("listening on %s (models loading: %s)", self.address, ", ".join(self.models))
+        for model in self.models.values():
+            model.start()
+
+    @property
+    def ready(self) -> bool:
+        return not self.draining and all(m.ready for m in self.models.values())
+
+    def wait_ready(self, timeout: float) -> bool:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if self.ready:
+                return True
+            if any(m.state == "failed" for m in self.models.values()):
+                return False
+            time.sleep(0.01)
+        return self.ready
+
+    # -- the I/O loop ----------------------------------------------------------------------
+
+    def _io_loop(self) -> None:
+        self._io_ident = threading.get_ident()
+        poller = zmq.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        poller.register(self._pull, zmq.POLLIN)
+        next_sweep = 0.0
+        while not self._io_stop.is_set():
+            events = dict(poller.poll(20))  # ms: also the period of the deadline sweep
+            if self._pull in events:
+                self._forward_replies()
+            if self.router in events:
+                self._receive_requests()
+            now = time.monotonic()
+            if now >= next_sweep:
+                for model in self.models.values():
+                    model.queue.expire(now)
+                next_sweep = now + 0.01
+        # Replies answered during shutdown are still owed to their clients.
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end and self._forward_replies():
+            pass
+
+    def _forward_replies(self) -> int:
+        moved = 0
+        for _ in range(_BURST):
+            try:
+                frames = self._pull.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            self._send_frames(frames)
+            moved += 1
+        return moved
+
+    def _send_frames(self, frames: list[Any]) -> None:
+        try:
+            self.router.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as exc:
+            # EHOSTUNREACH: the client left; EAGAIN: it stopped reading and its queue is full.
+            log.debug("dropping reply to a client that cannot take it: %s", exc)
+
+    def _receive_requests(self) -> None:
+        for _ in range(_BURST):
+            try:
+                frames = self.router.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._handle(frames)
+
+    def _handle(self, frames: list[Any]) -> None:
+        route = frames[0].bytes
+        request_id = None
+        try:
+            if len(frames) < 3:
+                raise ProtocolError(
+                    f"a message needs a type frame and a header frame; got {len(frames) - 1} frame(s)"
+                )
+            size = message_size(frames[1:])
+            if size > self.limits.max_message_bytes:
+                raise TooLargeError(f"message is {size} bytes; the limit is {self.limits.max_message_bytes}")
+            kind = parse_type_frame(frames[1], REQUEST_KINDS)
+            header = unpack_header(frames[2].buffer, self.limits)
+            request_id = _request_id(header)
+            getattr(self, "_on_" + kind)(route, request_id, header, frames[3:])
+        except OutriderError as exc:
+            self._reply_now(route, {"id": request_id, "ok": False, "error": exc.to_wire()})
+        except Exception as exc:  # a bug must cost one request, never the loop
+            log.exception("internal error while handling a request")
+            error = InternalError(f"{type(exc).__name__}: {exc}")
+            self._reply_now(route, {"id": request_id, "ok": False, "error": error.to_wire()})
+
+    # -- request kinds ---------------------------------------------------------------------
+
+    def _on_health(self, route: bytes, request_id: Any, header: dict, tensors: list) -> None:
+        self._reply_now(route, {"id": request_id, "ok": True, **self.health()})
+
+    def _on_models(self, route: bytes, request_id: Any, header: dict, tensors: list) -> None:
+        self._reply_now(route, {"id": request_id, "ok": True, "models": [m.describe() for m in self.models.values()]})
+
+    def _on_infer(self, route: bytes, request_id: Any, header: dict, tensors: list) -> None:
+        self._submit("infer", route, request_id, header, tensors)
+
+    def _on_generate(self, route: bytes, request_id: Any, header: dict, tensors: list) -> None:
+        model = self._model(header)
+        if not getattr(model.choice.backend, "generates", False):
+            raise BadRequestError(f"model {model.name!r} does not generate text; use infer")
+        self._submit("generate", route, request_id, header, tensors)
+
+    def _on_cancel(self, route: bytes, request_id: Any, header: dict, tensors: list) -> None:
+        target = header.get("target")
+        request = self.inflight.get((route, target))
+        # The engine sees `done` and drops the request (a queued one is skipped, a generating
+        # one frees its cache at the next step).
+        cancelled = request is not None and request.fail(cancel_error(request))
+        if cancelled:
+            self.models[request.model].stats.failure("cancelled")
+        self._reply_now(route, {"id": request_id, "ok": True, "cancelled": bool(cancelled)})
+
+    def _model(self, header: dict) -> ServedModel:
+        name = header.get("model")
+        if not isinstance(name, str):
+            raise ProtocolError("'model' must be a string naming a served model")
+        model = self.models.get(name)
+        if model is None:
+            raise ModelNotFoundError(f"no model named {name[:128]!r}; served here: {sorted(self.models)}")
+        return model
+
+    def _submit(self, kind: str, route: bytes, request_id: Any, header: dict, frames: list) -> None:
+        if self.draining:
+            raise UnavailableError("server is shutting down and takes no new requests")
+        model = self._model(header)
+        parameters = header.get("parameters", {})
+        if not isinstance(parameters, dict):
+            raise ProtocolError("'parameters' must be a map")
+        inputs = decode_tensors(header.get("inputs", []), frames, self.limits)
+        if kind == "infer":
+            check_inputs(model.manifest, inputs)
+        key = (route, request_id)
+        if key in self.inflight:
+            raise BadRequestError(f"request id {request_id!r} is already in flight on this connection")
+        request = PendingRequest(
+            route=route,
+            id=request_id,
+            kind=kind,
+            model=model.name,
+            inputs=inputs,
+            parameters=parameters,
+            send=self._send,
+            on_done=self._forget,
+        )
+        timeout_ms = parameters.get("timeout_ms")
+        if timeout_ms is not None:
+            if isinstance(timeout_ms, bool) or not isinstance(timeout_ms, (int, float)) or timeout_ms <= 0:
+                raise BadRequestError(f"parameter 'timeout_ms' must be a positive number, got {timeout_ms!r}")
+            request.deadline = request.received + timeout_ms / 1000
+        self.inflight[key] = request
+        try:
+            model.submit(request)
+        except OutriderError:
+            self.inflight.pop(key, None)
+            raise
+
+    def _forget(self, request: PendingRequest) -> None:
+        self.inflight.pop((request.route, request.id), None)
+
+    # -- replies ---------------------------------------------------------------------------
+
+    def _reply_now(self, route: bytes, header: dict) -> None:
+        """Reply from the I/O thread itself (health, errors found while decoding)."""
+        self._send_frames([route, *encode_message("reply", header)])
+
+    def _send(self, request: PendingRequest, kind: str, header: dict, outputs: Optional[dict]) -> None:
+        frames = [request.route, *encode_message(kind, header, outputs, key="outputs")]
+        if threading.get_ident() == self._io_ident:
+            self._send_frames(frames)
+            return
+        push = getattr(self._local, "push", None)
+        if push is None:
+            push = self.ctx.socket(zmq.PUSH)
+            push.connect(self._reply_address)
+            self._local.push = push
+            with self._push_lock:
+                self._push_sockets.append(push)
+        push.send_multipart(frames, copy=False)
+
+    # -- health and shutdown ---------------------------------------------------------------
+
+    def health(self) -> dict[str, Any]:
+        models = {name: m.health() for name, m in self.models.items()}
+        if self.draining:
+            status = "draining"
+        elif all(m["ready"] for m in models.values()):
+            status = "ready"
+        elif any(m["state"] == "failed" for m in models.values()):
+            status = "failed"
+        else:
+            status = "loading"
+        return {
+            "ready": status == "ready",
+            "status": status,
+            "models": models,
+            "server": {
+                "version": __version__,
+                "pid": os.getpid(),
+                "address": self.address,
+                "uptime_seconds": round(time.time() - self.started, 3),
+                "inflight": len(self.inflight),
+            },
+        }
+
+    def request_stop(self) -> None:
+        self._stop_requested.set()
+
+    def shutdown(self, drain_timeout: Optional[float] = None) -> None:
+        """Take no new work, let in-flight requests finish (bounded), answer the rest, close."""
+        timeout = self.drain_timeout if drain_timeout is None else drain_timeout
+        self.draining = True
+        log.info("draining: %d request(s) in flight, up to %.1fs", len(self.inflight), timeout)
+        end = time.monotonic() + timeout
+        while self.inflight and time.monotonic() < end:
+            time.sleep(0.005)
+        gone = UnavailableError("server shut down before this request finished")
+        for model in self.models.values():
+            for request in model.stop():
+                request.fail(gone)
+        for request in list(self.inflight.values()):
+            request.fail(gone)
+        for model in self.models.values():
+            model.join(timeout=5.0)
+        self._io_stop.set()
+        if self._io_thread is not None:
+            self._io_thread.join(5.0)
+        with self._push_lock:
+            for sock in self._push_sockets:
+                sock.close(0)
+        self._pull.close(0)
+        self.router.close()  # LINGER lets the last replies leave
+        if self._auth is not None:
+            self._auth.stop()
+        self.ctx.term()
+        log.info("stopped")
+
+    def serve_forever(self, on_ready: Optional[Callable[[], None]] = None) -> int:
+        """Run until SIGTERM/SIGINT (drain), a second signal forces exit. Returns the exit code."""
+        signals_seen = []
+
+        def on_signal(signum: int, frame: Any) -> None:
+            signals_seen.append(signum)
+            if len(signals_seen) > 1:
+                log.warning("second signal: exiting without draining")
+                os._exit(1)
+            self.request_stop()
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, on_signal)
+        self.start()
+        announced = False
+        while not self._stop_requested.wait(0.05):
+            if not announced and self.ready:
+                announced = True
+                log.info("ready: %s on %s", ", ".join(self.models), self.address)
+                if on_ready:
+                    on_ready()
+        self.shutdown()
+        return 0
+
+
+def _request_id(header: dict) -> Any:
+    request_id = header.get("id")
+    if isinstance(request_id, bool) or not (
+        (isinstance(request_id, str) and 0 < len(request_id) <= _MAX_ID_LENGTH)
+        or (isinstance(request_id, int) and -(2**63) <= request_id < 2**64)
+    ):
+        raise ProtocolError(f"'id' must be a non-empty string of at most {_MAX_ID_LENGTH} characters or an integer")
+    return request_id
