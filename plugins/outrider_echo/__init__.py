@@ -1,10 +1,13 @@
 """`echo` backend: returns its inputs unchanged and imports no framework.
 
 It measures the runtime's own overhead (protocol, queues, threads) and serves protocol tests.
+`options.delay_ms` adds a fixed compute time, to stand in for a model in latency tests.
 It is also the smallest template for a backend plugin.
 """
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 
@@ -20,7 +23,12 @@ class EchoBackend(Backend):
     name = "echo"
     device_kinds = ("cpu",)
 
+    def load(self) -> None:
+        self.delay = float(self.manifest.options.get("delay_ms", 0)) / 1000
+
     def execute(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if self.delay:
+            time.sleep(self.delay)
         return dict(inputs)
 
 

@@ -4,6 +4,8 @@
 file. Pooling and L2 normalization live inside the model (the torch module and its ONNX
 export), so every backend returns the final embedding and the server does no numpy pass.
 Importing this plugin is cheap: `tokenizers` is loaded when a manifest asks for the task.
+
+Manifest options: `max_seq_length` (default: sentence_bert_config.json's, else the model's limit).
 """
 
 from __future__ import annotations

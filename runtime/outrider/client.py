@@ -100,6 +100,7 @@ class Client:
         self.timeout = timeout
         self._ctx = zmq.Context.instance()
         self._sock = client_socket(self._ctx, address, curve)
+        self._sock.setsockopt(zmq.SNDTIMEO, max(1, int(timeout * 1000)))
         self._ids = itertools.count(1)
 
     def __enter__(self) -> "Client":
@@ -112,10 +113,17 @@ class Client:
         """Close the socket; unsent requests are dropped."""
         self._sock.close(0)
 
-    def _send(self, kind: str, header: dict, tensors: Optional[dict] = None) -> int:
+    def _send(self, kind: str, header: dict, tensors: Optional[dict] = None, block: bool = True) -> int:
         request_id = next(self._ids)
         frames = encode_message(kind, {"id": request_id, **header}, tensors)
-        self._sock.send_multipart(frames, copy=False)
+        try:
+            self._sock.send_multipart(frames, copy=False, flags=0 if block else zmq.NOBLOCK)
+        except zmq.Again:
+            # No connection could take the message (server absent, or CURVE handshake refused).
+            raise RequestTimeoutError(
+                f"could not send {kind} to {self.address} within {self.timeout:g}s; "
+                "is the server running, and do the CURVE keys match?"
+            ) from None
         return request_id
 
     def _receive(self, request_id: int, deadline: float, what: str) -> tuple[str, dict, dict]:
@@ -133,8 +141,8 @@ class Client:
 
     def _cancel_quietly(self, request_id: int) -> None:
         try:
-            self._send("cancel", {"target": request_id})
-        except zmq.ZMQError:
+            self._send("cancel", {"target": request_id}, block=False)
+        except (zmq.ZMQError, RequestTimeoutError):
             pass
 
     def _call(self, kind: str, header: dict, tensors: Optional[dict], what: str,

