@@ -155,7 +155,7 @@ def test_health_exit_status_when_nothing_listens(tmp_path):
 
 
 def test_not_ready_before_warmup_then_ready(server_factory, tmp_path):
-    manifest = write_manifest(tmp_path, "name: slow\nbackend: slow-warmup\noptions: {warmup_s: 2.0}\n")
+    manifest = write_manifest(tmp_path, "name: slow\nbackend: slow-warmup\noptions: {warmup_s: 6.0}\n")
     server = server_factory([manifest], ["outrider_test_backends"], wait=False)
     deadline = time.monotonic() + 30
     seen_loading = False

