@@ -166,6 +166,9 @@ def test_not_ready_before_warmup_then_ready(server_factory, tmp_path):
             except RequestTimeoutError:
                 continue  # not bound yet
             if not health["ready"]:
+                if seen_loading:  # checked once, early in the 6 s warmup; now wait for ready
+                    time.sleep(0.05)
+                    continue
                 seen_loading = True
                 assert health["models"]["slow"]["state"] == "loading"
                 with pytest.raises(ModelNotReadyError, match="is loading"):
