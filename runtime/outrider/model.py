@@ -173,63 +173,97 @@ class RequestQueue:
         return items
 
 
-class Instance(threading.Thread):
-    """One backend instance: load, warm up, then pull and execute until stopped."""
+class InstanceCrashed(ExecutionError):
+    """The instance died (worker process exit) while executing; it will be replaced."""
 
-    def __init__(self, model: "ServedModel", index: int, device: str) -> None:
-        super().__init__(name=f"outrider-{model.name}-{index}", daemon=True)
+
+class Instance(threading.Thread):
+    """One backend instance: load, warm up, then pull and execute until stopped.
+
+    With `scheduling.instance_kind: process` the backend runs in a worker process behind a
+    `WorkerBackend` proxy: a crash or hang there cannot take the server down.
+    """
+
+    def __init__(self, model: "ServedModel", index: int, device: str, generation: int = 0) -> None:
+        super().__init__(name=f"outrider-{model.name}-{index}.{generation}", daemon=True)
         self.model = model
         self.index = index
         self.device = device
+        self.generation = generation
         self.backend: Optional[Backend] = None
         self.state = ModelState.LOADING
         self.reason = ""
         self.busy_since: Optional[float] = None
+        self.current: list[PendingRequest] = []
+        self.abandoned = False  # set by the supervisor when execute hung; results are dropped
         self._stopping = threading.Event()
 
     def stop(self) -> None:
         self._stopping.set()
 
+    def _fail(self, reason: str) -> None:
+        self.state, self.reason = ModelState.FAILED, reason
+        log.error("model %s instance %d: %s", self.model.name, self.index, reason)
+        self.model.instance_changed()
+
     def run(self) -> None:
         model = self.model
         try:
-            task = model.make_task()
-            backend = model.choice.backend(model.manifest, self.device, task)
+            backend = model.make_backend(self.device)
+            self.backend = backend  # visible early so the supervisor can kill a worker process
             t0 = time.perf_counter()
             backend.load()
             t1 = time.perf_counter()
             backend.warmup()
             t2 = time.perf_counter()
         except Exception as exc:
-            self.state, self.reason = ModelState.FAILED, f"{type(exc).__name__}: {exc}"
-            log.error("model %s instance %d failed to load or warm up: %s", model.name, self.index, self.reason)
-            model.instance_changed()
+            self._fail(f"load or warmup failed: {type(exc).__name__}: {exc}")
+            self._unload()
             return
-        self.backend = backend
         model.stats.load_seconds = max(model.stats.load_seconds, t1 - t0)
         model.stats.warmup_seconds = max(model.stats.warmup_seconds, t2 - t1)
         log.info("model %s instance %d on %s: loaded in %.2fs, warmed up in %.2fs",
                  model.name, self.index, self.device, t1 - t0, t2 - t1)
+        if self._stopping.is_set():
+            self._unload()
+            return
         self.state = ModelState.READY
+        model.instance_ready(self)
         model.instance_changed()
         try:
-            while not self._stopping.is_set():
+            while not self._stopping.is_set() and not self.abandoned:
                 batch = model.scheduler.next_batch(model.queue)
                 if batch:
                     self._execute(batch)
+        except InstanceCrashed as exc:
+            self._fail(exc.message)
+        except Exception as exc:  # a bug in a scheduler: replace the instance, keep serving
+            log.exception("model %s instance %d: loop failed", model.name, self.index)
+            self._fail(f"{type(exc).__name__}: {exc}")
         finally:
-            try:
-                backend.unload()
-            except Exception:
-                log.exception("model %s instance %d: unload failed", model.name, self.index)
-            self.state = ModelState.STOPPED
+            self._unload()
+            if self.state == ModelState.READY:
+                self.state = ModelState.STOPPED
+
+    def _unload(self) -> None:
+        if self.backend is None:
+            return
+        try:
+            self.backend.unload()
+        except Exception:
+            log.exception("model %s instance %d: unload failed", self.model.name, self.index)
 
     def _execute(self, batch: list[PendingRequest]) -> None:
         model = self.model
         start = time.monotonic()
+        self.current = batch
         self.busy_since = start
+        crashed: Optional[InstanceCrashed] = None
         try:
             results = model.scheduler.execute(self.backend, batch)
+        except InstanceCrashed as exc:
+            crashed = exc
+            results = [exc] * len(batch)
         except OutriderError as exc:
             results = [exc] * len(batch)
         except Exception as exc:  # one failing batch must not take the instance down
@@ -237,6 +271,7 @@ class Instance(threading.Thread):
             results = [ExecutionError(f"model {model.name!r}: {type(exc).__name__}: {exc}")] * len(batch)
         finally:
             self.busy_since = None
+            self.current = []
         compute = time.monotonic() - start
         model.stats.batch(len(batch), (start - r.received for r in batch), compute)
         for request, result in zip(batch, results):
@@ -245,6 +280,8 @@ class Instance(threading.Thread):
                     model.stats.failure(result.code)
             elif request.reply(result):
                 model.stats.success()
+        if crashed is not None:
+            raise crashed
 
 
 class Scheduler:
@@ -263,7 +300,10 @@ class Scheduler:
 
 
 class ServedModel:
-    """Everything the server knows about one manifest's model."""
+    """Everything the server knows about one manifest's model, and the supervision of its instances."""
+
+    #: seconds between restarts of an instance slot that keeps failing (doubling, capped).
+    RESTART_BACKOFF = (1.0, 60.0)
 
     def __init__(
         self,
@@ -272,6 +312,7 @@ class ServedModel:
         make_task: Callable[[], Any],
         scheduler: Optional[Scheduler] = None,
         on_state: Optional[Callable[[str, str, str], None]] = None,
+        plugin_modules: Optional[list[str]] = None,
     ) -> None:
         self.manifest = manifest
         self.name = manifest.name
@@ -283,12 +324,20 @@ class ServedModel:
         self.instances: list[Instance] = []
         self.state = ModelState.LOADING
         self.reason = ""
+        self.plugin_modules = plugin_modules or []
         self._on_state = on_state
         self._lock = threading.Lock()
+        self._stopped = False
+        self._ever_ready = False
+        self._last_reason = ""
+        # Per slot: consecutive failures and when the next restart may happen.
+        self._failures: dict[int, int] = {}
+        self._restart_at: dict[int, float] = {}
 
     @property
     def ready(self) -> bool:
-        return self.state in (ModelState.READY, ModelState.DEGRADED)
+        """Ready while at least one warmed-up instance is healthy."""
+        return any(i.state == ModelState.READY and not i.abandoned for i in self.instances)
 
     def devices(self) -> list[str]:
         """Spread instances over GPUs when the device is 'cuda' and several exist."""
@@ -297,6 +346,14 @@ class ServedModel:
             return [device] * self.manifest.instances
         count = _cuda_device_count()
         return [f"cuda:{i % max(count, 1)}" for i in range(self.manifest.instances)]
+
+    def make_backend(self, device: str) -> Backend:
+        """A backend in this process, or a proxy to one in a worker process."""
+        if self.manifest.scheduling.instance_kind == "process":
+            from .worker import WorkerBackend
+
+            return WorkerBackend(self.manifest, device, self.plugin_modules)
+        return self.choice.backend(self.manifest, device, self.make_task())
 
     def start(self) -> None:
         for index, device in enumerate(self.devices()):
@@ -307,18 +364,26 @@ class ServedModel:
     def instance_changed(self) -> None:
         """Recompute the model state from its instances."""
         with self._lock:
-            states = [i.state for i in self.instances]
+            live = [i for i in self.instances if not i.abandoned]
+            states = [i.state for i in live]
             ready = states.count(ModelState.READY)
-            if ready == len(states) and ready:
+            reasons = "; ".join(f"instance {i.index}: {i.reason}" for i in self.instances if i.reason)
+            if ready:
+                self._ever_ready = True
+            if reasons:
+                self._last_reason = reasons
+            if self._stopped:
+                state, reason = ModelState.STOPPED, ""
+            elif ready == self.manifest.instances:
                 state, reason = ModelState.READY, ""
-            elif ready:
-                state = ModelState.DEGRADED
-                reason = "; ".join(i.reason for i in self.instances if i.reason)
-            elif ModelState.LOADING in states:
-                state, reason = ModelState.LOADING, ""
+            elif self._ever_ready:
+                # Was serving: some instance failed and is being replaced (ready iff one still is).
+                state, reason = ModelState.DEGRADED, reasons or self._last_reason
+            elif ModelState.FAILED in states or self._failures:
+                # Never got ready: stays failed (with the reason) while restarts back off.
+                state, reason = ModelState.FAILED, reasons or self._last_reason
             else:
-                state = ModelState.FAILED
-                reason = "; ".join(i.reason for i in self.instances if i.reason) or "no instance running"
+                state, reason = ModelState.LOADING, ""
             changed = (state, reason) != (self.state, self.reason)
             self.state, self.reason = state, reason
         if changed:
@@ -326,8 +391,60 @@ class ServedModel:
             if self._on_state:
                 self._on_state(self.name, state, reason)
         if state == ModelState.FAILED:
-            for request in self.queue.close():
+            # Nobody can serve what is queued: answer it rather than let it wait for a retry.
+            for request in self.queue.take_more(len(self.queue)):
                 request.fail(ModelNotReadyError(f"model {self.name!r} failed: {reason}"))
+
+    def supervise(self, now: float) -> None:
+        """Detect hung and dead instances, answer their requests, and replace them (with backoff)."""
+        if self._stopped:
+            return
+        timeout_ms = self.manifest.scheduling.execute_timeout_ms
+        for slot, inst in enumerate(list(self.instances)):
+            if timeout_ms and inst.busy_since is not None and now - inst.busy_since > timeout_ms / 1000:
+                self._abandon(inst, f"execute exceeded execute_timeout_ms={timeout_ms:g}")
+            elif inst.state == ModelState.READY and not inst.is_alive():
+                inst.state, inst.reason = ModelState.FAILED, "instance thread exited"
+            if inst.state == ModelState.FAILED or inst.abandoned:
+                self._schedule_restart(slot, inst, now)
+
+    def _abandon(self, inst: Instance, reason: str) -> None:
+        inst.abandoned = True
+        inst.state, inst.reason = ModelState.FAILED, reason
+        error = ExecutionError(f"model {self.name!r} instance {inst.index}: {reason}; the instance is being replaced")
+        for request in list(inst.current):
+            if request.fail(error):
+                self.stats.failure(error.code)
+        kill = getattr(inst.backend, "kill", None)
+        if kill is not None:  # a worker process can be killed; a thread can only be left behind
+            kill()
+        log.error("model %s instance %d: %s", self.name, inst.index, reason)
+        self.instance_changed()
+
+    def _schedule_restart(self, slot: int, inst: Instance, now: float) -> None:
+        due = self._restart_at.get(slot)
+        if due is None:
+            failures = self._failures.get(slot, 0)
+            low, high = self.RESTART_BACKOFF
+            delay = 0.0 if failures == 0 else min(high, low * 2 ** (failures - 1))
+            self._restart_at[slot] = now + delay
+            if delay:
+                log.warning("model %s instance %d: restarting in %.0fs", self.name, inst.index, delay)
+            return
+        if now < due:
+            return
+        del self._restart_at[slot]
+        self._failures[slot] = self._failures.get(slot, 0) + 1
+        replacement = Instance(self, inst.index, inst.device, inst.generation + 1)
+        self.instances[slot] = replacement
+        with self.stats._lock:
+            self.stats.instance_restarts += 1
+        log.info("model %s instance %d: starting replacement #%d", self.name, inst.index, replacement.generation)
+        replacement.start()
+        self.instance_changed()
+
+    def instance_ready(self, inst: Instance) -> None:
+        self._failures.pop(inst.index, None)
 
     def submit(self, request: PendingRequest) -> None:
         """Queue a request or raise (not ready, overloaded)."""
@@ -349,10 +466,11 @@ class ServedModel:
     def health(self) -> dict[str, Any]:
         instances = []
         for inst in self.instances:
-            entry: dict[str, Any] = {"index": inst.index, "device": inst.device, "state": inst.state}
+            entry: dict[str, Any] = {"index": inst.index, "device": inst.device, "state": inst.state,
+                                     "generation": inst.generation}
             if inst.reason:
                 entry["reason"] = inst.reason
-            if inst.backend is not None:
+            if inst.backend is not None and inst.state == ModelState.READY:
                 try:
                     entry["backend"] = inst.backend.health()
                 except Exception as exc:
@@ -378,7 +496,7 @@ class ServedModel:
         m = self.manifest
         meta: dict[str, Any] = {}
         for inst in self.instances:
-            if inst.backend is not None:
+            if inst.backend is not None and inst.state == ModelState.READY:
                 meta = inst.backend.metadata()
                 break
         return {
@@ -397,6 +515,7 @@ class ServedModel:
 
     def stop(self) -> list[PendingRequest]:
         """Stop the instances after their current batch; return what was still queued."""
+        self._stopped = True
         left = self.queue.close()
         for inst in self.instances:
             inst.stop()
@@ -405,7 +524,8 @@ class ServedModel:
     def join(self, timeout: float) -> None:
         end = time.monotonic() + timeout
         for inst in self.instances:
-            inst.join(max(0.0, end - time.monotonic()))
+            if not inst.abandoned:
+                inst.join(max(0.0, end - time.monotonic()))
         self.state = ModelState.STOPPED
 
 

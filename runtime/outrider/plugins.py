@@ -40,6 +40,8 @@ class PluginRegistry:
     backends: dict[str, type[Backend]] = field(default_factory=dict)
     tasks: dict[str, type[Task]] = field(default_factory=dict)
     accelerators: dict[str, Any] = field(default_factory=dict)
+    #: modules registered by name (not through entry points): worker processes register them too.
+    modules: list[str] = field(default_factory=list)
     _owner: dict[str, str] = field(default_factory=dict)
 
     def collect(self) -> None:
@@ -157,6 +159,7 @@ def create_registry(
     modules: Iterable[str | ModuleType | Any] = (), load_entry_points: bool = True
 ) -> PluginRegistry:
     """Build a plugin manager: entry points (filtered by OUTRIDER_PLUGINS), then `modules`."""
+    modules = list(modules)
     pm = pluggy.PluginManager("outrider")
     pm.add_hookspecs(hookspecs)
     pm.register(_CoreDefaults(), name="outrider-core")
@@ -178,6 +181,6 @@ def create_registry(
             continue
         pm.register(plugin, name=name)
     pm.check_pending()  # a misspelled hook name fails here, not silently
-    registry = PluginRegistry(pm)
+    registry = PluginRegistry(pm, modules=[m for m in modules if isinstance(m, str)])
     registry.collect()
     return registry

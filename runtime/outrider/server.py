@@ -117,6 +117,7 @@ class Server:
             make_task=lambda m=manifest: self.registry.make_task(m),
             scheduler=scheduler,
             on_state=self.registry.notify_state,
+            plugin_modules=self.registry.modules,
         )
 
     def start(self) -> None:
@@ -138,6 +139,18 @@ class Server:
         log.info("listening on %s (models loading: %s)", self.address, ", ".join(self.models))
         for model in self.models.values():
             model.start()
+        self._supervisor = threading.Thread(target=self._supervise, name="outrider-supervisor", daemon=True)
+        self._supervisor.start()
+
+    def _supervise(self) -> None:
+        """Replace dead or hung instances; off the I/O loop since a restart loads a model."""
+        while not self._io_stop.wait(0.05):
+            now = time.monotonic()
+            for model in self.models.values():
+                try:
+                    model.supervise(now)
+                except Exception:
+                    log.exception("model %s: supervision failed", model.name)
 
     @property
     def ready(self) -> bool:

@@ -60,7 +60,40 @@ class UnavailableBackend(Backend):
         return Availability(False, "this backend is never available (test)")
 
 
+
+
+class CrashingBackend(Backend):
+    """Echo, but the process exits when `x` holds 13 (use only with instance_kind: process)."""
+
+    name = "crashing"
+
+    def warmup(self) -> None:
+        pass
+
+    def execute(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        import os
+
+        if "x" in inputs and (np.asarray(inputs["x"]) == 13).any():
+            os._exit(3)
+        return dict(inputs)
+
+
+class HangingBackend(Backend):
+    """Echo, but execute never returns when `x` holds 7 (a stuck kernel, a deadlock)."""
+
+    name = "hanging"
+
+    def warmup(self) -> None:
+        pass
+
+    def execute(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if "x" in inputs and (np.asarray(inputs["x"]) == 7).any():
+            time.sleep(3600)
+        return dict(inputs)
+
+
 @hookimpl
 def outrider_register_backends(register) -> None:
-    for cls in (SlowWarmupBackend, FailingWarmupBackend, RaisingBackend, UnavailableBackend):
+    for cls in (SlowWarmupBackend, FailingWarmupBackend, RaisingBackend, UnavailableBackend, CrashingBackend,
+                HangingBackend):
         register(cls)

@@ -1,0 +1,139 @@
+"""Fault recovery and queue policy: crashes, hangs, failing loads, overload, cancel.
+
+Every test here is bounded in requests and time, talks only to ipc:// addresses it made, and
+stops by itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from outrider import AsyncClient, Client
+from outrider.errors import ExecutionError, ModelNotReadyError, OverloadedError
+
+from conftest import write_manifest
+
+
+def _wait_for(client: Client, model: str, predicate, timeout: float = 30.0) -> dict:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        health = client.health()["models"][model]
+        if predicate(health):
+            return health
+        time.sleep(0.05)
+    raise AssertionError(f"model {model} never reached the expected state; last: {health}")
+
+
+def _x(value: float, n: int = 2) -> dict:
+    return {"x": np.full(n, value, np.float32)}
+
+
+def test_worker_process_crash_is_answered_and_replaced(server_factory, tmp_path):
+    manifest = write_manifest(tmp_path, "name: c\nbackend: crashing\nscheduling: {instance_kind: process}\n")
+    server = server_factory([manifest], ["outrider_test_backends"])
+    with server.client(timeout=30) as client:
+        assert client.infer("c", _x(1))["x"][0] == 1
+        with pytest.raises(ExecutionError, match="exited with code 3"):
+            client.infer("c", _x(13))
+        health = client.health()["models"]["c"]
+        assert health["state"] in ("degraded", "ready")
+        health = _wait_for(client, "c", lambda h: h["state"] == "ready")
+        assert health["stats"]["instance_restarts"] == 1
+        assert health["instances"][0]["generation"] == 1
+        assert client.infer("c", _x(2))["x"][0] == 2
+    assert server.proc.poll() is None
+
+
+@pytest.mark.parametrize("kind", ["thread", "process"])
+def test_hung_execute_times_out_and_instance_is_replaced(server_factory, tmp_path, kind):
+    manifest = write_manifest(tmp_path, f"name: h\nbackend: hanging\n"
+                                        f"scheduling: {{instance_kind: {kind}, execute_timeout_ms: 300}}\n")
+    server = server_factory([manifest], ["outrider_test_backends"])
+    with server.client(timeout=30) as client:
+        assert client.infer("h", _x(1))["x"][0] == 1
+        start = time.monotonic()
+        with pytest.raises(ExecutionError, match="execute exceeded execute_timeout_ms=300"):
+            client.infer("h", _x(7))
+        assert time.monotonic() - start < 10
+        health = _wait_for(client, "h", lambda h: h["state"] == "ready")
+        assert health["stats"]["instance_restarts"] == 1
+        assert client.infer("h", _x(3))["x"][0] == 3
+
+
+def test_failing_load_backs_off_and_stays_not_ready(server_factory, tmp_path):
+    manifest = write_manifest(tmp_path, "name: f\nbackend: failing-warmup\n")
+    server = server_factory([manifest], ["outrider_test_backends"], wait=False)
+    with Client(server.address, timeout=5) as client:
+        end = time.monotonic() + 30
+        while True:
+            try:
+                health = client.health()["models"]["f"]
+                if health["stats"]["instance_restarts"] >= 2:
+                    break
+            except Exception:
+                pass
+            assert time.monotonic() < end, "the failing instance was not retried"
+            time.sleep(0.1)
+        assert health["state"] == "failed" and not health["ready"]
+        assert "warmup exploded on purpose" in health["reason"]
+        with pytest.raises(ModelNotReadyError):
+            client.infer("f", _x(1))
+    # Back-off: 1 s then 2 s between attempts, so a handful of attempts, not hundreds.
+    assert health["stats"]["instance_restarts"] <= 4
+    assert "restarting in" in server.log()
+
+
+def test_overload_gets_immediate_errors_and_every_request_one_reply(server_factory, tmp_path):
+    manifest = write_manifest(tmp_path, "name: slow\nbackend: echo\noptions: {delay_ms: 50}\n"
+                                        "scheduling: {max_queue_size: 4}\nwarmup: {iterations: 0}\n")
+    server = server_factory([manifest], ["outrider_echo"])
+
+    async def burst():
+        async with AsyncClient(server.address, timeout=30) as client:
+            results = await asyncio.gather(*[client.infer("slow", _x(i)) for i in range(30)], return_exceptions=True)
+            return results, (await client.health())["models"]["slow"]
+
+    results, health = asyncio.run(burst())
+    ok = [r for r in results if isinstance(r, dict)]
+    overloaded = [r for r in results if isinstance(r, OverloadedError)]
+    assert len(ok) + len(overloaded) == 30, [r for r in results if not isinstance(r, (dict, OverloadedError))]
+    assert overloaded and len(ok) >= 4
+    assert all(r.code == "overloaded" and "queue is full" in r.message for r in overloaded)
+    assert health["stats"]["failures"]["overloaded"] == len(overloaded)
+    assert health["queue_depth"] == 0
+
+
+def test_cancel_drops_a_queued_request(server_factory, tmp_path):
+    manifest = write_manifest(tmp_path, "name: slow\nbackend: echo\noptions: {delay_ms: 300}\nwarmup: {iterations: 0}\n")
+    server = server_factory([manifest], ["outrider_echo"])
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(server.address)
+    header = {"model": "slow", "inputs": [{"name": "x", "datatype": "FP32", "shape": [1]}]}
+    payload = np.ones(1, np.float32).tobytes()
+    try:
+        for rid in ("a", "b"):
+            sock.send_multipart([b"outrider/1 infer", msgpack.packb({"id": rid, **header}), payload])
+        sock.send_multipart([b"outrider/1 cancel", msgpack.packb({"id": "c", "target": "b"})])
+        replies = {}
+        while len(replies) < 3:
+            assert sock.poll(10_000), f"missing replies, got {replies}"
+            frames = sock.recv_multipart()
+            reply = msgpack.unpackb(frames[1])
+            assert reply["id"] not in replies, "a request got two final replies"
+            replies[reply["id"]] = reply
+    finally:
+        sock.close()
+    assert replies["a"]["ok"] is True
+    assert replies["b"]["ok"] is False and replies["b"]["error"]["code"] == "cancelled"
+    assert replies["c"] == {"id": "c", "ok": True, "cancelled": True}
+    with server.client() as client:
+        stats = client.health()["models"]["slow"]["stats"]
+    assert stats["successes"] == 1 and stats["failures"] == {"cancelled": 1}
+    assert stats["batch_size"]["count"] == 1  # the cancelled request never reached the backend
