@@ -3,7 +3,8 @@
 
   python tools/bench.py overhead    echo model vs a raw pyzmq DEALER<->ROUTER echo (same payload)
   python tools/bench.py coldstart   process start -> ready, for a manifest (cached artifacts)
-  python tools/bench.py all         both
+  python tools/bench.py batching    minilm with dynamic batching vs without, and ORT offline
+  python tools/bench.py all         all of them
 
 Absolute numbers differ between machines; read the ratios.
 """
@@ -38,32 +39,31 @@ def _percentiles(samples: list[float]) -> tuple[float, float, float]:
     return float(np.percentile(a, 50)), float(np.percentile(a, 99)), float(a.mean())
 
 
-def _raw_round_trips(address: str, n: int, payload: np.ndarray) -> list[float]:
-    import msgpack
-    import zmq
+class _RawEcho:
+    """A raw pyzmq ROUTER that sends every message straight back: the floor to compare against."""
 
-    proc = subprocess.Popen([sys.executable, "-c", RAW_ECHO, address], stdout=subprocess.PIPE, text=True)
-    try:
-        proc.stdout.readline()
-        ctx = zmq.Context.instance()
-        sock = ctx.socket(zmq.DEALER)
-        sock.connect(address)
-        header = {"id": 0, "model": "echo", "inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 384]}]}
-        times = []
-        for i in range(n + 200):
-            header["id"] = i
-            t0 = time.perf_counter()
-            sock.send_multipart([b"outrider/1 infer", msgpack.packb(header), memoryview(payload)], copy=False)
-            frames = sock.recv_multipart(copy=False)
-            msgpack.unpackb(frames[1].buffer)
-            np.frombuffer(frames[2].buffer, np.float32)
-            if i >= 200:  # warm-up excluded
-                times.append(time.perf_counter() - t0)
-        sock.close(0)
-        return times
-    finally:
-        proc.kill()
-        proc.wait()
+    def __init__(self, address: str) -> None:
+        import msgpack
+        import zmq
+
+        self.proc = subprocess.Popen([sys.executable, "-c", RAW_ECHO, address], stdout=subprocess.PIPE, text=True)
+        self.proc.stdout.readline()
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.connect(address)
+        self.header = {"id": 0, "model": "echo", "inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 384]}]}
+        self._msgpack = msgpack
+
+    def round_trip(self, payload: np.ndarray) -> None:
+        self.header["id"] += 1
+        self.sock.send_multipart([b"outrider/1 infer", self._msgpack.packb(self.header), memoryview(payload)], copy=False)
+        frames = self.sock.recv_multipart(copy=False)
+        self._msgpack.unpackb(frames[1].buffer)
+        np.frombuffer(frames[2].buffer, np.float32)
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.proc.kill()
+        self.proc.wait()
 
 
 def _start_server(manifests: list[str], address: str, env_extra: dict | None = None) -> subprocess.Popen:
@@ -89,22 +89,33 @@ def _wait_ready(address: str, timeout: float = 120.0) -> float:
     raise RuntimeError(f"server on {address} not ready within {timeout}s")
 
 
-def _outrider_round_trips(address: str, n: int, payload: np.ndarray) -> list[float]:
+def _interleaved(raw_addr: str, our_addr: str, n: int, payload: np.ndarray) -> tuple[list[float], list[float]]:
+    """Alternate blocks of raw and Outrider round trips, so drift in machine speed hits both alike."""
     from outrider import Client
 
-    proc = _start_server([str(ROOT / "manifests/echo.yaml")], address, {"OUTRIDER_PLUGINS": "echo"})
+    raw = _RawEcho(raw_addr)
+    proc = _start_server([str(ROOT / "manifests/echo.yaml")], our_addr, {"OUTRIDER_PLUGINS": "echo"})
     try:
-        _wait_ready(address)
-        times = []
-        with Client(address, timeout=10) as client:
-            for i in range(n + 200):
-                t0 = time.perf_counter()
-                out = client.infer("echo", {"x": payload})
-                if i >= 200:
-                    times.append(time.perf_counter() - t0)
+        _wait_ready(our_addr)
+        with Client(our_addr, timeout=10) as client:
+            for _ in range(300):  # warm both paths
+                raw.round_trip(payload)
+                client.infer("echo", {"x": payload})
+            raw_times, our_times = [], []
+            block = 250
+            for _ in range(max(1, n // block)):
+                for _ in range(block):
+                    t0 = time.perf_counter()
+                    raw.round_trip(payload)
+                    raw_times.append(time.perf_counter() - t0)
+                for _ in range(block):
+                    t0 = time.perf_counter()
+                    out = client.infer("echo", {"x": payload})
+                    our_times.append(time.perf_counter() - t0)
             assert out["x"].shape == (1, 384)
-        return times
+        return raw_times, our_times
     finally:
+        raw.close()
         proc.terminate()
         proc.wait(10)
 
@@ -117,10 +128,9 @@ def bench_overhead(n: int) -> None:
         ("tcp", "tcp://127.0.0.1:57411", "tcp://127.0.0.1:57412"),
         ("ipc", f"ipc://{tmp}/raw.sock", f"ipc://{tmp}/outrider.sock"),
     ):
-        raw = _percentiles(_raw_round_trips(raw_addr, n, payload))
-        ours = _percentiles(_outrider_round_trips(our_addr, n, payload))
-        rows.append((transport, raw, ours))
-    print(f"\nround trip, 1x384 FP32, {n} requests, one client (microseconds)")
+        raw_times, our_times = _interleaved(raw_addr, our_addr, n, payload)
+        rows.append((transport, _percentiles(raw_times), _percentiles(our_times)))
+    print(f"\nround trip, 1x384 FP32, {n} requests each, one client, interleaved blocks (microseconds)")
     print(f"{'transport':<10}{'raw p50':>10}{'raw p99':>10}{'echo p50':>10}{'echo p99':>10}{'p50 ratio':>11}{'p99 ratio':>11}")
     for transport, raw, ours in rows:
         print(f"{transport:<10}{raw[0]:>10.0f}{raw[1]:>10.0f}{ours[0]:>10.0f}{ours[1]:>10.0f}"
@@ -159,17 +169,194 @@ def bench_coldstart(manifest: str, runs: int) -> None:
     print(f"{'echo.yaml (no framework)':<28}{np.median(echo):>8.2f}{min(echo):>8.2f}{max(echo):>8.2f}")
 
 
+SHORT_SENTENCE = "A man is eating food in the park."
+
+
+async def _closed_loop(address: str, model: str, clients: int, seconds: float, warmup: float) -> list[float]:
+    """`clients` concurrent senders on one AsyncClient, each sending its next request when answered."""
+    import asyncio
+
+    from outrider import AsyncClient
+
+    text = {"text": np.array([SHORT_SENTENCE.encode()], dtype=object)}
+    latencies: list[float] = []
+    async with AsyncClient(address, timeout=60) as client:
+        start = time.perf_counter()
+        measure_from, stop_at = start + warmup, start + warmup + seconds
+
+        async def sender() -> None:
+            while True:
+                t0 = time.perf_counter()
+                if t0 >= stop_at:
+                    return
+                await client.infer(model, text)
+                if t0 >= measure_from:
+                    latencies.append(time.perf_counter() - t0)
+
+        await asyncio.gather(*(sender() for _ in range(clients)))
+    return latencies
+
+
+def _row(label: str, sentences: int, seconds: float, latencies: list[float]) -> dict:
+    lat = np.array(latencies) * 1e3 if latencies else np.zeros(1)
+    return {"label": label, "throughput": sentences / seconds, "p50": float(np.percentile(lat, 50)),
+            "p99": float(np.percentile(lat, 99))}
+
+
+def _server_rows(manifest: str, label: str, levels: list[int], seconds: float, sets: list[str]) -> list[dict]:
+    import asyncio
+
+    from outrider import Client
+
+    tmp = tempfile.mkdtemp(prefix="outrider-bench-")
+    address = f"ipc://{tmp}/batching.sock"
+    args = [manifest, *[a for s in sets for a in ("--set", s)]]
+    proc = _start_server(args, address, {"OUTRIDER_PLUGINS": "text,onnxruntime,batching"})
+    rows = []
+    try:
+        _wait_ready(address, timeout=900)
+        for clients in levels:
+            before = _batch_sizes(Client, address)
+            latencies = asyncio.run(_closed_loop(address, "minilm", clients, seconds, warmup=0.5))
+            row = _row(f"{label} @{clients}", len(latencies), seconds, latencies)
+            row["batch"] = _mean_batch(before, _batch_sizes(Client, address))
+            rows.append(row)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    return rows
+
+
+def _batch_sizes(client_class, address: str) -> tuple[int, float]:
+    with client_class(address, timeout=10) as client:
+        hist = client.health()["models"]["minilm"]["stats"]["batch_size"]
+    return hist["count"], hist["sum"]
+
+
+def _mean_batch(before: tuple[int, float], after: tuple[int, float]) -> float:
+    batches = after[0] - before[0]
+    return (after[1] - before[1]) / batches if batches else 0.0
+
+
+def _offline_backend(manifest_path: str):
+    """The minilm ORT backend in this process: no server, no queue, no sockets."""
+    from outrider.manifest import load_manifest
+    from outrider.plugins import create_registry
+
+    registry = create_registry(modules=["outrider_text", "outrider_onnxruntime"], load_entry_points=False)
+    manifest = load_manifest(manifest_path)
+    choice = registry.choose_backend(manifest)
+    backend = choice.backend(manifest, choice.device, registry.make_task(manifest))
+    backend.load()
+    backend.warmup()
+    return manifest, backend
+
+
+def _offline_rows(backend, sizes: list[int], seconds: float) -> list[dict]:
+    rows = []
+    for size in sizes:
+        inputs = {"text": np.array([SHORT_SENTENCE.encode()] * size, dtype=object)}
+        for _ in range(3):
+            backend.execute(inputs)
+        latencies, start = [], time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            t0 = time.perf_counter()
+            backend.execute(inputs)
+            latencies.append(time.perf_counter() - t0)
+        rows.append(_row(f"ORT offline, batch {size}", size * len(latencies), time.perf_counter() - start, latencies))
+        rows[-1]["batch"] = float(size)
+    return rows
+
+
+def _bucketing_rows(manifest, backend, rounds: int) -> list[tuple[str, float, float, int]]:
+    """Mixed-length batches of 32: one padded call vs the batcher's length buckets, interleaved."""
+    import random
+
+    from outrider.model import PendingRequest
+    from outrider_batching import DynamicBatcher
+
+    batcher = DynamicBatcher(manifest)
+    words = ("the a man is eating food in park quick brown fox jumps over lazy dog "
+             "serve models beside your application on edge devices").split()
+    rng = random.Random(0)
+    out = []
+    for low, high in ((3, 12), (3, 40), (3, 200)):
+        texts = [" ".join(rng.choice(words) for _ in range(rng.randint(low, high))).encode() for _ in range(32)]
+        batch = [PendingRequest(b"", i, "infer", "minilm", {"text": np.array([t], dtype=object)}, {}, lambda *a: None)
+                 for i, t in enumerate(texts)]
+        subs = batcher.plan(batch, list(range(len(batch))))
+        whole = {"text": np.array(texts, dtype=object)}
+        parts = [{"text": np.array([texts[i] for i in sub], dtype=object)} for sub in subs]
+        padded, bucketed = [], []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            backend.execute(whole)
+            padded.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            for part in parts:
+                backend.execute(part)
+            bucketed.append(time.perf_counter() - t0)
+        out.append((f"{low}-{high} words", float(np.median(padded)) * 1e3, float(np.median(bucketed)) * 1e3, len(subs)))
+    return out
+
+
+def bench_batching(manifest: str, seconds: float, sets: list[str]) -> None:
+    import yaml
+
+    from outrider.manifest import load_manifest
+
+    loaded = load_manifest(manifest, sets)
+    if loaded.batching is None:
+        raise SystemExit(f"{manifest} has no 'batching' section to compare against")
+    data = yaml.safe_load(Path(manifest).read_text())
+    data.pop("batching")
+    plain = Path(tempfile.mkdtemp(prefix="outrider-bench-")) / "minilm-unbatched.yaml"
+    plain.write_text(yaml.safe_dump(data))
+    levels = [1, 8, 32]
+
+    _, backend = _offline_backend(manifest)  # also fills the ONNX cache before any server starts
+    offline = _offline_rows(backend, [1, 32], seconds)
+    buckets = _bucketing_rows(loaded, backend, rounds=7)
+    del backend
+    batched = _server_rows(manifest, "batched", levels, seconds, sets)
+    unbatched = _server_rows(str(plain), "unbatched", levels, seconds, [])
+
+    b = loaded.batching
+    print(f"\nminilm, one short sentence per request, closed loop, {seconds:g} s per row "
+          f"(batching: max_batch_size {b.max_batch_size}, max_queue_delay_ms {b.max_queue_delay_ms:g})")
+    print(f"{'row':<26}{'sentences/s':>12}{'p50 ms':>9}{'p99 ms':>9}{'mean batch':>12}")
+    for row in [*batched, *unbatched, *offline]:
+        print(f"{row['label']:<26}{row['throughput']:>12.0f}{row['p50']:>9.2f}{row['p99']:>9.2f}{row['batch']:>12.1f}")
+    by = {r["label"]: r for r in [*batched, *unbatched, *offline]}
+    ratios = [
+        ("batched@32 / unbatched@32 throughput", by["batched @32"]["throughput"] / by["unbatched @32"]["throughput"], ">= 1.6 (goal 1.8)"),
+        ("batched@32 / offline batch-32 throughput", by["batched @32"]["throughput"] / by["ORT offline, batch 32"]["throughput"], ">= 0.85"),
+        ("p99@1 batched / p99@1 unbatched", by["batched @1"]["p99"] / by["unbatched @1"]["p99"], "<= 1.2"),
+    ]
+    for name, value, target in ratios:
+        print(f"{name:<44}{value:>7.2f}x   target {target}")
+    print("\nbucketing: 32 mixed-length sentences, one padded call vs the batcher's length buckets (ms, median)")
+    print(f"{'lengths':<16}{'padded':>9}{'bucketed':>10}{'calls':>7}{'speed-up':>10}")
+    for label, padded, bucketed, calls in buckets:
+        print(f"{label:<16}{padded:>9.1f}{bucketed:>10.1f}{calls:>7}{padded / bucketed:>9.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["overhead", "coldstart", "all"])
+    parser.add_argument("what", choices=["overhead", "coldstart", "batching", "all"])
     parser.add_argument("-n", type=int, default=3000, help="round trips per row")
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--manifest", default=str(ROOT / "manifests/minilm.yaml"))
+    parser.add_argument("--seconds", type=float, default=3.0, help="measured seconds per batching row")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a field of the batched manifest, e.g. --set batching.max_queue_delay_ms=1")
     args = parser.parse_args()
     if args.what in ("overhead", "all"):
         bench_overhead(args.n)
     if args.what in ("coldstart", "all"):
         bench_coldstart(args.manifest, args.runs)
+    if args.what in ("batching", "all"):
+        bench_batching(args.manifest, args.seconds, args.set)
 
 
 if __name__ == "__main__":

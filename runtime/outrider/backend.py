@@ -10,7 +10,7 @@ import numpy as np
 
 from .errors import BackendUnavailableError, BadRequestError
 from .manifest import Manifest, TensorSpec
-from .protocol import numpy_dtype
+from .protocol import datatype_of, numpy_dtype
 
 log = logging.getLogger("outrider.backend")
 
@@ -135,8 +135,6 @@ def check_inputs(manifest: Manifest, inputs: dict[str, np.ndarray]) -> None:
     """Inputs must match the manifest's declared names, datatypes and shapes (-1 = any)."""
     if not manifest.inputs:
         return
-    from .protocol import datatype_of
-
     declared = {t.name for t in manifest.inputs}
     for name in inputs:
         if name not in declared:

@@ -14,7 +14,7 @@ import zmq.asyncio
 
 from .errors import OutriderError, ProtocolError, RequestTimeoutError, error_from_wire
 from .protocol import REPLY_KINDS, decode_tensors, encode_message, parse_type_frame, unpack_header, Limits
-from .transport import DEFAULT_ADDRESS, CurveClientKeys, client_socket
+from .transport import DEFAULT_ADDRESS, CurveClientKeys, client_socket, recv_blocking, send_frames
 
 # Replies come from a server we chose to trust, but a client still bounds what it unpacks.
 _CLIENT_LIMITS = Limits(max_message_bytes=1 << 31, max_header_bytes=16 << 20, max_header_depth=32,
@@ -101,6 +101,7 @@ class Client:
         self._ctx = zmq.Context.instance()
         self._sock = client_socket(self._ctx, address, curve)
         self._sock.setsockopt(zmq.SNDTIMEO, max(1, int(timeout * 1000)))
+        self._rcvtimeo = -1
         self._ids = itertools.count(1)
 
     def __enter__(self) -> "Client":
@@ -117,7 +118,7 @@ class Client:
         request_id = next(self._ids)
         frames = encode_message(kind, {"id": request_id, **header}, tensors)
         try:
-            self._sock.send_multipart(frames, copy=False, flags=0 if block else zmq.NOBLOCK)
+            send_frames(self._sock, frames, nonblock=not block)
         except zmq.Again:
             # No connection could take the message (server absent, or CURVE handshake refused).
             raise RequestTimeoutError(
@@ -129,13 +130,20 @@ class Client:
     def _receive(self, request_id: int, deadline: float, what: str) -> tuple[str, dict, dict]:
         while True:
             left = deadline - time.monotonic()
-            if left <= 0 or not self._sock.poll(max(1, int(left * 1000)), zmq.POLLIN):
+            frames = None
+            if left > 0:
+                ms = max(1, int(left * 1000))
+                if abs(ms - self._rcvtimeo) > self._rcvtimeo // 10:  # setsockopt only when it matters
+                    self._sock.setsockopt(zmq.RCVTIMEO, ms)
+                    self._rcvtimeo = ms
+                frames = recv_blocking(self._sock)
+            if frames is None:
                 self._cancel_quietly(request_id)
                 raise RequestTimeoutError(
                     f"no reply from {self.address} within {self.timeout:g}s for {what}; "
                     "is the server running and the address right?"
                 )
-            kind, header, tensors = _parse(self._sock.recv_multipart(copy=False))
+            kind, header, tensors = _parse(frames)
             if header.get("id") == request_id:  # anything else is a late reply to a timed-out request
                 return kind, header, tensors
 

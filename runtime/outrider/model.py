@@ -62,7 +62,8 @@ class PendingRequest:
     def done(self) -> bool:
         return self._done
 
-    def _finish(self) -> bool:
+    def claim(self) -> bool:
+        """Become the one who answers this request; False if it was already answered."""
         with self._lock:
             if self._done:
                 return False
@@ -71,16 +72,16 @@ class PendingRequest:
             self.on_done(self)
         return True
 
-    def reply(self, outputs: Optional[dict[str, np.ndarray]] = None, **fields: Any) -> bool:
+    def reply(self, outputs: Optional[dict[str, np.ndarray]] = None, claimed: bool = False, **fields: Any) -> bool:
         """Send the final successful reply; False if the request was already answered."""
-        if not self._finish():
+        if not claimed and not self.claim():
             return False
         self.send(self, "reply", {"id": self.id, "ok": True, **fields}, outputs)
         return True
 
-    def fail(self, error: OutriderError) -> bool:
+    def fail(self, error: OutriderError, claimed: bool = False) -> bool:
         """Send the final error reply; False if the request was already answered."""
-        if not self._finish():
+        if not claimed and not self.claim():
             return False
         self.send(self, "reply", {"id": self.id, "ok": False, "error": error.to_wire()}, None)
         return True
@@ -275,11 +276,15 @@ class Instance(threading.Thread):
         compute = time.monotonic() - start
         model.stats.batch(len(batch), (start - r.received for r in batch), compute)
         for request, result in zip(batch, results):
+            if not request.claim():
+                continue  # cancelled, timed out or abandoned meanwhile
+            # Count before replying, so a client that asks for health next sees this request.
             if isinstance(result, OutriderError):
-                if request.fail(result):
-                    model.stats.failure(result.code)
-            elif request.reply(result):
+                model.stats.failure(result.code)
+                request.fail(result, claimed=True)
+            else:
                 model.stats.success()
+                request.reply(result, claimed=True)
         if crashed is not None:
             raise crashed
 

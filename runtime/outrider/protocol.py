@@ -135,17 +135,25 @@ def _buffer(frame: Any) -> memoryview:
     return buf if buf is not None else memoryview(frame)
 
 
+def _depth(obj: Any, limit: int, level: int = 1) -> None:
+    # Recursion is bounded by `limit`, and msgpack's own unpacker stack stops absurd nesting first.
+    if level > limit:
+        raise TooLargeError(f"header nests deeper than {limit} levels")
+    if type(obj) is dict:
+        for value in obj.values():
+            if type(value) in _CONTAINERS:
+                _depth(value, limit, level + 1)
+    else:
+        for value in obj:
+            if type(value) in _CONTAINERS:
+                _depth(value, limit, level + 1)
+
+
+_CONTAINERS = (dict, list)
+
+
 def _check_depth(obj: Any, limit: int) -> None:
-    stack = [(obj, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if depth > limit:
-            raise TooLargeError(f"header nests deeper than {limit} levels")
-        if isinstance(item, dict):
-            stack.extend((v, depth + 1) for v in item.values())
-            stack.extend((k, depth + 1) for k in item.keys() if isinstance(k, (list, dict)))
-        elif isinstance(item, (list, tuple)):
-            stack.extend((v, depth + 1) for v in item)
+    _depth(obj, limit)
 
 
 def pack_header(header: dict) -> bytes:

@@ -1,14 +1,20 @@
 """The server: one I/O loop thread in front, model instances behind, the main thread for signals.
 
 Request path: ROUTER -> I/O loop (decode, check, queue: never blocks, never computes)
--> a free instance pulls it -> its reply goes back over an inproc PUSH/PULL pair, because
-only the I/O thread may touch the ROUTER socket.
+-> a free instance pulls it, computes, and sends its reply itself.
+
+The ROUTER is shared under a lock instead of being owned by one thread: a second thread hop
+for every reply (inproc PUSH/PULL back to the I/O thread) cost more than the whole echo model.
+Nobody blocks inside ZeroMQ while holding the lock: the I/O thread sleeps in `select.poll`
+on the socket's ZMQ_FD plus a wake-up pipe. Because ZMQ_FD is edge-triggered, whoever touches
+the socket re-reads ZMQ_EVENTS afterwards and wakes the I/O thread if input is pending.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import select
 import signal
 import threading
 import time
@@ -42,7 +48,7 @@ from .protocol import (
     parse_type_frame,
     unpack_header,
 )
-from .transport import DEFAULT_ADDRESS, CurveServerKeys, server_socket, start_authenticator
+from .transport import DEFAULT_ADDRESS, CurveServerKeys, recv_ready, send_frames, server_socket, start_authenticator
 
 log = logging.getLogger("outrider.server")
 
@@ -82,10 +88,8 @@ class Server:
         self._io_stop = threading.Event()
         self._stop_requested = threading.Event()
         self._io_thread: Optional[threading.Thread] = None
-        self._io_ident: Optional[int] = None
-        self._local = threading.local()
-        self._push_sockets: list[zmq.Socket] = []
-        self._push_lock = threading.Lock()
+        # Reentrant: the I/O thread holds it while handling a request that may itself reply (cancel).
+        self._socket_lock = threading.RLock()
         self._auth = None
         self.ctx: Optional[zmq.Context] = None
 
@@ -126,9 +130,9 @@ class Server:
         if self.curve is not None:
             self._auth = start_authenticator(self.ctx, self.curve)
         self.router = server_socket(self.ctx, self.address, self.limits, self.curve)
-        self._reply_address = f"inproc://outrider-replies-{id(self)}"
-        self._pull = self.ctx.socket(zmq.PULL)
-        self._pull.bind(self._reply_address)
+        self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_read, False)
+        os.set_blocking(self._wake_write, False)
         self._io_thread = threading.Thread(target=self._io_loop, name="outrider-io", daemon=True)
         self._io_thread.start()
         if self.metrics_port is not None:
@@ -169,52 +173,47 @@ class Server:
     # -- the I/O loop ----------------------------------------------------------------------
 
     def _io_loop(self) -> None:
-        self._io_ident = threading.get_ident()
-        poller = zmq.Poller()
-        poller.register(self.router, zmq.POLLIN)
-        poller.register(self._pull, zmq.POLLIN)
+        waiter = select.poll()
+        waiter.register(self.router.getsockopt(zmq.FD), select.POLLIN)
+        waiter.register(self._wake_read, select.POLLIN)
         next_sweep = 0.0
         while not self._io_stop.is_set():
-            events = dict(poller.poll(20))  # ms: also the period of the deadline sweep
-            if self._pull in events:
-                self._forward_replies()
-            if self.router in events:
+            with self._socket_lock:
                 self._receive_requests()
+            for fd, _ in waiter.poll(20):  # ms: also the period of the deadline sweep
+                if fd == self._wake_read:
+                    try:
+                        os.read(self._wake_read, 4096)
+                    except BlockingIOError:
+                        pass
             now = time.monotonic()
             if now >= next_sweep:
                 for model in self.models.values():
                     model.queue.expire(now)
                 next_sweep = now + 0.01
-        # Replies answered during shutdown are still owed to their clients.
-        end = time.monotonic() + 1.0
-        while time.monotonic() < end and self._forward_replies():
-            pass
 
-    def _forward_replies(self) -> int:
-        moved = 0
+    def _receive_requests(self) -> None:
+        # Caller holds the socket lock. Reads until ZMQ_EVENTS says nothing is left (or a burst).
         for _ in range(_BURST):
-            try:
-                frames = self._pull.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                break
-            self._send_frames(frames)
-            moved += 1
-        return moved
+            frames = recv_ready(self.router)
+            if frames is None:
+                return
+            self._handle(frames)
+        self._wake()  # more is waiting: come straight back after a look at the rest
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_write, b"\0")
+        except BlockingIOError:
+            pass  # the pipe is full, so the I/O thread is awake anyway
 
     def _send_frames(self, frames: list[Any]) -> None:
+        # Caller holds the socket lock.
         try:
-            self.router.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            send_frames(self.router, frames, nonblock=True)
         except zmq.ZMQError as exc:
             # EHOSTUNREACH: the client left; EAGAIN: it stopped reading and its queue is full.
             log.debug("dropping reply to a client that cannot take it: %s", exc)
-
-    def _receive_requests(self) -> None:
-        for _ in range(_BURST):
-            try:
-                frames = self.router.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            self._handle(frames)
 
     def _handle(self, frames: list[Any]) -> None:
         route = frames[0].bytes
@@ -315,22 +314,18 @@ class Server:
     # -- replies ---------------------------------------------------------------------------
 
     def _reply_now(self, route: bytes, header: dict) -> None:
-        """Reply from the I/O thread itself (health, errors found while decoding)."""
+        """Reply from the I/O thread, which holds the socket lock (health, decode errors)."""
         self._send_frames([route, *encode_message("reply", header)])
 
     def _send(self, request: PendingRequest, kind: str, header: dict, outputs: Optional[dict]) -> None:
+        """Send a reply or chunk from any thread (an instance, the supervisor, the I/O loop)."""
         frames = [request.route, *encode_message(kind, header, outputs, key="outputs")]
-        if threading.get_ident() == self._io_ident:
+        with self._socket_lock:
             self._send_frames(frames)
-            return
-        push = getattr(self._local, "push", None)
-        if push is None:
-            push = self.ctx.socket(zmq.PUSH)
-            push.connect(self._reply_address)
-            self._local.push = push
-            with self._push_lock:
-                self._push_sockets.append(push)
-        push.send_multipart(frames, copy=False)
+            # Sending may have consumed the ZMQ_FD edge that announced new input.
+            pending = self.router.getsockopt(zmq.EVENTS) & zmq.POLLIN
+        if pending:
+            self._wake()
 
     # -- health and shutdown ---------------------------------------------------------------
 
@@ -379,11 +374,10 @@ class Server:
         self._io_stop.set()
         if self._io_thread is not None:
             self._io_thread.join(5.0)
-        with self._push_lock:
-            for sock in self._push_sockets:
-                sock.close(0)
-        self._pull.close(0)
-        self.router.close()  # LINGER lets the last replies leave
+        with self._socket_lock:
+            self.router.close()  # LINGER lets the last replies leave
+        os.close(self._wake_read)
+        os.close(self._wake_write)
         if self._auth is not None:
             self._auth.stop()
         self.ctx.term()

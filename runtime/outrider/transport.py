@@ -125,3 +125,48 @@ def make_keys(directory: str, name: str) -> tuple[str, str]:
 
     os.makedirs(directory, exist_ok=True)
     return create_certificates(directory, name)
+
+
+# pyzmq's send_multipart/recv_multipart combine enum flags on every frame, and a NOBLOCK recv on
+# an empty socket raises; both cost more than the echo model itself. Plain ints, and a look at
+# ZMQ_EVENTS before reading, keep the per-message overhead down.
+_SNDMORE = int(zmq.SNDMORE)
+_NOBLOCK = int(zmq.NOBLOCK)
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
+
+
+def send_frames(sock: zmq.Socket, frames: list, nonblock: bool = False) -> None:
+    """Send a multipart message without copying large frames."""
+    flags = _NOBLOCK if nonblock else 0
+    last = len(frames) - 1
+    for index, frame in enumerate(frames):
+        sock.send(frame, flags | _SNDMORE if index < last else flags, copy=False)
+
+
+def recv_ready(sock: zmq.Socket) -> Optional[list]:
+    """The next whole message if one is waiting, else None (never blocks, never raises EAGAIN)."""
+    if not sock.getsockopt(_EVENTS) & _POLLIN:
+        return None
+    frame = sock.recv(_NOBLOCK, copy=False)
+    frames = [frame]
+    while frame.more:  # a Frame attribute: no getsockopt(RCVMORE) round through pyzmq's enums
+        frame = sock.recv(_NOBLOCK, copy=False)
+        frames.append(frame)
+    return frames
+
+
+def recv_blocking(sock: zmq.Socket) -> Optional[list]:
+    """Wait (up to the socket's ZMQ_RCVTIMEO) for a whole message; None on timeout.
+
+    One blocking recv costs one call; poll-then-recv costs a Poller object and several.
+    """
+    try:
+        frame = sock.recv(0, copy=False)
+    except zmq.Again:
+        return None
+    frames = [frame]
+    while frame.more:
+        frame = sock.recv(0, copy=False)
+        frames.append(frame)
+    return frames
