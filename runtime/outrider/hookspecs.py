@@ -45,6 +45,16 @@ def outrider_register_accelerators(register: Callable[[str, Any], None]) -> None
     """
 
 
+@hookspec
+def outrider_register_drafters(register: Callable[[str, Any], None]) -> None:
+    """Register drafters for speculative decoding: `register(name, factory)`.
+
+    `factory(model, options)` returns an object with `propose(sequence, budget) -> DraftTree`
+    (see plugins/outrider_llm/contract.py). Manifests pick drafters by name in
+    `speculative.drafters`; a drafter only proposes, it never decides what is accepted.
+    """
+
+
 @hookspec(firstresult=True)
 def outrider_choose_backend(manifest: Any, backends: dict[str, type]) -> Optional[Any]:
     """Pick the backend for a manifest; the first non-None answer wins.

@@ -40,6 +40,7 @@ class PluginRegistry:
     backends: dict[str, type[Backend]] = field(default_factory=dict)
     tasks: dict[str, type[Task]] = field(default_factory=dict)
     accelerators: dict[str, Any] = field(default_factory=dict)
+    drafters: dict[str, Any] = field(default_factory=dict)
     #: modules registered by name (not through entry points): worker processes register them too.
     modules: list[str] = field(default_factory=list)
     _owner: dict[str, str] = field(default_factory=dict)
@@ -49,9 +50,16 @@ class PluginRegistry:
         self.backends.clear()
         self.tasks.clear()
         self.accelerators.clear()
+        self.drafters.clear()
         self.pm.hook.outrider_register_backends(register=self._register_backend)
         self.pm.hook.outrider_register_tasks(register=self._register_task)
         self.pm.hook.outrider_register_accelerators(register=self._register_accelerator)
+        self.pm.hook.outrider_register_drafters(register=self._register_drafter)
+
+    def _register_drafter(self, name: str, factory: Any) -> None:
+        if not isinstance(name, str) or not name or not callable(factory):
+            raise OutriderError(f"register_drafters: expected (name, factory), got ({name!r}, {factory!r})")
+        self._claim(self.drafters, "drafter", name, factory)
 
     def _register_backend(self, cls: type) -> None:
         if not (isinstance(cls, type) and issubclass(cls, Backend)) or not cls.name:
