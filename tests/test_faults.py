@@ -42,8 +42,8 @@ def test_worker_process_crash_is_answered_and_replaced(server_factory, tmp_path)
         with pytest.raises(ExecutionError, match="exited with code 3"):
             client.infer("c", _x(13))
         health = client.health()["models"]["c"]
-        assert health["state"] in ("degraded", "ready")
-        health = _wait_for(client, "c", lambda h: h["state"] == "ready")
+        assert health["state"] == "degraded" and not health["ready"]
+        health = _wait_for(client, "c", lambda h: h["state"] == "ready" and h["stats"]["instance_restarts"] == 1)
         assert health["stats"]["instance_restarts"] == 1
         assert health["instances"][0]["generation"] == 1
         assert client.infer("c", _x(2))["x"][0] == 2
@@ -61,7 +61,8 @@ def test_hung_execute_times_out_and_instance_is_replaced(server_factory, tmp_pat
         with pytest.raises(ExecutionError, match="execute exceeded execute_timeout_ms=300"):
             client.infer("h", _x(7))
         assert time.monotonic() - start < 10
-        health = _wait_for(client, "h", lambda h: h["state"] == "ready")
+        assert client.health()["models"]["h"]["state"] == "degraded"
+        health = _wait_for(client, "h", lambda h: h["state"] == "ready" and h["stats"]["instance_restarts"] == 1)
         assert health["stats"]["instance_restarts"] == 1
         assert client.infer("h", _x(3))["x"][0] == 3
 

@@ -65,6 +65,8 @@ class Backend:
         self.manifest = manifest
         self.device = device
         self.task = task
+        #: accelerator objects by manifest section, set by the core before `load()`.
+        self.accelerators: dict[str, Any] = {}
 
     @classmethod
     def availability(cls, manifest: Optional[Manifest] = None, device: str = "auto") -> Availability:

@@ -274,8 +274,13 @@ class Instance(threading.Thread):
             self.busy_since = None
             self.current = []
         compute = time.monotonic() - start
+        if crashed is not None:  # health says so before the clients hear of it
+            self.state, self.reason = ModelState.FAILED, crashed.message
+            model.instance_changed()
         model.stats.batch(len(batch), (start - r.received for r in batch), compute)
         for request, result in zip(batch, results):
+            if result is DEFERRED:
+                continue  # a stateful scheduler (generation) answers this request in a later step
             if not request.claim():
                 continue  # cancelled, timed out or abandoned meanwhile
             # Count before replying, so a client that asks for health next sees this request.
@@ -287,6 +292,10 @@ class Instance(threading.Thread):
                 request.reply(result, claimed=True)
         if crashed is not None:
             raise crashed
+
+
+#: a scheduler's result for a request it keeps and answers later itself (streaming generation).
+DEFERRED = object()
 
 
 class Scheduler:
@@ -318,8 +327,10 @@ class ServedModel:
         scheduler: Optional[Scheduler] = None,
         on_state: Optional[Callable[[str, str, str], None]] = None,
         plugin_modules: Optional[list[str]] = None,
+        accelerators: Optional[dict[str, Any]] = None,
     ) -> None:
         self.manifest = manifest
+        self.accelerators = accelerators or {}
         self.name = manifest.name
         self.choice = choice
         self.make_task = make_task
@@ -358,7 +369,9 @@ class ServedModel:
             from .worker import WorkerBackend
 
             return WorkerBackend(self.manifest, device, self.plugin_modules)
-        return self.choice.backend(self.manifest, device, self.make_task())
+        backend = self.choice.backend(self.manifest, device, self.make_task())
+        backend.accelerators = self.accelerators
+        return backend
 
     def start(self) -> None:
         for index, device in enumerate(self.devices()):
@@ -416,15 +429,16 @@ class ServedModel:
     def _abandon(self, inst: Instance, reason: str) -> None:
         inst.abandoned = True
         inst.state, inst.reason = ModelState.FAILED, reason
+        log.error("model %s instance %d: %s", self.name, inst.index, reason)
+        self.instance_changed()  # before anyone hears of it, so health already says degraded
         error = ExecutionError(f"model {self.name!r} instance {inst.index}: {reason}; the instance is being replaced")
         for request in list(inst.current):
-            if request.fail(error):
+            if request.claim():
                 self.stats.failure(error.code)
+                request.fail(error, claimed=True)
         kill = getattr(inst.backend, "kill", None)
         if kill is not None:  # a worker process can be killed; a thread can only be left behind
             kill()
-        log.error("model %s instance %d: %s", self.name, inst.index, reason)
-        self.instance_changed()
 
     def _schedule_restart(self, slot: int, inst: Instance, now: float) -> None:
         due = self._restart_at.get(slot)

@@ -88,6 +88,25 @@ class PluginRegistry:
     def choose_backend(self, manifest: Manifest) -> BackendChoice:
         return self.pm.hook.outrider_choose_backend(manifest=manifest, backends=dict(self.backends))
 
+    def accelerators_for(self, manifest: Manifest) -> dict[str, Any]:
+        """One object per accelerator section the manifest turns on (batching, quantize, speculative)."""
+        out: dict[str, Any] = {}
+        for section in ("batching", "quantize", "speculative"):
+            if getattr(manifest, section) is None:
+                continue
+            factory = self.accelerators.get(section)
+            if factory is None:
+                raise ManifestError(
+                    f"{manifest.source_file or manifest.name}: field '{section}': no loaded plugin provides this "
+                    f"accelerator (loaded accelerators: {sorted(self.accelerators) or 'none'})"
+                )
+            made = factory(manifest)
+            bind = getattr(made, "bind_registry", None)
+            if bind is not None:  # e.g. speculative decoding looks up drafters by name
+                bind(self)
+            out[section] = made
+        return out
+
     def make_task(self, manifest: Manifest) -> Optional[Task]:
         task = manifest.model.task if manifest.model else None
         if not task:

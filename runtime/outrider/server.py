@@ -102,19 +102,11 @@ class Server:
                 f"{manifest.source_file}: field 'model.task': no plugin registers task "
                 f"{manifest.model.task!r}; known: {sorted(self.registry.tasks)}"
             )
-        scheduler: Optional[Scheduler] = None
-        for section in ("batching", "speculative", "quantize"):
-            if getattr(manifest, section) is None:
-                continue
-            factory = self.registry.accelerators.get(section)
-            if factory is None:
-                raise ManifestError(
-                    f"{manifest.source_file}: field '{section}': no loaded plugin provides this accelerator "
-                    f"(loaded accelerators: {sorted(self.registry.accelerators) or 'none'})"
-                )
-            made = factory(manifest)
-            if isinstance(made, Scheduler):
-                scheduler = made
+        accelerators = self.registry.accelerators_for(manifest)
+        scheduler: Optional[Scheduler] = next((a for a in accelerators.values() if isinstance(a, Scheduler)), None)
+        make_scheduler = getattr(choice.backend, "make_scheduler", None)
+        if make_scheduler is not None:  # stateful engines (generation) bring their own loop
+            scheduler = make_scheduler(manifest)
         return ServedModel(
             manifest,
             choice,
@@ -122,6 +114,7 @@ class Server:
             scheduler=scheduler,
             on_state=self.registry.notify_state,
             plugin_modules=self.registry.modules,
+            accelerators=accelerators,
         )
 
     def start(self) -> None:
