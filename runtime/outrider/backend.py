@@ -67,6 +67,8 @@ class Backend:
         self.task = task
         #: accelerator objects by manifest section, set by the core before `load()`.
         self.accelerators: dict[str, Any] = {}
+        #: the model's ModelStats (set by the core), for backends that count more than requests.
+        self.stats: Any = None
 
     @classmethod
     def availability(cls, manifest: Optional[Manifest] = None, device: str = "auto") -> Availability:

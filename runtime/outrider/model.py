@@ -233,9 +233,7 @@ class Instance(threading.Thread):
         model.instance_changed()
         try:
             while not self._stopping.is_set() and not self.abandoned:
-                batch = model.scheduler.next_batch(model.queue)
-                if batch:
-                    self._execute(batch)
+                model.scheduler.serve(self, model.queue)
         except InstanceCrashed as exc:
             self._fail(exc.message)
         except Exception as exc:  # a bug in a scheduler: replace the instance, keep serving
@@ -277,7 +275,8 @@ class Instance(threading.Thread):
         if crashed is not None:  # health says so before the clients hear of it
             self.state, self.reason = ModelState.FAILED, crashed.message
             model.instance_changed()
-        model.stats.batch(len(batch), (start - r.received for r in batch), compute)
+        if batch:
+            model.stats.batch(len(batch), (start - r.received for r in batch), compute)
         for request, result in zip(batch, results):
             if result is DEFERRED:
                 continue  # a stateful scheduler (generation) answers this request in a later step
@@ -303,6 +302,12 @@ class Scheduler:
 
     def __init__(self, manifest: Manifest) -> None:
         self.manifest = manifest
+
+    def serve(self, instance: Instance, queue: RequestQueue) -> None:
+        """One turn of an instance's loop: wait for work, execute it. Stateful engines override this."""
+        batch = self.next_batch(queue)
+        if batch:
+            instance._execute(batch)
 
     def next_batch(self, queue: RequestQueue) -> list[PendingRequest]:
         request = queue.take(timeout=0.25)
@@ -371,6 +376,7 @@ class ServedModel:
             return WorkerBackend(self.manifest, device, self.plugin_modules)
         backend = self.choice.backend(self.manifest, device, self.make_task())
         backend.accelerators = self.accelerators
+        backend.stats = self.stats
         return backend
 
     def start(self) -> None:
