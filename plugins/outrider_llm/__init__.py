@@ -1,0 +1,142 @@
+"""`llm` backend: Llama-shaped text generation (SmolLM2 from its GGUF) with continuous batching.
+
+Loads the GGUF once (dequantized weights are cached on disk), runs the compact forward in
+`model.py` over a slot KV cache, and drives `engine.GenerationEngine` from the model's queue.
+Speculative decoding comes from the `speculative` accelerator when the manifest turns it on.
+
+Manifest options: `max_sequences` (slots, default 8), `max_length` (context per slot, default
+2048), `threads` (default: physical cores), `dtype` (float32 | bfloat16).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import time
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from outrider import hookimpl
+from outrider.backend import Availability, Backend
+from outrider.errors import BadRequestError
+from outrider.manifest import Manifest
+
+__version__ = "0.1.0"
+
+log = logging.getLogger("outrider.llm")
+
+
+@hookimpl
+def outrider_register_backends(register: Callable[[type], None]) -> None:
+    """Register the `llm` backend."""
+    register(LlmBackend)
+
+
+class LlmBackend(Backend):
+    """Text generation; infer requests are refused, generate requests go to the engine."""
+
+    name = "llm"
+    generates = True
+    device_kinds = ("cpu", "cuda")
+
+    @classmethod
+    def availability(cls, manifest: Optional[Manifest] = None, device: str = "auto") -> Availability:
+        base = super().availability(manifest, device)
+        if not base.available:
+            return base
+        for package, extra in (("torch", "llm"), ("transformers", "llm"), ("gguf", "llm")):
+            if importlib.util.find_spec(package) is None:
+                return Availability(False, f"{package} is not installed (pip install 'outrider[{extra}]')")
+        return Availability(True)
+
+    @classmethod
+    def resolve_device(cls, device: str) -> str:
+        if device != "auto":
+            return device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    @classmethod
+    def make_scheduler(cls, manifest: Manifest) -> Any:
+        from .engine import GenerationScheduler
+
+        return GenerationScheduler(manifest)
+
+    def load(self) -> None:
+        import torch
+
+        from .engine import GenerationEngine
+        from .loading import load_model
+
+        options = self.manifest.options
+        threads = int(options.get("threads") or _physical_cores())
+        torch.set_num_threads(threads)
+        started = time.perf_counter()
+        self.model, self.tokenizer = load_model(self.manifest.model_path(), dtype=options.get("dtype", "float32"),
+                                                device=self.device)
+        log.info("model %s: weights ready in %.2fs (%d threads)", self.manifest.name,
+                 time.perf_counter() - started, threads)
+        strategy = self.accelerators.get("speculative")
+        if strategy is not None:
+            strategy = strategy.for_instance()  # drafter state is per engine, not per model
+        self.engine = GenerationEngine(
+            self.model, self.tokenizer, strategy=strategy,
+            max_sequences=int(options.get("max_sequences", 8)), max_length=int(options.get("max_length", 2048)),
+            stats=self.stats,
+        )
+        if self.engine.strategy is not None and hasattr(self.engine.strategy, "attach"):
+            self.engine.strategy.attach(self.model, self.tokenizer)
+
+    def warmup(self) -> None:
+        """Generate a few tokens through the whole engine (prefill, drafts, verification)."""
+        engine = self.engine
+        stats, engine.stats = engine.stats, None  # warmup tokens are not served tokens
+        try:
+            self._warm(engine)
+        finally:
+            engine.stats = stats
+
+    def _warm(self, engine: Any) -> None:
+        from .engine import Sequence
+        from .sampling import SamplingParams
+        from .text import IncrementalText
+
+        for _ in range(max(1, self.manifest.warmup.iterations)):
+            ids = self.tokenizer.encode("def add(a, b):\n    return a + b\n\ndef add(a, b):\n")
+            params = SamplingParams(max_tokens=8)
+            seq = Sequence(None, engine.free_slots.pop(), ids, params,
+                           IncrementalText(self.tokenizer.decode, []), engine.strategy is not None)
+            engine.cache.reset(seq.slot)
+            if seq.speculate:
+                engine.strategy.start(seq)
+            engine.active.append(seq)
+            while seq in engine.active:
+                engine.step()
+
+    def execute(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        raise BadRequestError(f"model {self.manifest.name!r} generates text; send a generate request")
+
+    def health(self) -> dict[str, Any]:
+        engine = getattr(self, "engine", None)
+        if engine is None:
+            return {"healthy": False, "reason": "not loaded"}
+        return {"healthy": True, "device": self.device, "active_sequences": len(engine.active),
+                "waiting": len(engine.waiting), "free_slots": len(engine.free_slots)}
+
+    def metadata(self) -> dict[str, Any]:
+        engine = getattr(self, "engine", None)
+        return {"max_sequences": engine.max_sequences, "max_length": engine.max_length} if engine else {}
+
+    def unload(self) -> None:
+        self.engine = None
+        self.model = None
+
+
+def _physical_cores() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:
+        return os.cpu_count() or 1

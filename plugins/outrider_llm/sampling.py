@@ -1,0 +1,141 @@
+"""Request parameters for generation, and the one definition of the target distribution.
+
+Plain sampling and speculative verification both draw from `target_distribution`, so the
+speculative accept rule reproduces exactly the distribution plain decoding samples from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from outrider.errors import BadRequestError
+
+MAX_STOP_STRINGS = 8
+MAX_STOP_LENGTH = 64
+MAX_PROMPT_CHARS = 200_000
+MAX_MESSAGES = 256
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: Optional[int] = None
+    stop: list[str] = field(default_factory=list)
+    speculative: Optional[bool] = None
+    stream: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _number(params: dict, name: str, default: Any, kind: type, low: float, high: float) -> Any:
+    value = params.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not float(value).is_integer()):
+        raise BadRequestError(f"parameter {name!r} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
+    if not low <= value <= high:
+        raise BadRequestError(f"parameter {name!r} must be between {low:g} and {high:g}, got {value!r}")
+    return kind(value)
+
+
+def parse_sampling(params: dict, max_tokens_limit: int) -> SamplingParams:
+    """Validate a generate request's parameters; errors name the parameter and the expected value."""
+    out = SamplingParams(
+        max_tokens=_number(params, "max_tokens", 128, int, 1, max_tokens_limit),
+        temperature=_number(params, "temperature", 0.0, float, 0.0, 100.0),
+        top_p=_number(params, "top_p", 1.0, float, 0.0, 1.0),
+        top_k=_number(params, "top_k", 0, int, 0, 1 << 30),
+    )
+    if out.top_p == 0.0:
+        raise BadRequestError("parameter 'top_p' must be > 0 (1.0 turns it off)")
+    seed = params.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
+        raise BadRequestError(f"parameter 'seed' must be a non-negative integer, got {seed!r}")
+    out.seed = seed
+    stop = params.get("stop") or []
+    if isinstance(stop, str):
+        stop = [stop]
+    if (not isinstance(stop, list) or len(stop) > MAX_STOP_STRINGS
+            or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_LENGTH for s in stop)):
+        raise BadRequestError(
+            f"parameter 'stop' must be a list of at most {MAX_STOP_STRINGS} non-empty strings "
+            f"of at most {MAX_STOP_LENGTH} characters"
+        )
+    out.stop = stop
+    speculative = params.get("speculative")
+    if speculative is not None and not isinstance(speculative, bool):
+        raise BadRequestError(f"parameter 'speculative' must be true or false, got {speculative!r}")
+    out.speculative = speculative
+    out.stream = bool(params.get("stream", False))
+    return out
+
+
+def parse_prompt(params: dict) -> tuple[Optional[str], Optional[list[dict]]]:
+    """(prompt, messages): exactly one is given, both bounded."""
+    prompt, messages = params.get("prompt"), params.get("messages")
+    if (prompt is None) == (messages is None):
+        raise BadRequestError("give exactly one of 'prompt' (a string) or 'messages' (a list of {role, content})")
+    if prompt is not None:
+        if not isinstance(prompt, str) or len(prompt) > MAX_PROMPT_CHARS:
+            raise BadRequestError(f"parameter 'prompt' must be a string of at most {MAX_PROMPT_CHARS} characters")
+        return prompt, None
+    if not isinstance(messages, list) or not 0 < len(messages) <= MAX_MESSAGES:
+        raise BadRequestError(f"parameter 'messages' must be a list of 1 to {MAX_MESSAGES} messages")
+    total = 0
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise BadRequestError(f"messages[{i}] must be a map with string 'role' and 'content'")
+        if m["role"] not in ("system", "user", "assistant"):
+            raise BadRequestError(f"messages[{i}].role must be system, user or assistant, got {m['role']!r}")
+        total += len(m["content"])
+    if total > MAX_PROMPT_CHARS:
+        raise BadRequestError(f"messages hold {total} characters; the limit is {MAX_PROMPT_CHARS}")
+    return None, [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+def target_distribution(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """Probabilities the target samples from at T > 0: softmax(logits / T), then top-k, then top-p.
+
+    Ties at the top-k or top-p boundary are all kept, so the set does not depend on sort order.
+    """
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    vocab = probs.shape[-1]
+    if top_k and top_k < vocab:
+        kth = torch.topk(probs, top_k).values[..., -1:]
+        probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
+    if top_p < 1.0:
+        total = probs.sum(dim=-1, keepdim=True)
+        # Sorting all 49k entries costs ~3 ms a row; grow a top-k until it holds top_p of the mass.
+        k = min(64, vocab)
+        while True:
+            values = torch.topk(probs, k).values
+            cumulative = torch.cumsum(values, dim=-1)
+            if k == vocab or bool((cumulative[..., -1:] >= top_p * total).all()):
+                break
+            k = min(vocab, k * 4)
+        # The smallest prefix whose mass reaches top_p: the last kept value is the threshold.
+        reach = (cumulative - values) < top_p * total
+        threshold = torch.where(reach, values, torch.full_like(values, float("inf"))).min(dim=-1, keepdim=True).values
+        probs = torch.where(probs >= threshold, probs, torch.zeros_like(probs))
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def greedy_token(logits: torch.Tensor) -> int:
+    """The greedy choice; the first maximum wins (the same rule speculative verification uses)."""
+    return int(torch.argmax(logits))
+
+
+def sample_token(logits: torch.Tensor, params: SamplingParams, generator: Optional[torch.Generator]) -> int:
+    """One token from the target alone (no speculation)."""
+    if params.greedy:
+        return greedy_token(logits)
+    probs = target_distribution(logits, params.temperature, params.top_k, params.top_p)
+    return int(torch.multinomial(probs, 1, generator=generator))

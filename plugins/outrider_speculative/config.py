@@ -1,0 +1,126 @@
+"""The manifest's `speculative` section: knobs, defaults, and errors that name the field.
+
+    speculative:
+      drafters: [ngram]        # drafters asked each step; their trees are merged
+      max_draft_tokens: 16     # most tree nodes per sequence per step
+      min_draft_tokens: 2      # the adaptive budget never drops below this (keeps probing)
+      max_depth: 8             # longest drafted path
+      prob_threshold: 0.05     # nodes whose drafter probability is lower are not drafted
+      max_children: 4          # most candidates under one node
+      adaptive: true           # adapt each sequence's budget to its recent acceptance
+      batch_draft_tokens: 64   # draft nodes per step across all active sequences
+      ngram: {max_ngram: 4}    # options of one drafter, under its name
+
+This module imports no torch: a manifest can be checked without loading a framework.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
+
+from outrider.errors import ManifestError
+
+
+class OptionError(ValueError):
+    """A bad option value; `field` is its name inside the section that was being read."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"field '{field}': {message}")
+        self.field = field
+        self.message = message
+
+
+def read_int(options: Mapping[str, Any], name: str, default: int, low: int, high: int) -> int:
+    """An integer option in [low, high], or OptionError naming it."""
+    value = options.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise OptionError(name, f"expected an integer from {low} to {high} (got {value!r})")
+    return value
+
+
+def read_float(options: Mapping[str, Any], name: str, default: float, low: float, high: float) -> float:
+    """A number option in [low, high], or OptionError naming it."""
+    value = options.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise OptionError(name, f"expected a number from {low} to {high} (got {value!r})")
+    return float(value)
+
+
+def read_bool(options: Mapping[str, Any], name: str, default: bool) -> bool:
+    """A true/false option, or OptionError naming it."""
+    value = options.get(name, default)
+    if not isinstance(value, bool):
+        raise OptionError(name, f"expected true or false (got {value!r})")
+    return value
+
+
+KNOBS = (
+    "drafters", "max_draft_tokens", "min_draft_tokens", "max_depth", "prob_threshold",
+    "max_children", "adaptive", "batch_draft_tokens",
+)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """The validated `speculative` section."""
+
+    drafters: tuple[str, ...] = ("ngram",)
+    max_draft_tokens: int = 16
+    min_draft_tokens: int = 2
+    max_depth: int = 8
+    prob_threshold: float = 0.05
+    max_children: int = 4
+    adaptive: bool = True
+    batch_draft_tokens: int = 64
+    drafter_options: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    @classmethod
+    def from_section(cls, section: Optional[Mapping[str, Any]], where: str = "manifest") -> "SpeculativeConfig":
+        """Validate a manifest's `speculative` mapping; ManifestError names 'speculative.<field>'."""
+        try:
+            return cls._read(section)
+        except OptionError as exc:
+            raise ManifestError(f"{where}: field 'speculative.{exc.field}': {exc.message}") from None
+
+    @classmethod
+    def _read(cls, section: Optional[Mapping[str, Any]]) -> "SpeculativeConfig":
+        section = {} if section is None else section
+        if not isinstance(section, Mapping):
+            raise OptionError("(section)", f"expected a mapping of settings (got {section!r:.80})")
+        drafters = section.get("drafters", list(cls.drafters))
+        if isinstance(drafters, str):
+            drafters = [drafters]
+        if (not isinstance(drafters, (list, tuple)) or not drafters
+                or not all(isinstance(d, str) and d for d in drafters) or len(set(drafters)) != len(drafters)):
+            raise OptionError("drafters", f"expected a non-empty list of distinct drafter names (got {drafters!r})")
+        max_draft = read_int(section, "max_draft_tokens", cls.max_draft_tokens, 1, 1024)
+        min_draft = read_int(section, "min_draft_tokens", min(cls.min_draft_tokens, max_draft), 0, max_draft)
+        options: dict[str, dict[str, Any]] = {}
+        for key, value in section.items():
+            if key in KNOBS:
+                continue
+            if key not in drafters:
+                raise OptionError(key, f"unknown field (misspelled?); expected one of {list(KNOBS)}, "
+                                       f"or options under the name of a drafter listed in 'drafters' {list(drafters)}")
+            if value is None:
+                value = {}
+            if not isinstance(value, Mapping):
+                raise OptionError(key, f"expected a mapping of options for drafter {key!r} (got {value!r:.80})")
+            options[key] = dict(value)
+        return cls(
+            drafters=tuple(drafters),
+            max_draft_tokens=max_draft,
+            min_draft_tokens=min_draft,
+            max_depth=read_int(section, "max_depth", cls.max_depth, 1, 256),
+            prob_threshold=read_float(section, "prob_threshold", cls.prob_threshold, 0.0, 1.0),
+            max_children=read_int(section, "max_children", cls.max_children, 1, 1024),
+            adaptive=read_bool(section, "adaptive", cls.adaptive),
+            batch_draft_tokens=read_int(section, "batch_draft_tokens", cls.batch_draft_tokens, 0, 1 << 20),
+            drafter_options=options,
+        )
+
+    def options_for(self, drafter: str) -> dict[str, Any]:
+        """A drafter factory's options: the shared limits, overridden by the drafter's own section."""
+        shared = {"max_depth": self.max_depth, "max_children": self.max_children, "prob_threshold": self.prob_threshold}
+        return {**shared, **self.drafter_options.get(drafter, {})}

@@ -1,0 +1,197 @@
+"""The lossless accept rule: which drafted tokens the target keeps, and the token it adds.
+
+Input: a draft tree, the target's logits for [pending token, node 0, node 1, ...] (row 0 is the
+distribution of the pending token's children, row i+1 that of node i's children), the request's
+sampling knobs and its generator. Output: a `Verdict` (accepted path, root first, and the bonus
+token the target samples after it).
+
+Both paths use the target as plain decoding defines it (`outrider_llm.sampling`): greedy is
+`torch.argmax` (first maximal index, documented for CPU and CUDA; `greedy_token` is the same
+call), and sampling draws from `target_distribution` (temperature, top_k, top_p, renormalized).
+Losslessness is relative to that one function, so it must stay the only definition.
+
+Greedy (temperature 0): from the root, descend into the child whose token is the argmax of the
+current row; the bonus is the argmax of the last row reached. This is exactly plain greedy
+decoding, whatever the tree.
+
+Sampling: at each reached node, with p = target_distribution(row), the node's candidates are
+tried one after another. A candidate c proposed from distribution q is accepted with probability
+min(1, p(c) / q(c)); on rejection p <- normalize(max(0, p - q)), and the next candidate is
+tried against that residual. The first accepted candidate is descended into; if all are rejected
+the bonus is drawn from the final residual; at a leaf it is drawn from the leaf's p.
+
+- A deterministic candidate (chosen by a rule) has q = one-hot(c): accept with p(c), else zero
+  p(c) and renormalize. Given the candidates, this outputs exactly p and accepts one of them
+  with probability sum(p(c_i)), whatever their order and however they were chosen. So a tree
+  that lost its sampled groups (a plain DraftTree copy) is still verified losslessly; it only
+  accepts less than with its q (sum min(p, q) instead of sum q p per draw).
+- Sampled candidates (SpecTree.sampled) use their q; after a rejection without replacement the
+  group's q also loses the drawn token (q <- normalize(q with q(c) = 0)), because that is what
+  the next draw came from (Sequoia). Sampled groups go first, then the deterministic children,
+  which may thus depend on what was sampled without breaking the rule.
+
+Each step is a speculative-sampling step with a proposal fixed before its own uniform draw, so by
+induction every emitted token is distributed exactly as the target's. Nothing here looks at the
+drafter's probabilities, thresholds or budgets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from outrider_llm.contract import DraftTree
+from outrider_llm.sampling import target_distribution  # the one definition plain sampling uses too
+
+from .tree import children_of, sampled_groups
+
+
+def sampling_knobs(params: Any) -> tuple[float, int, float]:
+    """(temperature, top_k, top_p) from a SamplingParams-like object or a mapping."""
+
+    def get(name: str, default: Any) -> Any:
+        value = params.get(name, default) if isinstance(params, dict) else getattr(params, name, default)
+        return default if value is None else value
+
+    return float(get("temperature", 0.0)), int(get("top_k", 0)), float(get("top_p", 1.0))
+
+
+def uniform(generator: Optional[torch.Generator]) -> float:
+    """One U[0, 1) draw from the request's generator."""
+    return float(torch.rand((), generator=generator, dtype=torch.float64))
+
+
+def sample_from(probs: torch.Tensor | np.ndarray, generator: Optional[torch.Generator]) -> int:
+    """One token from (unnormalized) probabilities, drawn as plain sampling draws (torch.multinomial)."""
+    probs = torch.from_numpy(probs) if isinstance(probs, np.ndarray) else probs.cpu()
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+@dataclass
+class Verdict:
+    """What one verification keeps: the accepted path and the target's own next token."""
+
+    accepted: list[int] = field(default_factory=list)  # node indices, root first
+    tokens: list[int] = field(default_factory=list)  # their tokens
+    bonus: int = -1  # the token after the accepted path, from the target
+    draft_tokens: int = 0  # nodes in the verified tree
+
+    @property
+    def accepted_tokens(self) -> int:
+        """How many drafted tokens were accepted."""
+        return len(self.accepted)
+
+    @property
+    def emitted(self) -> list[int]:
+        """Tokens this step adds to the sequence: the accepted path, then the bonus."""
+        return self.tokens + [self.bonus]
+
+    def keep(self) -> list[int]:
+        """Chunk indices to commit in the KV cache: the pending token, then the accepted path."""
+        return [0] + [i + 1 for i in self.accepted]
+
+
+def verify(tree: DraftTree, logits: torch.Tensor, params: Any, generator: Optional[torch.Generator]) -> Verdict:
+    """Greedy verification at temperature 0, lossless speculative sampling otherwise."""
+    if logits.dim() != 2 or logits.shape[0] != len(tree) + 1:
+        raise ValueError(f"verify: expected logits of shape [1 + {len(tree)}, vocab], got {tuple(logits.shape)}")
+    temperature, top_k, top_p = sampling_knobs(params)
+    if temperature <= 0:
+        return verify_greedy(tree, logits)
+    return verify_sampling(tree, logits, temperature, top_k, top_p, generator)
+
+
+def verify_greedy(tree: DraftTree, logits: torch.Tensor) -> Verdict:
+    """Follow the argmax through the tree; the bonus is the argmax of the last row reached."""
+    best = torch.argmax(logits, dim=-1).tolist()  # same function as sampling.greedy_token, all rows at once
+    children = children_of(tree)
+    verdict = Verdict(draft_tokens=len(tree))
+    node = -1
+    while True:
+        want = best[node + 1]
+        nxt = next((c for c in children[node] if tree.tokens[c] == want), None)
+        if nxt is None:
+            verdict.bonus = int(want)
+            return verdict
+        verdict.accepted.append(nxt)
+        verdict.tokens.append(int(want))
+        node = nxt
+
+
+def _normalized(x: np.ndarray) -> Optional[np.ndarray]:
+    total = x.sum()
+    return x / total if total > 0 else None
+
+
+def verify_sampling(
+    tree: DraftTree,
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    generator: Optional[torch.Generator],
+) -> Verdict:
+    """Multi-candidate speculative sampling over the tree (see the module docstring)."""
+    children = children_of(tree)
+    groups = sampled_groups(tree)
+    verdict = Verdict(draft_tokens=len(tree))
+    node = -1
+    while True:
+        target = target_distribution(logits[node + 1], temperature, top_k, top_p)
+        kids = children[node]
+        if not kids and node not in groups:  # a leaf: exactly plain sampling's draw
+            verdict.bonus = sample_from(target, generator)
+            return verdict
+        p = target.double().cpu().numpy().copy()
+        child_of_token: dict[int, int] = {}
+        for c in kids:
+            child_of_token.setdefault(int(tree.tokens[c]), c)
+        chosen: Optional[int] = None  # accepted token
+        tried: set[int] = set()
+        for group in groups.get(node, []):
+            q = group.q.detach().double().cpu().numpy().clip(min=0)
+            q = _normalized(q)
+            for token in group.draws:
+                if q is None or q[token] <= 0:
+                    raise ValueError(f"verify: draw {token} has no probability under its q (node {node})")
+                if uniform(generator) * q[token] < p[token]:
+                    chosen = token
+                    break
+                tried.add(token)
+                residual = _normalized(np.maximum(p - q, 0.0))
+                if residual is not None:  # None only when p == q up to rounding: p stays
+                    p = residual
+                if not group.replacement:
+                    q = q.copy()
+                    q[token] = 0.0
+                    q = _normalized(q)
+            if chosen is not None:
+                break
+        if chosen is None:
+            for c in kids:
+                token = int(tree.tokens[c])
+                if token in tried:  # already rejected: its residual probability is 0
+                    continue
+                tried.add(token)
+                if uniform(generator) < p[token]:
+                    chosen = token
+                    break
+                p[token] = 0.0
+                residual = _normalized(p)
+                if residual is None:  # p was all on `token` yet rejected: only by rounding
+                    p[token] = 1.0
+                    residual = p
+                p = residual
+        if chosen is None:
+            verdict.bonus = sample_from(p, generator)
+            return verdict
+        nxt = child_of_token.get(chosen)
+        if nxt is None:  # an accepted draw whose node was pruned: it ends the step
+            verdict.bonus = chosen
+            return verdict
+        verdict.accepted.append(nxt)
+        verdict.tokens.append(chosen)
+        node = nxt

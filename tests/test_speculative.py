@@ -1,0 +1,628 @@
+"""Speculative decoding's draft side and accept rule, checked without a real model.
+
+The target here is a Markov chain over a tiny vocabulary (the logits of the next token depend
+only on the current one), so "the model forward" is a table lookup and the exact distribution of
+the first generated tokens has a closed form. Losslessness is then a statistical statement we can
+test: generate many times through propose -> verify and compare the empirical distribution of the
+first three tokens with the exact one, and check that the same test rejects deliberately wrong
+accept rules.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import math
+import subprocess
+import sys
+from typing import Any, Callable
+
+import pytest
+import torch
+
+from outrider.errors import ManifestError
+from outrider.manifest import Manifest
+from outrider.plugins import create_registry
+from outrider_llm.contract import DraftTree
+from outrider_llm.sampling import SamplingParams, greedy_token, sample_token, target_distribution
+from outrider_speculative.config import SpeculativeConfig
+from outrider_speculative.drafters import NgramDrafter, NgramIndex
+from outrider_speculative.strategy import BudgetController, SpeculativeStrategy
+from outrider_speculative.tree import (
+    SampledChildren,
+    SpecTree,
+    build_dynamic_tree,
+    children_of,
+    merge_trees,
+    prune_tree,
+    sample_children,
+    sampled_groups,
+)
+from outrider_speculative.verify import Verdict, verify
+
+V = 6
+TABLE = torch.randn(V, V, generator=torch.Generator().manual_seed(1)) * 1.5  # target logits [prev, next]
+# A draft distribution that is close to, but not, the target's: stochastic drafters sample from it.
+Q_TABLE = torch.softmax(TABLE + torch.randn(V, V, generator=torch.Generator().manual_seed(2)), dim=-1)
+
+
+def _markov_sample(length: int, seed: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    out = [0]
+    probs = torch.softmax(TABLE, dim=-1)
+    while len(out) < length:
+        out.append(int(torch.multinomial(probs[out[-1]], 1, generator=gen)))
+    return out
+
+
+PROMPT = _markov_sample(24, seed=3)
+
+
+class Seq:
+    """A SequenceView, hashable by identity like the engine's Sequence."""
+
+    def __init__(self, token_ids: list[int], prompt_length: int | None = None) -> None:
+        self.token_ids = list(token_ids)
+        self.prompt_length = len(token_ids) if prompt_length is None else prompt_length
+        self.last_hidden = None
+
+
+def _check_topological(tree: DraftTree) -> None:
+    assert len(tree.tokens) == len(tree.parents) == len(tree.probs)
+    for i, parent in enumerate(tree.parents):
+        assert -1 <= parent < i
+
+
+# -- statistics -----------------------------------------------------------------------------
+
+
+def _exact(params: SamplingParams, count: int = 3) -> dict[tuple[int, ...], float]:
+    """P(first `count` tokens) under the target, from the prompt's last token."""
+    rows = target_distribution(TABLE, params.temperature, params.top_k, params.top_p).double()
+    out = {}
+    for seq in itertools.product(range(V), repeat=count):
+        prob, prev = 1.0, PROMPT[-1]
+        for token in seq:
+            prob *= float(rows[prev, token])
+            prev = token
+        out[seq] = prob
+    return out
+
+
+def _chi_square(counts: collections.Counter, exact: dict, n: int) -> tuple[float, int]:
+    """Pearson's statistic (cells expecting < 5 pooled) and its degrees of freedom."""
+    if any(exact.get(key, 0.0) == 0.0 for key in counts):
+        return math.inf, 1  # an impossible sequence was generated
+    stat, cells, pooled_obs, pooled_exp = 0.0, 0, 0, 0.0
+    for key, prob in exact.items():
+        expected, observed = prob * n, counts.get(key, 0)
+        if prob == 0.0:
+            continue
+        if expected < 5:
+            pooled_obs += observed
+            pooled_exp += expected
+            continue
+        stat += (observed - expected) ** 2 / expected
+        cells += 1
+    if pooled_exp > 0:
+        stat += (pooled_obs - pooled_exp) ** 2 / pooled_exp
+        cells += 1
+    return stat, cells - 1
+
+
+def _chi_square_limit(df: int, z: float = 4.5) -> float:
+    """Upper quantile of chi-square(df) at about p = 3e-6 (Wilson-Hilferty)."""
+    a = 2.0 / (9 * df)
+    return df * (1 - a + z * math.sqrt(a)) ** 3
+
+
+Propose = Callable[[Seq], DraftTree]
+Verify = Callable[[DraftTree, torch.Tensor, Any, torch.Generator], Verdict]
+
+
+def _first_tokens(propose: Propose, check: Verify, params: SamplingParams, samples: int, seed: int,
+                  after: Callable[[Seq, DraftTree, Verdict], None] | None = None,
+                  count: int = 3) -> collections.Counter:
+    """Run the engine's loop `samples` times; count the first `count` generated tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    counts: collections.Counter = collections.Counter()
+    for _ in range(samples):
+        seq = Seq(PROMPT)
+        produced = 0
+        while produced < count:
+            tree = propose(seq)
+            logits = TABLE[[seq.token_ids[-1], *tree.tokens]]  # the "forward": one row per fed token
+            verdict = check(tree, logits, params, gen)
+            assert verdict.keep() == [0] + [i + 1 for i in verdict.accepted]
+            seq.token_ids += verdict.emitted
+            produced += len(verdict.emitted)
+            if after is not None:
+                after(seq, tree, verdict)
+        counts[tuple(seq.token_ids[len(PROMPT):len(PROMPT) + count])] += 1
+    return counts
+
+
+class SampledDrafter:
+    """A stochastic drafter: root candidates drawn from q without replacement, their children with."""
+
+    name = "sampled"
+
+    def __init__(self, seed: int = 7, width: int = 3, fanout: int = 2) -> None:
+        self.gen = torch.Generator().manual_seed(seed)
+        self.width = width
+        self.fanout = fanout
+
+    def propose(self, seq: Any, budget: int) -> SpecTree:
+        tree = SpecTree()
+        last = seq.token_ids[-1]
+        root = sample_children(Q_TABLE[last], self.width, self.gen, replacement=False)
+        tree.sampled[-1] = [root]
+        for token in root.draws:
+            tree.tokens.append(token)
+            tree.parents.append(-1)
+            tree.probs.append(float(Q_TABLE[last, token]))
+            node = len(tree.tokens) - 1
+            below = sample_children(Q_TABLE[token], self.fanout, self.gen, replacement=True)
+            tree.sampled[node] = [below]
+            for child in dict.fromkeys(below.draws):
+                tree.tokens.append(child)
+                tree.parents.append(node)
+                tree.probs.append(tree.probs[node] * float(Q_TABLE[token, child]))
+        return tree
+
+
+def _ngram_strategy(**knobs: Any) -> SpeculativeStrategy:
+    config = SpeculativeConfig.from_section({"drafters": ["ngram"], "prob_threshold": 0.0, **knobs})
+    strategy = SpeculativeStrategy(config)
+    strategy.attach()
+    return strategy
+
+
+def _engine_like(strategy: SpeculativeStrategy, budget: int) -> tuple[Propose, Callable]:
+    """propose/after callbacks that drive the strategy the way the engine does."""
+
+    def propose(seq: Seq) -> DraftTree:
+        if len(seq.token_ids) == len(PROMPT):
+            strategy.start(seq)
+        return strategy.propose(seq, budget)
+
+    def after(seq: Seq, tree: DraftTree, verdict: Verdict) -> None:
+        strategy.record(seq, len(tree), verdict.accepted_tokens)
+        strategy.extend(seq, verdict.emitted)
+
+    return propose, after
+
+
+def _assert_lossless(counts: collections.Counter, params: SamplingParams) -> None:
+    stat, df = _chi_square(counts, _exact(params), sum(counts.values()))
+    assert stat < _chi_square_limit(df), (stat, df, _chi_square_limit(df))
+
+
+def _assert_detected(counts: collections.Counter, params: SamplingParams) -> None:
+    stat, df = _chi_square(counts, _exact(params), sum(counts.values()))
+    assert stat > _chi_square_limit(df), (stat, df, _chi_square_limit(df))
+
+
+# Deliberately wrong accept rules, to show the distribution test has teeth.
+
+
+def _wrong_verify(mode: str) -> Verify:
+    def check(tree: DraftTree, logits: torch.Tensor, params: Any, gen: torch.Generator) -> Verdict:
+        children, groups = children_of(tree), sampled_groups(tree)
+        verdict = Verdict(draft_tokens=len(tree))
+        node = -1
+        while True:
+            p = target_distribution(logits[node + 1], params.temperature, params.top_k, params.top_p).double()
+            kids, chosen = children[node], None
+            if mode == "always_accept":  # take the drafter's first guess, whatever the target says
+                chosen = kids[0] if kids else None
+            elif mode == "no_residual":  # test every candidate against the original p
+                chosen = next((c for c in kids if float(torch.rand((), generator=gen)) < p[tree.tokens[c]]), None)
+            elif mode == "q_over_p":  # the ratio upside down
+                node_of = {tree.tokens[c]: c for c in kids}
+                for group in groups.get(node, []):
+                    q = group.q.double() / group.q.double().sum()
+                    for token in group.draws:
+                        if float(torch.rand((), generator=gen)) * p[token] < q[token]:
+                            chosen = node_of[token]
+                            break
+                        p = (p - q).clamp_min(0)
+                        p = p / p.sum()
+                        if not group.replacement:
+                            q = q.clone()
+                            q[token] = 0
+                            q = q / q.sum()
+                    if chosen is not None:
+                        break
+            if chosen is None:
+                verdict.bonus = int(torch.multinomial(p, 1, generator=gen))
+                return verdict
+            verdict.accepted.append(chosen)
+            verdict.tokens.append(tree.tokens[chosen])
+            node = chosen
+
+    return check
+
+
+# -- losslessness ---------------------------------------------------------------------------
+
+
+def test_ngram_tree_sampling_matches_the_target_distribution():
+    params = SamplingParams(temperature=1.0)
+    strategy = _ngram_strategy(max_draft_tokens=8, max_children=3)
+    propose, after = _engine_like(strategy, budget=8)
+    counts = _first_tokens(propose, strategy.verify, params, samples=15000, seed=11, after=after)
+    _assert_lossless(counts, params)
+    # The trees were real trees, and drafts were accepted.
+    assert strategy.stats["accepted_tokens"] > 0.2 * 15000
+    # Wrong rules on the same trees fail the same test.
+    _assert_detected(_first_tokens(propose, _wrong_verify("always_accept"), params, 3000, seed=12), params)
+    _assert_detected(_first_tokens(propose, _wrong_verify("no_residual"), params, 6000, seed=13), params)
+
+
+def test_sampled_tree_with_its_q_matches_the_target_distribution():
+    params = SamplingParams(temperature=1.0)
+    drafter = SampledDrafter()
+    propose = lambda seq: drafter.propose(seq, 16)  # noqa: E731
+    counts = _first_tokens(propose, verify, params, samples=15000, seed=21)
+    _assert_lossless(counts, params)
+    _assert_detected(_first_tokens(propose, _wrong_verify("q_over_p"), params, 6000, seed=22), params)
+
+
+def test_merged_pruned_trees_with_temperature_top_k_top_p_match_the_target_distribution():
+    # ngram (deterministic) + sampled (q-based) drafters, merged, then cut to 5 nodes, so some
+    # sampled draws lose their node; at T=0.7 with top_k and top_p the target has zeros too.
+    params = SamplingParams(temperature=0.7, top_k=4, top_p=0.9)
+    config = SpeculativeConfig.from_section(
+        {"drafters": ["ngram", "sampled"], "max_draft_tokens": 5, "prob_threshold": 0.0, "adaptive": False})
+    strategy = SpeculativeStrategy(config)
+    strategy.bind_registry({"sampled": lambda model, options: SampledDrafter(seed=31)})
+    strategy.attach()
+    propose, after = _engine_like(strategy, budget=5)
+    counts = _first_tokens(propose, verify, params, samples=10000, seed=32, after=after)
+    _assert_lossless(counts, params)
+    assert any(sampled_groups(strategy.propose(Seq(PROMPT), 5)) for _ in range(3))
+    _assert_detected(_first_tokens(propose, _wrong_verify("always_accept"), params, 3000, seed=33), params)
+
+
+def test_an_empty_tree_draws_exactly_what_plain_sampling_draws():
+    params = SamplingParams(temperature=0.7, top_k=3, top_p=0.9)
+    for seed in range(50):
+        logits = torch.randn(1, 32, generator=torch.Generator().manual_seed(seed))
+        a = verify(SpecTree(), logits, params, torch.Generator().manual_seed(seed))
+        b = sample_token(logits[0], params, torch.Generator().manual_seed(seed))
+        assert (a.accepted, a.bonus) == ([], b)
+
+
+def test_a_tree_without_its_q_is_still_verified_losslessly():
+    # Dropping the sampled groups turns the draws into deterministic candidates: fewer accepted,
+    # same distribution.
+    params = SamplingParams(temperature=1.0)
+    drafter = SampledDrafter(seed=41)
+
+    def propose(seq: Seq) -> DraftTree:
+        tree = drafter.propose(seq, 16)
+        return DraftTree(tree.tokens, tree.parents, tree.probs)
+
+    _assert_lossless(_first_tokens(propose, verify, params, samples=8000, seed=42), params)
+
+
+def test_knowing_q_accepts_more_than_treating_draws_as_deterministic():
+    params = SamplingParams(temperature=1.0)
+    drafter = SampledDrafter(seed=43, width=1, fanout=1)
+    gen = torch.Generator().manual_seed(44)
+    with_q = without_q = 0
+    for _ in range(3000):
+        tree = drafter.propose(Seq(PROMPT), 16)
+        logits = TABLE[[PROMPT[-1], *tree.tokens]]
+        with_q += verify(tree, logits, params, gen).accepted_tokens
+        without_q += verify(DraftTree(tree.tokens, tree.parents, tree.probs), logits, params, gen).accepted_tokens
+    assert with_q > 1.2 * without_q  # sum min(p, q) against sum p q per draw
+
+
+def test_an_accepted_draw_whose_node_was_pruned_ends_the_step():
+    logits = torch.full((2, 8), -30.0)
+    logits[0, 3] = 10.0  # the target all but insists on token 3
+    tree = SpecTree(tokens=[5], parents=[-1], probs=[0.5])
+    tree.sampled = {-1: [SampledChildren(q=torch.ones(8), draws=[3, 5])]}  # token 3 drawn, its node pruned
+    verdict = verify(tree, logits, {"temperature": 1.0}, torch.Generator().manual_seed(0))
+    assert (verdict.accepted, verdict.bonus, verdict.keep()) == ([], 3, [0])
+
+
+# -- greedy -----------------------------------------------------------------------------------
+
+
+def test_greedy_verification_is_plain_greedy_decoding_even_with_ties():
+    # Integer logits tie often: the first maximum must win in both paths.
+    table = torch.randint(0, 3, (8, 8), generator=torch.Generator().manual_seed(5)).float()
+    prompt = [0, 1, 2, 3, 1, 2, 3, 1, 2]
+    plain = list(prompt)
+    for _ in range(40):
+        plain.append(greedy_token(table[plain[-1]]))
+    gen = torch.Generator().manual_seed(6)
+    params = SamplingParams(temperature=0.0)
+    strategy = _ngram_strategy()
+    for trial in range(30):
+        seq = Seq(prompt)
+        while len(seq.token_ids) < len(plain):
+            tree = strategy.propose(seq, 12)
+            if trial % 2:  # random extra branches, sometimes right, sometimes not
+                noise = SpecTree(tokens=torch.randint(0, 8, (6,), generator=gen).tolist(),
+                                 parents=[-1, 0, 1, -1, 3, 0], probs=[0.5] * 6)
+                tree = merge_trees(tree, noise)
+            verdict = verify(tree, table[[seq.token_ids[-1], *tree.tokens]], params, gen)
+            seq.token_ids += verdict.emitted
+        assert seq.token_ids[:len(plain)] == plain
+
+
+def test_greedy_walk_follows_the_argmax_through_random_trees():
+    gen = torch.Generator().manual_seed(8)
+    for _ in range(300):
+        n = int(torch.randint(0, 20, (1,), generator=gen))
+        parents = [int(torch.randint(-1, i, (1,), generator=gen)) for i in range(n)]
+        logits = torch.randint(0, 4, (n + 1, 10), generator=gen).float()
+        tokens = []
+        for i, parent in enumerate(parents):  # half the nodes carry their row's argmax
+            best = greedy_token(logits[parent + 1])
+            other = int(torch.randint(0, 10, (1,), generator=gen))
+            tokens.append(best if torch.rand((), generator=gen) < 0.5 else other)
+        tree = DraftTree(tokens, parents, [1.0] * n)
+        verdict = verify(tree, logits, {"temperature": 0}, None)
+        node, expect = -1, []
+        while True:
+            best = greedy_token(logits[node + 1])
+            nxt = next((c for c in range(n) if parents[c] == node and tokens[c] == best), None)
+            if nxt is None:
+                break
+            expect.append(nxt)
+            node = nxt
+        assert verdict.accepted == expect
+        assert verdict.bonus == greedy_token(logits[node + 1])
+        assert verdict.emitted == [tokens[i] for i in expect] + [verdict.bonus]
+
+
+def test_verify_rejects_logits_of_the_wrong_shape():
+    tree = DraftTree([1, 2], [-1, 0], [1.0, 1.0])
+    with pytest.raises(ValueError, match=r"1 \+ 2"):
+        verify(tree, torch.zeros(2, 5), {"temperature": 0}, None)
+
+
+# -- the n-gram drafter --------------------------------------------------------------------
+
+
+def _words(text: str) -> tuple[list[int], dict[int, str]]:
+    vocab: dict[str, int] = {}
+    ids = [vocab.setdefault(w, len(vocab)) for w in text.split()]
+    return ids, {i: w for w, i in vocab.items()}
+
+
+def _paths(tree: DraftTree, names: dict[int, str]) -> set[str]:
+    """Every root-to-leaf path, as words."""
+    children = children_of(tree)
+    out = set()
+    for node in range(len(tree)):
+        if not children[node]:
+            path, at = [], node
+            while at >= 0:
+                path.append(names[tree.tokens[at]])
+                at = tree.parents[at]
+            out.add(" ".join(reversed(path)))
+    return out
+
+
+def test_ngram_drafter_proposes_the_earlier_continuation():
+    ids, names = _words("def add ( a , b ) : return a + b \n def add ( a ,")
+    tree = NgramDrafter(max_depth=6).propose(Seq(ids), budget=16)
+    _check_topological(tree)
+    assert "b ) : return a +" in _paths(tree, names)
+    assert [names[t] for t in tree.tokens[:3]] == ["b", ")", ":"]  # the best chain comes first
+
+
+def test_ngram_drafter_branches_where_earlier_continuations_differ():
+    ids, names = _words("a b c x y . a b c x z . a b c x y . a b c")
+    tree = NgramDrafter(max_depth=2, prob_threshold=0.0).propose(Seq(ids), budget=16)
+    _check_topological(tree)
+    assert _paths(tree, names) == {"x y", "x z"}
+    prob = {names[t]: tree.probs[i] for i, t in enumerate(tree.tokens)}
+    assert prob["x"] > prob["y"] > prob["z"] > 0  # y followed twice, z once
+    assert tree.parents == [-1, 0, 0] and names[tree.tokens[1]] == "y"  # likelier sibling first
+
+
+def test_ngram_drafter_respects_budget_depth_fanout_and_threshold():
+    ids = _markov_sample(400, seed=9)  # plenty of repeated n-grams with varied continuations
+    seq = Seq(ids)
+    full = NgramDrafter(max_depth=8, max_children=8, max_matches=32, prob_threshold=0.0).propose(seq, 64)
+    assert len(full) > 20
+    for budget, depth, fanout in [(1, 8, 8), (5, 8, 8), (16, 2, 8), (16, 8, 1), (64, 3, 2)]:
+        drafter = NgramDrafter(max_depth=depth, max_children=fanout, max_matches=32, prob_threshold=0.0)
+        tree = drafter.propose(seq, budget)
+        _check_topological(tree)
+        assert 0 < len(tree) <= budget
+        assert max(tree.depths()) <= depth
+        assert max(collections.Counter(tree.parents).values()) <= fanout
+    pruned = NgramDrafter(max_depth=8, max_children=8, max_matches=32, prob_threshold=0.2).propose(seq, 64)
+    assert 0 < len(pruned) < len(full)
+    assert min(pruned.probs) >= 0.2
+    # Scores never grow down a path, so a threshold cuts whole subtrees.
+    for i, parent in enumerate(full.parents):
+        assert parent < 0 or full.probs[i] <= full.probs[parent]
+
+
+def test_ngram_drafter_proposes_nothing_without_a_match():
+    assert len(NgramDrafter().propose(Seq([1, 2, 3, 4, 5]), 16)) == 0
+    assert len(NgramDrafter().propose(Seq([1, 2, 1, 2]), 0)) == 0
+
+
+def test_ngram_index_kept_incrementally_equals_one_built_at_once():
+    ids = _markov_sample(200, seed=10)
+    drafter = NgramDrafter()
+    seq = Seq(ids[:50])
+    drafter.start(seq)
+    for i in range(50, 200, 7):
+        new = ids[i:i + 7]
+        seq.token_ids += new
+        drafter.extend(seq, new)
+        drafter.extend(seq, new)  # idempotent: it syncs with seq.token_ids
+    once = NgramIndex(1, 4)
+    once.extend(ids)
+    assert drafter._indexes[seq].after == once.after
+    # A list that got shorter, or changed at the last indexed token, is re-indexed, not trusted.
+    for changed in (ids[:120], ids[:199] + [(ids[199] + 1) % V] + ids[:30]):
+        seq.token_ids = list(changed)
+        drafter.propose(seq, 8)
+        fresh = NgramIndex(1, 4)
+        fresh.extend(changed)
+        assert drafter._indexes[seq].after == fresh.after
+    drafter.finish(seq)
+    assert seq not in drafter._indexes
+
+
+# -- tree helpers -----------------------------------------------------------------------------
+
+
+def _toy_expand(node) -> list[tuple[int, float]]:
+    return [(0, 0.5), (1, 0.3), (2, 0.15), (3, 0.05)]
+
+
+def test_build_dynamic_tree_keeps_the_most_likely_nodes():
+    tree = build_dynamic_tree(_toy_expand, budget=10, max_depth=3, prob_threshold=0.02, max_children=3)
+    _check_topological(tree)
+    assert len(tree) == 10
+    assert max(tree.depths()) <= 3
+    assert max(collections.Counter(tree.parents).values()) <= 3
+    # Brute force: every path of up to 3 tokens from {0,1,2} (max_children), scored by product.
+    weights = dict(_toy_expand(None))
+    scores = sorted((math.prod(weights[t] for t in path) for d in (1, 2, 3)
+                     for path in itertools.product(range(3), repeat=d)), reverse=True)
+    assert sorted(tree.probs, reverse=True) == pytest.approx(scores[:10])
+    low = build_dynamic_tree(_toy_expand, budget=100, max_depth=8, prob_threshold=0.1, max_children=4)
+    assert min(low.probs) >= 0.1 and len(low) < 100
+
+
+def test_build_dynamic_tree_hands_back_state_and_can_expand_in_batches():
+    calls = []
+
+    def expand_many(nodes):
+        calls.append(len(nodes))
+        for node in nodes:
+            assert node.state == tuple(node.path())  # what the parent's expansion attached
+        return [[(t, p, tuple(node.path()) + (t,)) for t, p in _toy_expand(node)] for node in nodes]
+
+    tree = build_dynamic_tree(expand_many, budget=20, max_depth=4, prob_threshold=0.0, max_children=2,
+                              root_state=(), batched=True, frontier=4)
+    _check_topological(tree)
+    assert len(tree) == 20
+    assert len(calls) < 20 and max(calls) > 1
+
+
+def test_merge_trees_unites_shared_prefixes_and_keeps_the_higher_probability():
+    a = DraftTree([5, 6, 7], [-1, 0, 1], [0.9, 0.8, 0.3])
+    b = SpecTree([5, 6, 8, 9], [-1, 0, 1, -1], [0.7, 0.85, 0.4, 0.2])
+    q = torch.full((10,), 0.1)
+    b.sampled = {1: [sample_children(q, 1, torch.Generator().manual_seed(0))]}
+    merged = merge_trees(a, b)
+    _check_topological(merged)
+    assert merged.tokens == [5, 6, 7, 8, 9]
+    assert merged.parents == [-1, 0, 1, 1, -1]
+    assert merged.probs == [0.9, 0.85, 0.3, 0.4, 0.2]
+    assert list(merged.sampled) == [1]  # node 1 of b is node 1 of the merged tree
+
+
+def test_prune_tree_cuts_to_budget_and_remaps_sampled_groups():
+    tree = SpecTree([1, 2, 3, 4, 5], [-1, -1, 1, 2, 0], [0.2, 0.9, 0.8, 0.7, 0.9])
+    tree.sampled = {2: [sample_children(torch.ones(8), 2, None)], 0: [sample_children(torch.ones(8), 1, None)]}
+    pruned = prune_tree(tree, budget=3, max_depth=8)
+    assert pruned.tokens == [2, 3, 4] and pruned.parents == [-1, 0, 1]
+    assert pruned.probs == [0.9, 0.8, 0.7]
+    assert list(pruned.sampled) == [1]  # node 2 became node 1; node 0's group went with node 0
+    # Node 4's own 0.9 is capped by its parent's 0.2: it cannot jump ahead of its parent.
+    assert prune_tree(tree, budget=5, max_depth=8, prob_threshold=0.5).tokens == [2, 3, 4]
+
+
+# -- strategy: budget, knobs, registration ----------------------------------------------------
+
+
+def test_budget_grows_with_acceptance_shrinks_without_and_shares_a_full_batch():
+    control = BudgetController(max_tokens=16, min_tokens=2, batch_tokens=64)
+    assert control.budget("a") == 16
+    for _ in range(4):
+        control.observe("a", drafted_depth=8, accepted=0)
+    assert control.budget("a") == 2  # shrunk to the floor, still probing
+    for _ in range(6):
+        control.observe("a", drafted_depth=2, accepted=2)
+    assert control.budget("a") == 16  # grew back
+    assert [control.batch_budget(n) for n in (1, 4, 8, 32, 128)] == [16, 16, 8, 2, 0]
+    assert control.budget("a", n_active=8) == 8
+    fixed = BudgetController(max_tokens=16, adaptive=False)
+    fixed.observe("a", 8, 0)
+    assert fixed.budget("a") == 16
+
+
+def test_strategy_budget_follows_recorded_acceptance():
+    strategy = _ngram_strategy(max_draft_tokens=8)
+    seq = Seq([1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2])
+    tree = strategy.propose(seq, 8)
+    assert len(tree) > 0
+    for _ in range(4):
+        strategy.record(seq, len(tree), 0)
+    assert strategy.budget(seq) == strategy.config.min_draft_tokens
+    assert len(strategy.propose(seq, 8)) <= strategy.config.min_draft_tokens
+    strategy.finish(seq)
+    assert strategy.budget(seq) == 8
+
+
+@pytest.mark.parametrize("section, field", [
+    ({"max_draft_tokens": 0}, "speculative.max_draft_tokens"),
+    ({"max_draft_tokens": "16"}, "speculative.max_draft_tokens"),
+    ({"min_draft_tokens": 20}, "speculative.min_draft_tokens"),
+    ({"max_depth": True}, "speculative.max_depth"),
+    ({"prob_threshold": 1.5}, "speculative.prob_threshold"),
+    ({"max_children": 0}, "speculative.max_children"),
+    ({"adaptive": "yes"}, "speculative.adaptive"),
+    ({"drafters": []}, "speculative.drafters"),
+    ({"drafters": ["ngram", "ngram"]}, "speculative.drafters"),
+    ({"max_drafts": 3}, "speculative.max_drafts"),
+    ({"ngram": 4}, "speculative.ngram"),
+])
+def test_bad_knobs_fail_naming_the_field(section, field):
+    manifest = Manifest(name="m", backend="llm", speculative=section)
+    with pytest.raises(ManifestError, match=f"m: field '{field}'"):
+        SpeculativeStrategy.from_manifest(manifest)
+
+
+def test_bad_drafter_names_and_options_fail_naming_the_field():
+    strategy = SpeculativeStrategy.from_manifest(Manifest(name="m", backend="llm", speculative={"drafters": ["eagle"]}))
+    with pytest.raises(ManifestError, match="field 'speculative.drafters': .*'eagle'"):
+        strategy.bind_registry({"ngram": object})
+    for options, field in [({"max_ngram": 0}, "max_ngram"), ({"min_ngram": 5, "max_ngram": 3}, "min_ngram"),
+                           ({"maxngram": 3}, "maxngram")]:
+        strategy = SpeculativeStrategy.from_manifest(Manifest(name="m", backend="llm", speculative={"ngram": options}))
+        with pytest.raises(ManifestError, match=f"field 'speculative.ngram.{field}'"):
+            strategy.attach()
+
+
+def test_defaults_and_drafter_options():
+    config = SpeculativeConfig.from_section({})
+    assert (config.drafters, config.max_draft_tokens, config.max_depth, config.adaptive) == (("ngram",), 16, 8, True)
+    strategy = SpeculativeStrategy.from_manifest(
+        Manifest(name="m", backend="llm", speculative={"max_depth": 5, "ngram": {"max_ngram": 3}}))
+    strategy.attach()
+    (ngram,) = strategy.drafters
+    assert (ngram.max_ngram, ngram.max_depth) == (3, 5)
+
+
+def test_plugin_registers_the_accelerator_and_the_ngram_drafter():
+    registry = create_registry(["outrider_speculative"], load_entry_points=False)
+    assert "speculative" in registry.accelerators and "ngram" in registry.drafters
+    manifest = Manifest(name="m", backend="llm", speculative={"max_draft_tokens": 8})
+    strategy = registry.accelerators_for(manifest)["speculative"]
+    assert isinstance(strategy, SpeculativeStrategy) and strategy.config.max_draft_tokens == 8
+    strategy.attach()
+    assert [d.name for d in strategy.drafters] == ["ngram"]
+    twin = strategy.for_instance()  # one per engine when a model runs several instances
+    assert twin.config is strategy.config and not twin.attached and twin.factories == strategy.factories
+
+
+def test_importing_the_plugin_imports_no_torch():
+    code = "import sys, outrider_speculative; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
