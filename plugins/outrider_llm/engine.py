@@ -159,12 +159,22 @@ class GenerationEngine:
             chunks.append(Chunk(seq.slot, tokens, positions, tree.mask() if len(tree) else None))
             trees.append(tree)
 
-        out = self.model.forward(self.cache, chunks)
+        # Logits only where they are read: a prefill's last token, every row of a tree.
+        rows: list[int] = []
         offset = 0
+        for chunk, tree in zip(chunks, trees):
+            n = len(chunk.tokens)
+            rows.extend([offset + n - 1] if tree is None else range(offset, offset + n))
+            offset += n
+        out = self.model.forward(self.cache, chunks, logit_rows=torch.tensor(rows))
+        offset = row = 0
         for seq, chunk, tree in zip(list(self.active), chunks, trees):
             n = len(chunk.tokens)
-            logits, hidden = out.logits[offset:offset + n], out.hidden[offset:offset + n]
+            hidden = out.hidden[offset:offset + n]
+            width = 1 if tree is None else n
+            logits = out.logits[row:row + width]
             offset += n
+            row += width
             seq.steps += 1
             if tree is None:
                 self.cache.commit(seq.slot, list(range(n)))
