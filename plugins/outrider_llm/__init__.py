@@ -10,7 +10,6 @@ Manifest options: `max_sequences` (slots, default 8), `max_length` (context per 
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 import time
@@ -19,7 +18,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from outrider import hookimpl
-from outrider.backend import Availability, Backend
+from outrider.backend import Availability, Backend, require_packages, torch_device
 from outrider.errors import BadRequestError
 from outrider.manifest import Manifest
 
@@ -46,18 +45,11 @@ class LlmBackend(Backend):
         base = super().availability(manifest, device)
         if not base.available:
             return base
-        for package, extra in (("torch", "llm"), ("transformers", "llm"), ("gguf", "llm")):
-            if importlib.util.find_spec(package) is None:
-                return Availability(False, f"{package} is not installed (pip install 'outrider[{extra}]')")
-        return Availability(True)
+        return require_packages(("torch", "transformers", "gguf"), "llm")
 
     @classmethod
     def resolve_device(cls, device: str) -> str:
-        if device != "auto":
-            return device
-        import torch
-
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        return torch_device(device)
 
     @classmethod
     def make_scheduler(cls, manifest: Manifest) -> Any:

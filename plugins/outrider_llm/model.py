@@ -374,9 +374,7 @@ class LlamaModel(torch.nn.Module):
         cos = self._cos.index_select(0, positions)[:, None, :]
         sin = self._sin_signed.index_select(0, positions)[:, None, :]
 
-        nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        group = nh // nkv
-        q_width, qk_heads = nh * d, nh + nkv
+        d, qk_heads = cfg.head_dim, cfg.num_heads + cfg.num_kv_heads
         eps = cfg.rms_norm_eps
         hidden_shape = (cfg.hidden_size,)
         inter = cfg.intermediate_size

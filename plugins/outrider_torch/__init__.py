@@ -9,7 +9,6 @@ Manifest options: `threads` (torch intra-op threads; default: the CPUs this proc
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import time
 from typing import TYPE_CHECKING, Any, Callable, Optional
@@ -17,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import numpy as np
 
 from outrider import hookimpl
-from outrider.backend import Availability, Backend, Task
+from outrider.backend import Availability, Backend, Task, require_packages, torch_device
 from outrider.errors import ExecutionError, ManifestError
 from outrider.manifest import Manifest
 
@@ -59,19 +58,12 @@ class TorchBackend(Backend):
         base = super().availability(manifest, device)
         if not base.available:
             return base
-        for package in ("torch", "transformers"):
-            if importlib.util.find_spec(package) is None:
-                return Availability(False, f"{package} is not installed (pip install 'outrider[torch]')")
-        return Availability(True)
+        return require_packages(("torch", "transformers"), "torch")
 
     @classmethod
     def resolve_device(cls, device: str) -> str:
         """'auto' -> 'cuda' when torch sees a GPU, else 'cpu'."""
-        if device != "auto":
-            return device
-        import torch
-
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        return torch_device(device)
 
     # -- load ---------------------------------------------------------------------------------
 

@@ -108,6 +108,25 @@ class Backend:
         return {}
 
 
+def require_packages(packages: tuple[str, ...], extra: str) -> Availability:
+    """Available when every package can be imported; otherwise says which one and how to get it."""
+    import importlib.util
+
+    for package in packages:
+        if importlib.util.find_spec(package) is None:
+            return Availability(False, f"{package} is not installed (pip install 'outrider[{extra}]')")
+    return Availability(True)
+
+
+def torch_device(device: str) -> str:
+    """'auto' -> 'cuda' when torch sees a GPU, else 'cpu' (imports torch: call it at load time)."""
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def _synth(spec: TensorSpec, batch: int = 1) -> np.ndarray:
     shape = [batch if i == 0 and d == -1 else (1 if d == -1 else d) for i, d in enumerate(spec.shape)]
     if spec.datatype == "BYTES":

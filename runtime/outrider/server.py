@@ -20,7 +20,6 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
-import numpy as np
 import zmq
 
 from . import __version__
