@@ -25,7 +25,7 @@ SENTENCES = [
     "",
     " ".join(["The quick brown fox jumps over the lazy dog."] * 40),  # > 256 tokens: truncated
 ]
-PLUGINS = ["outrider_text", "outrider_onnxruntime", "outrider_torch"]
+PLUGINS = ["outrider_text", "outrider_onnxruntime", "outrider_torch", "outrider_batching"]
 
 
 @pytest.fixture(scope="module")
