@@ -1,0 +1,382 @@
+"""The EAGLE-style draft head ("eagle"): a small trained network that drafts from the target's features.
+
+    f_{t+1} = head(h_t, embed(x_{t+1}))          h_t: the target's last hidden (after its final norm)
+    q(x_{t+2}) = softmax(f_{t+1} @ E[draft_vocab].T)   E: the target's own (tied) LM head rows
+
+The head reads the target's hidden state at the last committed position and the embedding of the
+pending token, and predicts the target's *next* hidden state f (trained to regress onto it) and,
+through the target's LM head restricted to a reduced draft vocabulary, the token after the pending
+one. Deeper in the tree its own f replaces h: node x_{t+2}'s children come from head(f_{t+1},
+embed(x_{t+2})), and so on. It shares the target's embeddings and LM head (not stored in the
+weights file), so the file holds only the head's own layers (fp16) and the draft vocabulary.
+
+Architecture (measured against alternatives by tools/train_draft.py --compare): fused input
+projection Linear(2H -> H) over [rmsnorm(h), rmsnorm(e)], then `num_blocks` residual SwiGLU blocks,
+then an RMSNorm. No attention: EAGLE's draft layer attends over the draft's own features at every
+earlier position, but the engine hands a drafter the target's hidden state at one position per
+step only (`SequenceView.last_hidden`), so there is no context to attend over; the target's h_t
+already summarizes it.
+
+The weights file is tied to the target's weights by `target_fingerprint(model)` (sha256 over the
+config shape, a fixed subsample of embedding rows and every norm weight): a head trained for other
+weights is refused at load with a ManifestError that names both hashes and says how to retrain.
+
+Drafting: `EagleDrafter.propose` grows a tree best-first by cumulative draft probability
+(`tree.build_dynamic_tree`), expanding up to `frontier` nodes per head call (one batched forward
+per depth level). Children are the top-k tokens of q, verified as deterministic candidates, so
+verification is lossless for greedy and sampling alike.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import threading
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+import torch
+import torch.nn.functional as F
+
+from outrider.errors import ManifestError
+
+from .config import OptionError, read_float, read_int
+from .tree import SpecTree, build_dynamic_tree
+
+log = logging.getLogger("outrider.speculative")
+
+FORMAT = "outrider-eagle/1"
+WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
+DEFAULT_WEIGHTS = WEIGHTS_DIR / "smollm2-eagle.safetensors"
+TRAIN_HINT = "python tools/train_draft.py --out PATH (then set speculative.eagle.weights: PATH)"
+# Every 16th embedding row goes into the fingerprint: 7 MB of SmolLM2's 113 MB, ~10 ms to hash,
+# and no two different weight files agree on all of them.
+FINGERPRINT_ROW_STRIDE = 16
+
+
+# ---- the target's fingerprint -------------------------------------------------------------------
+
+
+def target_fingerprint(model: Any) -> str:
+    """sha256 (hex) of the target's shape, every 16th embedding row and its norm weights.
+
+    Independent of the compute dtype (embeddings and norms are kept fp32 in every mode), so a head
+    trained on the fp32 target also serves the bf16 one. The trainer and the loader both call this.
+    """
+    digest = hashlib.sha256()
+    shape = {"vocab_size": int(model.vocab_size), "hidden_size": int(model.hidden_size)}
+    config = getattr(model, "config", None)
+    if config is not None:
+        shape["num_layers"] = int(getattr(config, "num_layers", 0))
+    digest.update(json.dumps(shape, sort_keys=True).encode())
+    rows = torch.arange(0, int(model.vocab_size), FINGERPRINT_ROW_STRIDE)
+    digest.update(_bytes(model.embed(rows)))
+    norms = [getattr(model, "final_norm", None)]
+    for layer in getattr(model, "layers", []):
+        norms += [getattr(layer, "attn_norm", None), getattr(layer, "mlp_norm", None)]
+    for tensor in norms:
+        if tensor is not None:
+            digest.update(_bytes(tensor))
+    return digest.hexdigest()
+
+
+def _bytes(tensor: torch.Tensor) -> bytes:
+    return tensor.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
+
+
+# ---- the head -------------------------------------------------------------------------------------
+
+
+@dataclass
+class HeadConfig:
+    """Shape of a draft head; stored in the weights file's metadata."""
+
+    hidden_size: int
+    intermediate_size: int
+    draft_vocab_size: int
+    num_blocks: int = 1
+    rms_norm_eps: float = 1e-5
+
+    def to_json(self) -> str:
+        """The config as a JSON string (safetensors metadata is str -> str)."""
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "HeadConfig":
+        """Inverse of `to_json`; ignores unknown keys."""
+        data = json.loads(text)
+        return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
+
+
+class _Block(torch.nn.Module):
+    """x + down(silu(gate(n(x))) * up(n(x))): a Llama MLP with its pre-norm."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.norm = torch.nn.Parameter(torch.ones(hidden))
+        self.gate_up = torch.nn.Linear(hidden, 2 * intermediate, bias=False)
+        self.down = torch.nn.Linear(intermediate, hidden, bias=False)
+
+
+class DraftHead(torch.nn.Module):
+    """(target hidden h_t, embedding of token t+1) -> feature f_{t+1} ~ the target's hidden h_{t+1}.
+
+    Logits come from `logits(f, lm_rows)`, where lm_rows are the target's LM head rows of the
+    draft vocabulary (shared, not a parameter of the head).
+    """
+
+    def __init__(self, config: HeadConfig) -> None:
+        super().__init__()
+        self.config = config
+        h = config.hidden_size
+        self.norm_hidden = torch.nn.Parameter(torch.ones(h))
+        self.norm_embed = torch.nn.Parameter(torch.ones(h))
+        self.fc = torch.nn.Linear(2 * h, h, bias=False)
+        self.blocks = torch.nn.ModuleList(_Block(h, config.intermediate_size) for _ in range(config.num_blocks))
+        self.norm_out = torch.nn.Parameter(torch.ones(h))
+
+    def forward(self, hidden: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
+        """[n, H], [n, H] -> features [n, H] (on the scale of the target's normed hidden states)."""
+        eps, shape = self.config.rms_norm_eps, (self.config.hidden_size,)
+        x = self.fc(torch.cat([F.rms_norm(hidden, shape, self.norm_hidden, eps),
+                               F.rms_norm(embeds, shape, self.norm_embed, eps)], dim=-1))
+        inter = self.config.intermediate_size
+        for block in self.blocks:
+            gate_up = block.gate_up(F.rms_norm(x, shape, block.norm.to(x.dtype), eps))
+            x = x + block.down(F.silu(gate_up[..., :inter]) * gate_up[..., inter:])
+        return F.rms_norm(x, shape, self.norm_out.to(x.dtype), eps)  # (x is bf16 under training autocast)
+
+    @staticmethod
+    def logits(features: torch.Tensor, lm_rows: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits [n, K] through the target's LM head rows [K, H]."""
+        return features @ lm_rows.T
+
+    def nbytes(self) -> int:
+        """Parameter bytes at fp16 (what the weights file stores)."""
+        return sum(p.numel() for p in self.parameters()) * 2
+
+
+# ---- the weights file -----------------------------------------------------------------------------
+
+
+def save_head(path: "str | Path", head: DraftHead, draft_vocab: torch.Tensor, fingerprint: str,
+              summary: Optional[Mapping[str, Any]] = None, target: str = "") -> None:
+    """Write a head as safetensors (fp16 layers, int32 draft vocab) with its metadata; atomic."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {name: p.detach().to(torch.float16).contiguous() for name, p in head.state_dict().items()}
+    tensors["draft_vocab"] = draft_vocab.to(torch.int32).contiguous()
+    metadata = {
+        "format": FORMAT,
+        "target_fingerprint": fingerprint,
+        "target": target,
+        "config": head.config.to_json(),
+        "summary": json.dumps(dict(summary or {}), sort_keys=True),
+    }
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    save_file(tensors, str(tmp), metadata=metadata)
+    os.chmod(tmp, 0o644)  # safetensors writes 0600; a file that ships in a package must be readable
+    os.replace(tmp, path)
+
+
+@dataclass
+class LoadedHead:
+    """A head read from disk: module (fp32), draft vocabulary (int64) and metadata."""
+
+    head: DraftHead
+    draft_vocab: torch.Tensor
+    metadata: dict[str, str]
+    path: Path
+
+    @property
+    def fingerprint(self) -> str:
+        return self.metadata.get("target_fingerprint", "")
+
+    def summary(self) -> dict[str, Any]:
+        """The training summary the trainer stored ({} when absent)."""
+        try:
+            return json.loads(self.metadata.get("summary", "{}"))
+        except ValueError:
+            return {}
+
+
+def load_head(path: "str | Path") -> LoadedHead:
+    """Read a weights file; ManifestError when it is missing or not an outrider eagle head."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise ManifestError(f"eagle draft head: weights file {str(path)!r} does not exist; train one with {TRAIN_HINT}")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            metadata = dict(f.metadata() or {})
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+        if metadata.get("format") != FORMAT:
+            raise ValueError(f"format {metadata.get('format')!r}, expected {FORMAT!r}")
+        config = HeadConfig.from_json(metadata["config"])
+        draft_vocab = tensors.pop("draft_vocab").to(torch.long)
+        head = DraftHead(config)
+        head.load_state_dict({k: v.float() for k, v in tensors.items()})
+    except ManifestError:
+        raise
+    except Exception as exc:
+        raise ManifestError(f"eagle draft head: {str(path)!r} is not a usable head file ({type(exc).__name__}: {exc})") from None
+    if draft_vocab.numel() != config.draft_vocab_size:
+        raise ManifestError(f"eagle draft head: {str(path)!r} has {draft_vocab.numel()} draft tokens, config says {config.draft_vocab_size}")
+    head.eval().requires_grad_(False)
+    return LoadedHead(head, draft_vocab, metadata, path)
+
+
+def check_target(loaded: LoadedHead, model: Any) -> str:
+    """The target's fingerprint; ManifestError when the head was trained for other weights."""
+    actual = target_fingerprint(model)
+    if loaded.fingerprint != actual:
+        trained_for = loaded.metadata.get("target") or "another model"
+        raise ManifestError(
+            f"eagle draft head {str(loaded.path)!r} was trained for other target weights "
+            f"({trained_for}, fingerprint {loaded.fingerprint[:16] or '(none)'}...) than the model being served "
+            f"(fingerprint {actual[:16]}...): its drafts would be rejected. Retrain it for this model with "
+            f"{TRAIN_HINT}, or drop 'eagle' from speculative.drafters"
+        )
+    if loaded.head.config.hidden_size != model.hidden_size or int(loaded.draft_vocab.max()) >= model.vocab_size:
+        raise ManifestError(f"eagle draft head {str(loaded.path)!r} does not fit this model's shape")
+    return actual
+
+
+# ---- inference ------------------------------------------------------------------------------------
+
+
+class _CompiledHead:
+    """The head's forward for drafting: prepacked linears (oneDNN when it works), no autograd."""
+
+    def __init__(self, head: DraftHead, lm_rows: torch.Tensor, dtype: torch.dtype) -> None:
+        from outrider_llm.model import _Linear, onednn_works  # the target's prepacked linear
+
+        onednn = onednn_works(dtype)
+        cfg = head.config
+        self.eps, self.shape, self.inter = cfg.rms_norm_eps, (cfg.hidden_size,), cfg.intermediate_size
+        self.dtype = dtype
+        self.low = dtype if dtype != torch.float32 else None
+        self.norm_hidden = head.norm_hidden.detach().float().clone()
+        self.norm_embed = head.norm_embed.detach().float().clone()
+        self.norm_out = head.norm_out.detach().float().clone()
+        self.fc = _Linear(head.fc.weight.detach().float(), dtype, onednn)
+        self.blocks = [(b.norm.detach().float().clone(), _Linear(b.gate_up.weight.detach().float(), dtype, onednn),
+                        _Linear(b.down.weight.detach().float(), dtype, onednn)) for b in head.blocks]
+        self.lm = _Linear(lm_rows.float(), dtype, onednn)
+
+    def _mm(self, linear: Any, x: torch.Tensor) -> torch.Tensor:
+        return linear(x if self.low is None else x.to(self.low)).float()
+
+    @torch.no_grad()
+    def __call__(self, hidden: torch.Tensor, embeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(features [n, H], draft-vocabulary logits [n, K])."""
+        eps, shape, inter = self.eps, self.shape, self.inter
+        x = torch.cat([F.rms_norm(hidden, shape, self.norm_hidden, eps), F.rms_norm(embeds, shape, self.norm_embed, eps)], -1)
+        x = self._mm(self.fc, x)
+        for norm, gate_up, down in self.blocks:
+            g = self._mm(gate_up, F.rms_norm(x, shape, norm, eps))
+            x = self._mm(down, F.silu(g[:, :inter]).mul_(g[:, inter:])).add_(x)
+        features = F.rms_norm(x, shape, self.norm_out, eps)
+        return features, self._mm(self.lm, features)
+
+
+def lm_rows_for(model: Any, draft_vocab: torch.Tensor) -> torch.Tensor:
+    """The target's LM head rows of the draft vocabulary, [K, H] (tied embeddings: embedding rows)."""
+    config = getattr(model, "config", None)
+    if config is not None and getattr(config, "tie_word_embeddings", False):
+        return model.embed(draft_vocab)
+    # Untied head: recover its rows through the public lm_head (one identity pass, once at load).
+    eye = torch.eye(model.hidden_size)
+    return model.lm_head(eye).T.index_select(0, draft_vocab).contiguous()
+
+
+class EagleDrafter:
+    """Drafts a tree with the trained head (see the module docstring)."""
+
+    name = "eagle"
+
+    def __init__(self, model: Any, loaded: LoadedHead, max_depth: int = 8, max_children: int = 4,
+                 prob_threshold: float = 0.05, frontier: int = 8, dtype: Optional[torch.dtype] = None) -> None:
+        self.model = model
+        self.loaded = loaded
+        self.draft_vocab = loaded.draft_vocab
+        self.max_depth = max_depth
+        self.max_children = max_children
+        self.prob_threshold = prob_threshold
+        self.frontier = frontier
+        if dtype is None:
+            dtype = getattr(model, "dtype", torch.float32)
+        self.compiled = _CompiledHead(loaded.head, lm_rows_for(model, loaded.draft_vocab), dtype)
+        self.calls = 0  # head forwards (expand calls), for benchmarks
+        self._lock = threading.Lock()  # instance threads may share one drafter
+
+    def warmup(self) -> None:
+        """Run the head once per batch size it will see, so the first request pays no setup."""
+        h = torch.zeros(1, self.model.hidden_size)
+        for n in sorted({1, self.max_children, self.frontier}):
+            self.compiled(h.expand(n, -1).contiguous(), self.model.embed(torch.zeros(n, dtype=torch.long)))
+
+    def expand(self, hidden: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One head call for n nodes: (features [n, H], top-k probs [n, k], top-k token ids [n, k])."""
+        features, logits = self.compiled(hidden, self.model.embed(tokens))
+        probs = torch.softmax(logits, dim=-1)
+        top = torch.topk(probs, min(k, probs.shape[-1]), dim=-1)
+        return features, top.values, self.draft_vocab[top.indices]
+
+    def propose(self, view: Any, budget: int) -> SpecTree:
+        """A best-first tree of at most `budget` nodes after the pending token."""
+        hidden = getattr(view, "last_hidden", None)
+        if budget <= 0 or hidden is None or not view.token_ids:
+            return SpecTree()
+        k = self.max_children
+
+        def expand_fn(nodes: list) -> list:
+            # A node's state is the feature that stands for the hidden state *before* its token:
+            # the target's h_t for the pending token (the root), the parent's f deeper down.
+            states = torch.stack([node.state for node in nodes])
+            tokens = torch.tensor([pending if node.token is None else node.token for node in nodes])
+            features, probs, ids = self.expand(states, tokens, k)
+            self.calls += 1
+            probs, ids = probs.tolist(), ids.tolist()
+            return [[(t, p, features[i]) for t, p in zip(ids[i], probs[i])] for i in range(len(nodes))]
+
+        pending = int(view.token_ids[-1])
+        root = hidden.detach().reshape(-1).float()
+        with self._lock:
+            return build_dynamic_tree(expand_fn, budget, self.max_depth, self.prob_threshold, k,
+                                      root_state=root, batched=True, frontier=self.frontier)
+
+
+OPTIONS = ("weights", "max_depth", "max_children", "prob_threshold", "frontier", "dtype")
+
+
+def make_eagle_drafter(model: Any, options: Optional[Mapping[str, Any]] = None) -> EagleDrafter:
+    """Drafter factory for `outrider_register_drafters`: loads and checks the head, warms it up."""
+    options = dict(options or {})
+    for name in options:
+        if name not in OPTIONS:
+            raise OptionError(name, f"unknown eagle option (misspelled?); expected one of {list(OPTIONS)}")
+    if model is None or not hasattr(model, "embed"):
+        raise OptionError("(model)", "the eagle drafter needs the loaded target model (its embeddings and LM head)")
+    weights = options.get("weights") or DEFAULT_WEIGHTS
+    if not isinstance(weights, (str, os.PathLike)):
+        raise OptionError("weights", f"expected a path to a .safetensors head (got {weights!r})")
+    dtype_name = options.get("dtype", "model")
+    dtypes = {"model": None, "fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+    if dtype_name not in dtypes:
+        raise OptionError("dtype", f"expected one of {list(dtypes)} (got {dtype_name!r})")
+    max_depth = read_int(options, "max_depth", 8, 1, 256)
+    max_children = read_int(options, "max_children", 4, 1, 64)
+    prob_threshold = read_float(options, "prob_threshold", 0.05, 0.0, 1.0)
+    frontier = read_int(options, "frontier", 8, 1, 256)
+    loaded = load_head(Path(weights).expanduser())
+    check_target(loaded, model)
+    drafter = EagleDrafter(model, loaded, max_depth, max_children, prob_threshold, frontier, dtypes[dtype_name])
+    drafter.warmup()
+    return drafter
