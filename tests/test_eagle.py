@@ -33,25 +33,9 @@ from outrider_speculative.tree import check_tree  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 import train_draft  # noqa: E402
+from test_generate import CharTokenizer  # noqa: E402
 
 VOCAB = 16
-
-
-class CharTokenizer:
-    """Token i <-> the i-th letter; no end-of-sequence token."""
-
-    eos_token_ids: set[int] = set()
-    bos_token_id = None
-    alphabet = "abcdefghijklmnop"
-
-    def encode(self, text: str) -> list[int]:
-        return [self.alphabet.index(c) for c in text]
-
-    def decode(self, ids: list[int]) -> str:
-        return "".join(self.alphabet[i] for i in ids)
-
-    def apply_chat_template(self, messages: list[dict]) -> str:
-        return "".join(m["content"] for m in messages)
 
 
 class View:
@@ -68,7 +52,7 @@ def tiny():
     from outrider_llm.loading import tiny_random_llama
 
     torch.set_num_threads(1)
-    return tiny_random_llama(vocab_size=VOCAB, hidden_size=32, num_layers=2, seed=3), CharTokenizer()
+    return tiny_random_llama(vocab_size=VOCAB, hidden_size=32, num_layers=2, seed=3), CharTokenizer(16)
 
 
 @pytest.fixture(scope="module")
