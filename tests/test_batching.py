@@ -173,6 +173,19 @@ def test_replies_leave_early_and_in_order_when_the_core_delivers():
         assert [r["x"].shape for r in results] == [(1, 2), (1, 3), (1, 2)]
 
 
+def test_outputs_without_a_batch_dimension_fall_back_to_one_call_per_request():
+    class Summing:
+        calls = 0
+
+        def execute(self, inputs):
+            Summing.calls += 1
+            return {"total": np.array(inputs["x"].sum())}  # one number for the whole call
+
+    batch = [_request(i, x=np.full((2, 2), i)) for i in range(3)]
+    results = _batcher().execute(Summing(), batch)
+    assert [int(r["total"]) for r in results] == [0, 4, 8] and Summing.calls == 4
+
+
 # -- MiniLM: batching changes no result -------------------------------------------------------
 
 MINILM_PLUGINS = ["outrider_text", "outrider_onnxruntime", "outrider_batching"]

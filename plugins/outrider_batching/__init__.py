@@ -99,6 +99,7 @@ class DynamicBatcher(Scheduler):
         # Whether the last batch held more than one request: evidence of concurrent clients,
         # the only case in which waiting for company can pay.
         self._busy = False
+        self._warned_unsplittable = False
 
     # -- forming batches ------------------------------------------------------------------
 
@@ -246,8 +247,11 @@ class DynamicBatcher(Scheduler):
         sizes = [self._rows(r) for r in requests]
         split = _split(outputs, sizes)
         if split is None:
-            log.warning("model %s: outputs have no batch dimension to split (%s); running each request alone",
-                        self.manifest.name, {n: getattr(v, "shape", None) for n, v in outputs.items()})
+            if not self._warned_unsplittable:
+                self._warned_unsplittable = True
+                shapes = {n: getattr(v, "shape", None) for n, v in outputs.items()} if isinstance(outputs, dict) else outputs
+                log.warning("model %s: outputs %s have no batch dimension of %d rows to split; running each "
+                            "request alone (turn batching off for this model)", self.manifest.name, shapes, sum(sizes))
             return [_execute_alone(backend, r) for r in requests]
         return split
 

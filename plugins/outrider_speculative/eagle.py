@@ -363,7 +363,7 @@ def make_eagle_drafter(model: Any, options: Optional[Mapping[str, Any]] = None) 
         if name not in OPTIONS:
             raise OptionError(name, f"unknown eagle option (misspelled?); expected one of {list(OPTIONS)}")
     if model is None or not hasattr(model, "embed"):
-        raise OptionError("(model)", "the eagle drafter needs the loaded target model (its embeddings and LM head)")
+        raise ValueError("the eagle drafter needs the loaded target model (its embeddings and LM head)")
     weights = options.get("weights") or DEFAULT_WEIGHTS
     if not isinstance(weights, (str, os.PathLike)):
         raise OptionError("weights", f"expected a path to a .safetensors head (got {weights!r})")
