@@ -24,10 +24,12 @@ back (what it does at drafting time; "training-time test"). The draft vocabulary
 `--draft-vocab` tokens the target predicts most often in the collected data.
 
 Phases are time-budgeted (`--gen-minutes`, `--text-minutes`, the rest of `--minutes` trains);
-checkpoints are written every few minutes; held-out (10% of the sequences) top-1 agreement with the
-target is printed per depth. The result is safetensors (fp16 layers + draft vocabulary; the LM head
-and embeddings are the target's, not stored) with metadata: the target's fingerprint
-(`outrider_speculative.eagle.target_fingerprint`), config and a training summary.
+checkpoints are written every few minutes; held-out top-1 agreement with the target (10% of the
+sequences, and separately instructions no template produces: "unseen") is printed per depth, and
+the weights that did best on the unseen instructions are kept. The result is safetensors (fp16
+layers + draft vocabulary; the LM head and embeddings are the target's, not stored) with metadata:
+the target's fingerprint (`outrider_speculative.eagle.target_fingerprint`), config and a training
+summary.
 """
 
 from __future__ import annotations
@@ -37,7 +39,6 @@ import ast
 import glob
 import json
 import math
-import os
 import random
 import sys
 import sysconfig
