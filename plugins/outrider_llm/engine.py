@@ -71,13 +71,12 @@ class GenerationEngine:
     """Owns the model, its KV cache and the sequences using it; driven by one instance thread."""
 
     def __init__(self, model: Any, tokenizer: Any, strategy: Any = None, max_sequences: int = 8,
-                 max_length: int = 2048, max_prefill_tokens: int = 2048, stats: Any = None) -> None:
+                 max_length: int = 2048, stats: Any = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.strategy = strategy
         self.max_sequences = max_sequences
         self.max_length = max_length
-        self.max_prefill_tokens = max_prefill_tokens
         self.cache = model.new_cache(max_sequences, max_length)
         self.free_slots = list(range(max_sequences - 1, -1, -1))
         self.active: list[Sequence] = []

@@ -462,8 +462,7 @@ class ServedModel:
         self._failures[slot] = self._failures.get(slot, 0) + 1
         replacement = Instance(self, inst.index, inst.device, inst.generation + 1)
         self.instances[slot] = replacement
-        with self.stats._lock:
-            self.stats.instance_restarts += 1
+        self.stats.restart()
         log.info("model %s instance %d: starting replacement #%d", self.name, inst.index, replacement.generation)
         replacement.start()
         self.instance_changed()

@@ -152,10 +152,6 @@ def _depth(obj: Any, limit: int, level: int = 1) -> None:
 _CONTAINERS = (dict, list)
 
 
-def _check_depth(obj: Any, limit: int) -> None:
-    _depth(obj, limit)
-
-
 def pack_header(header: dict) -> bytes:
     return msgpack.packb(header, use_bin_type=True)
 
@@ -176,7 +172,7 @@ def unpack_header(raw: memoryview | bytes, limits: Limits = DEFAULT_LIMITS) -> d
         raise ProtocolError(f"header is not valid msgpack: {exc}") from None
     if not isinstance(header, dict):
         raise ProtocolError(f"header must be a msgpack map, got {type(header).__name__}")
-    _check_depth(header, limits.max_header_depth)
+    _depth(header, limits.max_header_depth)
     return header
 
 

@@ -72,6 +72,10 @@ class ModelStats:
         with self._lock:
             self.failures[code] = self.failures.get(code, 0) + n
 
+    def restart(self) -> None:
+        with self._lock:
+            self.instance_restarts += 1
+
     def batch(self, size: int, queue_seconds: Iterable[float], compute_seconds: float) -> None:
         with self._lock:
             self.batch_size.observe(size)
