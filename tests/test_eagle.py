@@ -19,7 +19,7 @@ from outrider.errors import ManifestError  # noqa: E402
 from outrider.manifest import validate_manifest  # noqa: E402
 from outrider.model import PendingRequest  # noqa: E402
 from outrider.plugins import create_registry  # noqa: E402
-from outrider_llm.contract import Chunk  # noqa: E402
+from outrider.generation.contract import Chunk  # noqa: E402
 from outrider_speculative.eagle import (  # noqa: E402
     DEFAULT_WEIGHTS,
     EagleDrafter,
@@ -179,7 +179,7 @@ def test_root_children_are_the_heads_top_tokens(tiny, tiny_head):
 
 
 def _run(model, tokenizer, strategy, parameter_sets: list[dict]) -> dict:
-    from outrider_llm.engine import GenerationEngine
+    from outrider.generation.engine import GenerationEngine
 
     if strategy is not None:
         strategy.attach(model, tokenizer)

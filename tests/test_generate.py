@@ -61,7 +61,7 @@ def _strategy(manifest_extra: dict | None = None):
 
 
 def _engine(model, tokenizer, speculative: bool, max_sequences: int = 4, **spec):
-    from outrider_llm.engine import GenerationEngine
+    from outrider.generation.engine import GenerationEngine
 
     strategy = _strategy(spec) if speculative else None
     if strategy is not None:
@@ -112,7 +112,7 @@ def test_greedy_speculative_tokens_equal_plain(tiny):
 
 def _exact_first_tokens(model, prompt_ids: list[int], n: int, vocab: int) -> dict:
     """P(first n generated tokens) at T=1, by enumeration with plain forwards."""
-    from outrider_llm.contract import Chunk
+    from outrider.generation.contract import Chunk
 
     def next_probs(prefix: list[int]) -> torch.Tensor:
         cache = model.new_cache(1, 64)
@@ -155,7 +155,7 @@ def _sample_first_tokens(model, tokenizer, prompt: str, n_tokens: int, samples: 
     # 16 at a time: the speculation budget shrinks as the batch grows, and deep trees are the point here.
     engine = _engine(model, tokenizer, speculative=True, max_sequences=16, adaptive=False)
     if wrong_rule:
-        from outrider_speculative.verify import Verdict
+        from outrider.generation.verify import Verdict
 
         def always_accept(tree, logits, params, generator):
             path, node = [], -1

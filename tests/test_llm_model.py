@@ -16,7 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from outrider_llm.contract import Chunk, DraftTree  # noqa: E402
+from outrider.generation.contract import Chunk, DraftTree  # noqa: E402
 from outrider_llm.loading import (  # noqa: E402
     load_gguf_weights,
     random_llama_weights,

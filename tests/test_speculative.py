@@ -23,8 +23,8 @@ import torch
 from outrider.errors import ManifestError
 from outrider.manifest import Manifest
 from outrider.plugins import create_registry
-from outrider_llm.contract import DraftTree
-from outrider_llm.sampling import SamplingParams, greedy_token, sample_token, target_distribution
+from outrider.generation.contract import DraftTree
+from outrider.generation.sampling import SamplingParams, greedy_token, sample_token, target_distribution
 from outrider_speculative.config import SpeculativeConfig
 from outrider_speculative.drafters import NgramDrafter, NgramIndex
 from outrider_speculative.strategy import BudgetController, SpeculativeStrategy
@@ -38,7 +38,7 @@ from outrider_speculative.tree import (
     sample_children,
     sampled_groups,
 )
-from outrider_speculative.verify import Verdict, verify
+from outrider.generation.verify import Verdict, verify
 
 V = 6
 TABLE = torch.randn(V, V, generator=torch.Generator().manual_seed(1)) * 1.5  # target logits [prev, next]

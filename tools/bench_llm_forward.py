@@ -41,7 +41,7 @@ def median_ms(fn: Callable[[], object], repeat: int, warmup: int = 3) -> float:
 
 def balanced_tree(size: int, width: int = 2):
     """A DraftTree of `size` nodes, each node with up to `width` children (breadth first)."""
-    from outrider_llm.contract import DraftTree
+    from outrider.generation.contract import DraftTree
 
     parents = [-1 if i < width else (i - width) // width for i in range(size)]
     return DraftTree(tokens=[(17 * i + 5) % 1000 + 100 for i in range(size)], parents=parents, probs=[1.0] * size)
@@ -49,7 +49,7 @@ def balanced_tree(size: int, width: int = 2):
 
 class Ours:
     def __init__(self, model, context: list[int]) -> None:
-        from outrider_llm.contract import Chunk
+        from outrider.generation.contract import Chunk
 
         self.model, self.Chunk = model, Chunk
         self.cache = model.new_cache(9, len(context) + 256)

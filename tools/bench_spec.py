@@ -54,7 +54,7 @@ def run_engine(model, tokenizer, drafters: list[str] | None, prompts: list[dict]
     from outrider.manifest import validate_manifest
     from outrider.model import PendingRequest
     from outrider.plugins import create_registry
-    from outrider_llm.engine import GenerationEngine
+    from outrider.generation.engine import GenerationEngine
 
     strategy = None
     if drafters:

@@ -54,7 +54,7 @@ sys.path[:0] = [str(ROOT / "runtime"), str(ROOT / "plugins")]
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from outrider_llm.contract import Chunk  # noqa: E402
+from outrider.generation.contract import Chunk  # noqa: E402
 from outrider_speculative.eagle import DEFAULT_WEIGHTS, DraftHead, HeadConfig, save_head, target_fingerprint  # noqa: E402
 
 TOP_K = 8  # target probabilities kept per position (the soft label)

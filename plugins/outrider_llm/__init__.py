@@ -53,14 +53,14 @@ class LlmBackend(Backend):
 
     @classmethod
     def make_scheduler(cls, manifest: Manifest) -> Any:
-        from .engine import GenerationScheduler
+        from outrider.generation.engine import GenerationScheduler
 
         return GenerationScheduler(manifest)
 
     def load(self) -> None:
         import torch
 
-        from .engine import GenerationEngine
+        from outrider.generation.engine import GenerationEngine
         from .loading import load_model
 
         options = self.manifest.options
@@ -92,9 +92,9 @@ class LlmBackend(Backend):
             engine.stats = stats
 
     def _warm(self, engine: Any) -> None:
-        from .engine import Sequence
-        from .sampling import SamplingParams
-        from .text import IncrementalText
+        from outrider.generation.engine import Sequence
+        from outrider.generation.sampling import SamplingParams
+        from outrider.generation.text import IncrementalText
 
         for _ in range(max(1, self.manifest.warmup.iterations)):
             ids = self.tokenizer.encode("def add(a, b):\n    return a + b\n\ndef add(a, b):\n")

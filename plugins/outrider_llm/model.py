@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .contract import Chunk, ForwardOutput
+from outrider.generation.contract import Chunk, ForwardOutput
 
 # oneDNN packs weights for this many rows; 32 was best or tied for 1..128 rows on the dev machine.
 PACK_ROWS = 32
@@ -42,6 +42,9 @@ SDPA_MIN_TOKENS = 128
 BATCH_MAX_TOKENS = 64
 CHUNK_FIXED_US, BATCH_FIXED_US = 40.0, 80.0
 BYTES_PER_US, FLOPS_PER_US = 30e3, 1e5  # ~30 GB/s and ~100 GFLOP/s on 2 cores
+# Every 16th embedding row goes into the weights fingerprint: 7 MB of SmolLM2's 113 MB, ~10 ms to
+# hash, and no two different weight files agree on all of them.
+FINGERPRINT_ROW_STRIDE = 16
 
 
 @dataclass
@@ -309,7 +312,8 @@ class LlamaModel(torch.nn.Module):
         self.final_norm = own(get("model.norm.weight"))
         # Embedding lookups read a few rows: keep them fp32 whatever the compute dtype.
         self.embed_weight = own(get("model.embed_tokens.weight"))
-        head = self.embed_weight if cfg.tie_word_embeddings else get("lm_head.weight")
+        self.head_weight = None if cfg.tie_word_embeddings else own(get("lm_head.weight"))
+        head = self.embed_weight if cfg.tie_word_embeddings else self.head_weight
         self.head = _Linear(head, dt, onednn)
 
     def _rope_table(self, size: int) -> None:
@@ -341,6 +345,42 @@ class LlamaModel(torch.nn.Module):
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """int64 [n] -> float32 [n, hidden] input embeddings."""
         return self.embed_weight.index_select(0, tokens.reshape(-1).to(self.device, torch.long))
+
+    def lm_head_rows(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The LM head's rows for `tokens`, fp32 [k, hidden] (a draft head's restricted vocabulary)."""
+        tokens = tokens.reshape(-1).to(self.device, torch.long)
+        if self.config.tie_word_embeddings:
+            return self.embed(tokens)
+        return self.head_weight.index_select(0, tokens)
+
+    def make_linear(self, weight: torch.Tensor, dtype: Optional[torch.dtype] = None) -> "_Linear":
+        """y = x @ weight.T in this model's compute format (prepacked when oneDNN works here)."""
+        dtype = self.dtype if dtype is None else dtype
+        onednn = self.uses_onednn if dtype == self.dtype else (self.device.type == "cpu" and onednn_works(dtype))
+        return _Linear(weight.to(self.device, torch.float32), dtype, onednn)
+
+    @torch.no_grad()
+    def fingerprint(self) -> str:
+        """sha256 (hex) of the shape, every 16th embedding row and the norm weights.
+
+        Independent of the compute dtype and of weight quantization (embeddings and norms stay
+        fp32 in every mode), so a draft head trained on the fp32 target also serves the others.
+        """
+        import hashlib
+        import json
+
+        def raw(tensor: torch.Tensor) -> bytes:
+            return tensor.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
+
+        digest = hashlib.sha256()
+        shape = {"vocab_size": self.vocab_size, "hidden_size": self.hidden_size, "num_layers": self.config.num_layers}
+        digest.update(json.dumps(shape, sort_keys=True).encode())
+        digest.update(raw(self.embed(torch.arange(0, self.vocab_size, FINGERPRINT_ROW_STRIDE))))
+        digest.update(raw(self.final_norm))
+        for layer in self.layers:
+            digest.update(raw(layer.attn_norm))
+            digest.update(raw(layer.mlp_norm))
+        return digest.hexdigest()
 
     @torch.no_grad()
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:

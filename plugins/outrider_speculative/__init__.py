@@ -12,7 +12,7 @@ and verifies:
 - `eagle.py`     DraftHead, its weights file (tied to the target by fingerprint), EagleDrafter
 - `tree.py`      SpecTree (sampled candidates), prune_tree, merge_trees, build_dynamic_tree
 - `verify.py`    Verdict and the accept rule (greedy; multi-candidate speculative sampling), on
-                 the target distribution plain decoding defines (outrider_llm.sampling)
+                 the target distribution plain decoding defines (outrider.generation.sampling)
 
 Importing this package imports no torch; the factories do, when a manifest asks for them.
 """

@@ -29,7 +29,7 @@ import threading
 from collections import OrderedDict
 from typing import Any, Hashable, Mapping, Optional
 
-from outrider_llm.contract import DraftTree
+from outrider.generation.contract import DraftTree
 
 from .config import OptionError, read_float, read_int
 from .tree import SpecTree, build_dynamic_tree, merge_trees, prune_tree

@@ -29,7 +29,6 @@ verification is lossless for greedy and sampling alike.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -52,39 +51,12 @@ FORMAT = "outrider-eagle/1"
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
 DEFAULT_WEIGHTS = WEIGHTS_DIR / "smollm2-eagle.safetensors"
 TRAIN_HINT = "python tools/train_draft.py --out PATH (then set speculative.eagle.weights: PATH)"
-# Every 16th embedding row goes into the fingerprint: 7 MB of SmolLM2's 113 MB, ~10 ms to hash,
-# and no two different weight files agree on all of them.
-FINGERPRINT_ROW_STRIDE = 16
-
-
 # ---- the target's fingerprint -------------------------------------------------------------------
 
 
 def target_fingerprint(model: Any) -> str:
-    """sha256 (hex) of the target's shape, every 16th embedding row and its norm weights.
-
-    Independent of the compute dtype (embeddings and norms are kept fp32 in every mode), so a head
-    trained on the fp32 target also serves the bf16 one. The trainer and the loader both call this.
-    """
-    digest = hashlib.sha256()
-    shape = {"vocab_size": int(model.vocab_size), "hidden_size": int(model.hidden_size)}
-    config = getattr(model, "config", None)
-    if config is not None:
-        shape["num_layers"] = int(getattr(config, "num_layers", 0))
-    digest.update(json.dumps(shape, sort_keys=True).encode())
-    rows = torch.arange(0, int(model.vocab_size), FINGERPRINT_ROW_STRIDE)
-    digest.update(_bytes(model.embed(rows)))
-    norms = [getattr(model, "final_norm", None)]
-    for layer in getattr(model, "layers", []):
-        norms += [getattr(layer, "attn_norm", None), getattr(layer, "mlp_norm", None)]
-    for tensor in norms:
-        if tensor is not None:
-            digest.update(_bytes(tensor))
-    return digest.hexdigest()
-
-
-def _bytes(tensor: torch.Tensor) -> bytes:
-    return tensor.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
+    """The target's weights fingerprint (`CausalLM.fingerprint`): the trainer and the loader both call this."""
+    return model.fingerprint()
 
 
 # ---- the head -------------------------------------------------------------------------------------
@@ -254,10 +226,7 @@ def check_target(loaded: LoadedHead, model: Any) -> str:
 class _CompiledHead:
     """The head's forward for drafting: prepacked linears (oneDNN when it works), no autograd."""
 
-    def __init__(self, head: DraftHead, lm_rows: torch.Tensor, dtype: torch.dtype) -> None:
-        from outrider_llm.model import _Linear, onednn_works  # the target's prepacked linear
-
-        onednn = onednn_works(dtype)
+    def __init__(self, head: DraftHead, lm_rows: torch.Tensor, model: Any, dtype: torch.dtype) -> None:
         cfg = head.config
         self.eps, self.shape, self.inter = cfg.rms_norm_eps, (cfg.hidden_size,), cfg.intermediate_size
         self.dtype = dtype
@@ -265,10 +234,12 @@ class _CompiledHead:
         self.norm_hidden = head.norm_hidden.detach().float().clone()
         self.norm_embed = head.norm_embed.detach().float().clone()
         self.norm_out = head.norm_out.detach().float().clone()
-        self.fc = _Linear(head.fc.weight.detach().float(), dtype, onednn)
-        self.blocks = [(b.norm.detach().float().clone(), _Linear(b.gate_up.weight.detach().float(), dtype, onednn),
-                        _Linear(b.down.weight.detach().float(), dtype, onednn)) for b in head.blocks]
-        self.lm = _Linear(lm_rows.float(), dtype, onednn)
+        # The target's own linear (prepacked, in its format), reached through the contract.
+        linear = lambda weight: model.make_linear(weight.detach().float(), dtype)  # noqa: E731
+        self.fc = linear(head.fc.weight)
+        self.blocks = [(b.norm.detach().float().clone(), linear(b.gate_up.weight), linear(b.down.weight))
+                       for b in head.blocks]
+        self.lm = linear(lm_rows)
 
     def _mm(self, linear: Any, x: torch.Tensor) -> torch.Tensor:
         return linear(x if self.low is None else x.to(self.low)).float()
@@ -287,13 +258,8 @@ class _CompiledHead:
 
 
 def lm_rows_for(model: Any, draft_vocab: torch.Tensor) -> torch.Tensor:
-    """The target's LM head rows of the draft vocabulary, [K, H] (tied embeddings: embedding rows)."""
-    config = getattr(model, "config", None)
-    if config is not None and getattr(config, "tie_word_embeddings", False):
-        return model.embed(draft_vocab)
-    # Untied head: recover its rows through the public lm_head (one identity pass, once at load).
-    eye = torch.eye(model.hidden_size)
-    return model.lm_head(eye).T.index_select(0, draft_vocab).contiguous()
+    """The target's LM head rows of the draft vocabulary, fp32 [K, H]."""
+    return model.lm_head_rows(draft_vocab)
 
 
 class EagleDrafter:
@@ -312,7 +278,7 @@ class EagleDrafter:
         self.frontier = frontier
         if dtype is None:
             dtype = getattr(model, "dtype", torch.float32)
-        self.compiled = _CompiledHead(loaded.head, lm_rows_for(model, loaded.draft_vocab), dtype)
+        self.compiled = _CompiledHead(loaded.head, lm_rows_for(model, loaded.draft_vocab), model, dtype)
         self.calls = 0  # head forwards (expand calls), for benchmarks
         self._lock = threading.Lock()  # instance threads may share one drafter
 

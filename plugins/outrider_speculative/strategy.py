@@ -31,12 +31,12 @@ from typing import Any, Callable, Hashable, Optional
 import torch
 
 from outrider.errors import ManifestError
-from outrider_llm.contract import DraftTree
+from outrider.generation.contract import DraftTree
 
 from .config import OptionError, SpeculativeConfig
 from .drafters import make_ngram_drafter, sequence_key
 from .tree import SpecTree, merge_trees, prune_tree
-from .verify import Verdict, verify
+from outrider.generation.verify import Verdict, verify
 
 log = logging.getLogger("outrider.speculative")
 

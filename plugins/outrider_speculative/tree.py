@@ -27,41 +27,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
-from outrider_llm.contract import DraftTree
-
-
-@dataclass
-class SampledChildren:
-    """Candidates drawn at random from a draft distribution q for one parent node."""
-
-    q: torch.Tensor  # [vocab] the draft distribution (need not be normalized)
-    draws: list[int]  # tokens in the order drawn
-    replacement: bool = False  # False: each draw came from q with the earlier draws removed
-
-
-@dataclass
-class SpecTree(DraftTree):
-    """A DraftTree that may say, per parent, which children were sampled from which q."""
-
-    sampled: dict[int, list[SampledChildren]] = field(default_factory=dict)
-
-    def children(self) -> dict[int, list[int]]:
-        """Children of every node (key -1 = the pending token), in node order."""
-        return children_of(self)
-
-
-def children_of(tree: DraftTree) -> dict[int, list[int]]:
-    """Children of every node of any DraftTree (key -1 = the pending token), in node order."""
-    out: dict[int, list[int]] = {-1: []}
-    for i, parent in enumerate(tree.parents):
-        out.setdefault(parent, []).append(i)
-        out.setdefault(i, [])
-    return out
-
-
-def sampled_groups(tree: DraftTree) -> dict[int, list[SampledChildren]]:
-    """The tree's sampled groups ({} for a plain DraftTree)."""
-    return getattr(tree, "sampled", None) or {}
+from outrider.generation.contract import DraftTree, SampledChildren, SpecTree, children_of, sampled_groups
 
 
 def check_tree(tree: DraftTree) -> None:

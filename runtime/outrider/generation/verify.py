@@ -5,7 +5,7 @@ distribution of the pending token's children, row i+1 that of node i's children)
 sampling knobs and its generator. Output: a `Verdict` (accepted path, root first, and the bonus
 token the target samples after it).
 
-Both paths use the target as plain decoding defines it (`outrider_llm.sampling`): greedy is
+Both paths use the target as plain decoding defines it (`outrider.generation.sampling`): greedy is
 `torch.argmax` (first maximal index, documented for CPU and CUDA; `greedy_token` is the same
 call), and sampling draws from `target_distribution` (temperature, top_k, top_p, renormalized).
 Losslessness is relative to that one function, so it must stay the only definition.
@@ -43,10 +43,10 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from outrider_llm.contract import DraftTree
-from outrider_llm.sampling import target_distribution  # the one definition plain sampling uses too
+from .contract import DraftTree
+from .sampling import target_distribution  # the one definition plain sampling uses too
 
-from .tree import children_of, sampled_groups
+from .contract import children_of, sampled_groups
 
 
 def sampling_knobs(params: Any) -> tuple[float, int, float]:

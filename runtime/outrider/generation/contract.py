@@ -1,0 +1,191 @@
+"""The shapes shared by the generation engine, a generating backend's model and decode strategies.
+
+Conventions (read these first):
+- A sequence lives in one *slot* of a preallocated KV cache. `cache.length(slot)` tokens are
+  committed there (positions 0 .. length-1).
+- The *pending* token is the last token chosen (sampled or accepted) but not yet in the cache.
+  Every decode step feeds the pending token plus the draft tree's nodes in ONE forward pass.
+- Position of the pending token = length(slot); a tree node at depth d (children of the
+  pending token have depth 1) sits at position length(slot) + d.
+- `forward` appends the K/V of every token it is fed, tentatively, after the committed ones;
+  `cache.commit(slot, keep)` then keeps only the fed tokens listed in `keep` (indices into the
+  chunk, in order: the pending token, then the accepted path), compacting them to positions
+  length .. length+len(keep)-1. Prefill is a chunk with a causal mask, committed whole.
+- Logits and hidden states come back for every fed token, in chunk order (logits only for
+  `logit_rows` when given: the engine asks for a prefill's last token and every row of a tree).
+- `hidden` is the last layer's output after the final norm: what a draft head reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Protocol
+
+import torch
+
+
+@dataclass
+class Chunk:
+    """Tokens of one sequence fed to one forward pass."""
+
+    slot: int
+    tokens: torch.Tensor  # int64 [n]
+    positions: torch.Tensor  # int64 [n], absolute positions (RoPE)
+    # bool [n, n]: mask[i, j] = token i may attend to fed token j (itself included).
+    # None means causal (prefill, or a plain chain). Every token also sees all committed tokens.
+    tree_mask: Optional[torch.Tensor] = None
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor  # float32 [total_tokens, vocab], chunks concatenated in order
+    hidden: torch.Tensor  # float32 [total_tokens, hidden_size], last layer after the final norm
+
+
+class KVCache(Protocol):
+    num_slots: int
+    max_length: int
+
+    def length(self, slot: int) -> int: ...
+    def commit(self, slot: int, keep: list[int]) -> None: ...
+    def reset(self, slot: int) -> None: ...
+
+
+class CausalLM(Protocol):
+    """A decoder with a slot KV cache and tree attention (one implementation: plugins/outrider_llm).
+
+    What a draft head needs is here too, so a drafter never imports a backend: the input
+    embeddings, the LM head, `make_linear` (a matmul in the model's own compute format, e.g.
+    prepacked or quantized) and `fingerprint()` (identifies the weights a head was trained on).
+    """
+
+    vocab_size: int
+    hidden_size: int
+    dtype: torch.dtype  # the compute dtype of its matmuls (float32, bfloat16, ...)
+
+    def new_cache(self, num_slots: int, max_length: int) -> KVCache: ...
+    def forward(self, cache: KVCache, chunks: list[Chunk],
+                logit_rows: Optional[torch.Tensor] = None) -> ForwardOutput: ...
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor: ...  # int64 [n] -> float32 [n, hidden]
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor: ...  # [n, hidden] -> float32 [n, vocab]
+    def lm_head_rows(self, tokens: torch.Tensor) -> torch.Tensor: ...  # the head's rows for `tokens`, fp32 [k, hidden]
+    # y = x @ W.T in the model's compute format (or `dtype`), any float input, output in that dtype
+    def make_linear(self, weight: torch.Tensor, dtype: Optional[torch.dtype] = None) -> Callable[[torch.Tensor], torch.Tensor]: ...
+    def fingerprint(self) -> str: ...
+
+
+@dataclass
+class DraftTree:
+    """Candidate continuations of one sequence, rooted at its pending token (node -1).
+
+    Nodes are in topological order (a parent comes before its children). `probs[i]` is the
+    drafter's (cumulative path) probability of node i, used only on the draft side (pruning,
+    budget); the accept rule never looks at it.
+    """
+
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)  # -1 = child of the pending token
+    probs: list[float] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def depths(self) -> list[int]:
+        """Depth of each node (children of the pending token have depth 1)."""
+        out: list[int] = []
+        for parent in self.parents:
+            out.append(1 if parent < 0 else out[parent] + 1)
+        return out
+
+    def mask(self) -> torch.Tensor:
+        """bool [1+n, 1+n] tree mask over [pending, nodes...] (row attends to column)."""
+        n = len(self.tokens)
+        mask = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+        mask[:, 0] = True
+        for i, parent in enumerate(self.parents):
+            row = i + 1
+            mask[row, row] = True
+            if parent >= 0:
+                mask[row] |= mask[parent + 1]
+        mask[0, 1:] = False
+        return mask
+
+
+class Drafter(Protocol):
+    """Proposes a draft tree for a sequence (registered via `outrider_register_drafters`)."""
+
+    name: str
+
+    def propose(self, state: "SequenceView", budget: int) -> DraftTree: ...
+
+
+class SequenceView(Protocol):
+    """What a drafter may read about a sequence."""
+
+    token_ids: list[int]  # prompt + generated so far, including the pending token (last)
+    prompt_length: int
+    last_hidden: Optional[torch.Tensor]  # [hidden] target's last-layer hidden state at the last committed position
+
+
+class DecodeStrategy(Protocol):
+    """What a generating engine asks each step (the `speculative` accelerator implements it).
+
+        strategy = accelerator.for_instance(); strategy.attach(model, tokenizer)   # at load
+        strategy.start(seq)                                      # a sequence was admitted
+        each step, for each decoding sequence:
+            tree = strategy.propose(seq, min(strategy.batch_budget(n_active), room))
+            tree = strategy.limit_depth(tree, room)
+            ... one forward over [pending, *tree.tokens] with tree.mask() ...
+            verdict = strategy.verify(tree, logits, seq.params, seq.generator)   # verify.verify
+            cache.commit(slot, verdict.keep()); strategy.record(seq, len(tree), verdict.accepted_tokens)
+            strategy.extend(seq, new_tokens)
+        strategy.finish(seq)                                     # ended or cancelled
+
+    Only `verify` decides what is kept, and it must be `verify.verify` (or exactly as lossless):
+    everything else (drafters, budgets, thresholds) is draft-side heuristics.
+    """
+
+    def for_instance(self) -> "DecodeStrategy": ...
+    def attach(self, model: CausalLM, tokenizer: Any) -> None: ...
+    def start(self, seq: SequenceView) -> None: ...
+    def batch_budget(self, n_active: int) -> int: ...
+    def propose(self, seq: SequenceView, budget: int) -> DraftTree: ...
+    def limit_depth(self, tree: DraftTree, max_depth: int) -> DraftTree: ...
+    def verify(self, tree: DraftTree, logits: torch.Tensor, params: Any, generator: Optional[torch.Generator]) -> Any: ...
+    def record(self, seq: SequenceView, draft_tokens: int, accepted_tokens: int) -> None: ...
+    def extend(self, seq: SequenceView, new_tokens: list[int]) -> None: ...
+    def finish(self, seq: SequenceView) -> None: ...
+
+
+@dataclass
+class SampledChildren:
+    """Candidates drawn at random from a draft distribution q for one parent node."""
+
+    q: torch.Tensor  # [vocab] the draft distribution (need not be normalized)
+    draws: list[int]  # tokens in the order drawn
+    replacement: bool = False  # False: each draw came from q with the earlier draws removed
+
+
+@dataclass
+class SpecTree(DraftTree):
+    """A DraftTree that may say, per parent, which children were sampled from which q."""
+
+    sampled: dict[int, list[SampledChildren]] = field(default_factory=dict)
+
+    def children(self) -> dict[int, list[int]]:
+        """Children of every node (key -1 = the pending token), in node order."""
+        return children_of(self)
+
+
+def children_of(tree: DraftTree) -> dict[int, list[int]]:
+    """Children of every node of any DraftTree (key -1 = the pending token), in node order."""
+    out: dict[int, list[int]] = {-1: []}
+    for i, parent in enumerate(tree.parents):
+        out.setdefault(parent, []).append(i)
+        out.setdefault(i, [])
+    return out
+
+
+def sampled_groups(tree: DraftTree) -> dict[int, list[SampledChildren]]:
+    """The tree's sampled groups ({} for a plain DraftTree)."""
+    return getattr(tree, "sampled", None) or {}
