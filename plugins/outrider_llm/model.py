@@ -16,6 +16,9 @@ Implements `CausalLM` from `contract.py`. What makes it fast on a 2-core CPU:
 `dtype` picks the matmul precision: fp32 (default, matches transformers to ~1e-5 of the logit
 scale) or bf16 (weights and matmul inputs; residual stream, norms, attention and the KV cache stay
 fp32; top-1 agreement with fp32 0.988 on greedy continuations, ~1.3-1.5x faster on AVX512-BF16).
+Linear weights may also come quantized (int4 group-wise or int8 per-channel, format and kernels in
+linear.py): they then run through torch's packed weight-only kernels with bf16 activations, chosen
+and checked at load by `linear.choose_kernel`; embeddings and norms stay fp32 in every mode.
 Runs under `torch.no_grad()`. Built for CPU; `device="cuda"` works through plain `F.linear` but
 was not tuned.
 """
@@ -31,8 +34,16 @@ import torch.nn.functional as F
 
 from outrider.generation.contract import Chunk, ForwardOutput
 
-# oneDNN packs weights for this many rows; 32 was best or tied for 1..128 rows on the dev machine.
-PACK_ROWS = 32
+from .linear import (  # noqa: F401  (re-exported: `from outrider_llm.model import _Linear` keeps working)
+    PACK_ROWS,
+    KernelPlan,
+    QuantTensor,
+    _Linear,
+    choose_kernel,
+    cpu_has_native_bf16,
+    onednn_works,
+)
+
 # Chunks longer than this attend through SDPA (flash kernel, no [n, L] score matrix in memory);
 # shorter ones through two batched matmuls, faster for decode and verification.
 SDPA_MIN_TOKENS = 128
@@ -87,18 +98,6 @@ def resolve_dtype(dtype: "str | torch.dtype | None") -> torch.dtype:
     raise ValueError(f"dtype must be 'fp32', 'bf16' or 'auto', not {dtype!r}")
 
 
-def cpu_has_native_bf16() -> bool:
-    """True when oneDNN can run bf16 matmuls in hardware (AVX512-BF16 or AMX)."""
-    try:
-        if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-            return False
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-        return "avx512_bf16" in flags or "amx_bf16" in flags
-    except Exception:
-        return False
-
-
 def tune_malloc() -> bool:
     """Keep freed memory in glibc's heap instead of unmapping it (process-wide; Linux/glibc only).
 
@@ -134,40 +133,6 @@ def release_free_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
-
-
-class _Linear:
-    """y = x @ W.T, with W prepacked for oneDNN when that works here (plain `F.linear` otherwise)."""
-
-    __slots__ = ("weight", "packed")
-
-    def __init__(self, weight: torch.Tensor, dtype: torch.dtype, use_onednn: bool) -> None:
-        self.weight = weight.to(dtype=dtype, memory_format=torch.contiguous_format, copy=True)
-        self.packed = None
-        if use_onednn:
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, PACK_ROWS)
-            self.weight = None  # the packed copy is all we read; don't hold the weight twice
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
-        return F.linear(x, self.weight)
-
-
-def onednn_works(dtype: torch.dtype) -> bool:
-    """Whether prepacked oneDNN linears exist here and agree with `F.linear`."""
-    try:
-        if not torch.backends.mkldnn.is_available():
-            return False
-        gen = torch.Generator().manual_seed(0)
-        w = torch.randn(48, 64, generator=gen).to(dtype)
-        x = torch.randn(3, 64, generator=gen).to(dtype)
-        lin = _Linear(w, dtype, use_onednn=True)
-        tol = 1e-4 if dtype == torch.float32 else 0.1
-        ok = torch.allclose(lin(x).float(), F.linear(x, w).float(), atol=tol, rtol=tol)
-        return bool(ok)
-    except Exception:
-        return False
 
 
 class SlotKVCache:
@@ -261,14 +226,30 @@ class LlamaModel(torch.nn.Module):
         dtype: "str | torch.dtype | None" = None,
         use_onednn: Optional[bool] = None,
         device: "str | torch.device | None" = None,
+        kernel: str = "auto",
     ) -> None:
-        """Build from Hugging Face Llama weight names (`model.layers.0.self_attn.q_proj.weight`, ...)."""
+        """Build from Hugging Face Llama weight names (`model.layers.0.self_attn.q_proj.weight`, ...).
+
+        Linear weights may be given quantized instead (`N.int4.q/.scale/.zero` or `N.int8.q/.scale`,
+        format in linear.py; the tied LM head as `lm_head.weight.*`). Then `kernel` (see
+        `choose_kernel`) decides how they run, and the compute dtype becomes that kernel's (bf16 for
+        the packed kernels): `dtype` only applies to a model without quantized weights.
+        """
         super().__init__()
         self.config = config
-        self.dtype = resolve_dtype(dtype)
         self.device = torch.device(device or "cpu")
         self.vocab_size = config.vocab_size
         self.hidden_size = config.hidden_size
+        self.quant_mode = _quant_mode(state_dict)
+        self.kernel_plan: Optional[KernelPlan] = None
+        if self.quant_mode is not None:
+            if self.device.type == "cpu":
+                self.kernel_plan = choose_kernel(self.quant_mode, kernel, _group_size(state_dict))
+            else:  # the packed kernels are CPU-only: dequantize
+                self.kernel_plan = KernelPlan(self.quant_mode, "dense", resolve_dtype(dtype), reason="not a CPU")
+            self.dtype = self.kernel_plan.dtype
+        else:
+            self.dtype = resolve_dtype(dtype)
         if use_onednn is None:
             use_onednn = self.device.type == "cpu" and onednn_works(self.dtype)
         self.uses_onednn = bool(use_onednn)
@@ -294,6 +275,22 @@ class LlamaModel(torch.nn.Module):
             # file's touched pages resident (+430 MB RSS for SmolLM2) after the state dict goes.
             return tensor.clone(memory_format=torch.contiguous_format)
 
+        def weight(name: str, factor: float = 1.0) -> "torch.Tensor | QuantTensor":
+            quant = QuantTensor.from_state_dict(sd, name)
+            if quant is not None:
+                return quant if factor == 1.0 else quant.scaled(factor)
+            w = get(name)
+            return w if factor == 1.0 else w * factor
+
+        def linear(*parts: "torch.Tensor | QuantTensor"):
+            # Fused projections concatenate along out-features; all parts must share a format,
+            # else (a partly quantized state dict) they run dense from their fp32 values.
+            if all(isinstance(p, QuantTensor) for p in parts):
+                fused = parts[0] if len(parts) == 1 else QuantTensor.cat(list(parts))
+                return self.kernel_plan.build(fused, self.device)
+            dense = [p.dequantize().to(self.device) if isinstance(p, QuantTensor) else p for p in parts]
+            return _Linear(dense[0] if len(dense) == 1 else torch.cat(dense), dt, onednn)
+
         self.layers: list[_Layer] = []
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
@@ -301,20 +298,33 @@ class LlamaModel(torch.nn.Module):
             layer.attn_norm = own(get(p + "input_layernorm.weight"))
             layer.mlp_norm = own(get(p + "post_attention_layernorm.weight"))
             # Scaling Q by 1/sqrt(head_dim) commutes with RoPE; for head_dim 64 it is 1/8, exact.
-            q = get(p + "self_attn.q_proj.weight") * scale
-            qkv = torch.cat([q, get(p + "self_attn.k_proj.weight"), get(p + "self_attn.v_proj.weight")])
-            layer.qkv = _Linear(qkv, dt, onednn)
-            layer.o = _Linear(get(p + "self_attn.o_proj.weight"), dt, onednn)
-            gate_up = torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
-            layer.gate_up = _Linear(gate_up, dt, onednn)
-            layer.down = _Linear(get(p + "mlp.down_proj.weight"), dt, onednn)
+            layer.qkv = linear(weight(p + "self_attn.q_proj.weight", scale), weight(p + "self_attn.k_proj.weight"),
+                               weight(p + "self_attn.v_proj.weight"))
+            layer.o = linear(weight(p + "self_attn.o_proj.weight"))
+            layer.gate_up = linear(weight(p + "mlp.gate_proj.weight"), weight(p + "mlp.up_proj.weight"))
+            layer.down = linear(weight(p + "mlp.down_proj.weight"))
             self.layers.append(layer)
         self.final_norm = own(get("model.norm.weight"))
         # Embedding lookups read a few rows: keep them fp32 whatever the compute dtype.
         self.embed_weight = own(get("model.embed_tokens.weight"))
-        self.head_weight = None if cfg.tie_word_embeddings else own(get("lm_head.weight"))
-        head = self.embed_weight if cfg.tie_word_embeddings else self.head_weight
-        self.head = _Linear(head, dt, onednn)
+        head_quant = QuantTensor.from_state_dict(sd, "lm_head.weight")
+        if cfg.tie_word_embeddings:
+            self.head_weight = None
+            # A tied head may still be stored quantized (under lm_head.weight.*): the embedding
+            # stays fp32 for lookups and the fingerprint, the head reads the quantized copy.
+            self.head = linear(head_quant) if head_quant is not None else _Linear(self.embed_weight, dt, onednn)
+        elif head_quant is not None:
+            # lm_head_rows needs fp32 rows: keep the dequantized weight (exactly what the kernel computes with)
+            self.head_weight = head_quant.dequantize().to(self.device)
+            self.head = linear(head_quant)
+        else:
+            self.head_weight = own(get("lm_head.weight"))
+            self.head = _Linear(self.head_weight, dt, onednn)
+
+    def weight_bytes(self) -> int:
+        """Bytes held by the matmul kernels (embeddings and norms not counted)."""
+        kernels = [self.head] + [k for layer in self.layers for k in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        return sum(getattr(k, "nbytes", 0) for k in kernels)
 
     def _rope_table(self, size: int) -> None:
         # Same arithmetic as transformers' LlamaRotaryEmbedding (fp32 outer product, cat, cos/sin).
@@ -618,6 +628,22 @@ class LlamaModel(torch.nn.Module):
         # [count, 1 (kv heads), group * width, span]: query rows are (group member, chunk index).
         b.mask = mask.repeat(1, group, 1).unsqueeze(1)
         return b
+
+
+def _quant_mode(sd: dict[str, torch.Tensor]) -> Optional[str]:
+    """"int4" / "int8" when the state dict holds linear weights in that form (one mode per model)."""
+    modes = {m for m in ("int4", "int8") if any(k.endswith(f".{m}.q") for k in sd)}
+    if len(modes) > 1:
+        raise ValueError(f"a state dict may hold one quantized format, found {sorted(modes)}")
+    return modes.pop() if modes else None
+
+
+def _group_size(sd: dict[str, torch.Tensor]) -> int:
+    """Input columns per int4 group (32 where there are no int4 weights)."""
+    for key, q in sd.items():
+        if key.endswith(".int4.q"):
+            return 2 * q.shape[1] // sd[key[: -len(".q")] + ".scale"].shape[1]
+    return 32
 
 
 def _block(tree: Optional[torch.Tensor], n: int, device: torch.device) -> torch.Tensor:

@@ -1,0 +1,454 @@
+"""Linear kernels for the Llama forward: y = x @ W.T with W dense (fp32/bf16) or quantized (int8/int4).
+
+Every kernel is a callable `k(x) -> y` over rows x [n, in]; it takes any float x and returns y in
+its `dtype` (the matmul input dtype: fp32 for dense fp32, bf16 for everything else). The model
+converts its activations to that dtype once per projection and back to fp32 after.
+
+- `_Linear`: dense, prepacked for oneDNN once at load (`mkldnn._reorder_linear_weight`).
+- `Int8Linear`: per-output-channel symmetric int8, w = q * scale; `aten._weight_int8pack_mm`.
+- `Int4Linear`: group-wise asymmetric 4 bit, w = (q - 8) * scale + zero per group of `group_size`
+  input columns; `aten._convert_weight_to_int4pack_for_cpu` + `aten._weight_int4pack_mm_for_cpu`.
+  Scales and zeros are rounded to bf16 there (the kernel wants them in the input dtype).
+
+Both quantized kernels read 1/4 (int8) or 1/8 (int4) of the fp32 bytes, which is what a decode
+step is bound by, but they are GEMV-shaped: their cost grows ~linearly with rows, while bf16 on
+AMX barely grows from 1 to 32 rows. Measured on the Xeon (AMX) machine, 2 threads, microseconds,
+fp32 / bf16 / int8 / int4: 576->3072 at 1 row 170 / 84 / 74 / 68, at 16 rows 334 / 101 / 582 / 519;
+the LM head 576->49152 at 1 row 3227 / 1575 / 1869 / 1063, at 16 rows 5972 / 1478 / 9657 / 6944.
+So a quantized kernel may carry a second, dense bf16 copy that serves calls of many rows (draft
+verification, prefill): 4x cheaper verification there, for +2 bytes per weight (SmolLM2: +270 MB,
+which breaks the 500 MB edge budget; hence only on request, kernel "int4pack+bf16").
+
+Quantized tensor format (safetensors, Hugging Face weight name N), shared with outrider_quantize:
+  N.int4.q      uint8 [out, in // 2]: two 4-bit values 0..15 per byte, column 2j in the low
+                nibble, column 2j+1 in the high nibble
+  N.int4.scale  fp32 or bf16 [out, in // group]      N.int4.zero  same shape; w = (q - 8) * scale + zero
+  N.int8.q      int8 [out, in]                       N.int8.scale fp32 [out]; w = q * scale
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger("outrider.llm")
+
+# oneDNN packs weights for this many rows; 32 was best or tied for 1..128 rows on the dev machine.
+PACK_ROWS = 32
+# Inner k tiles of torch's CPU int4 layout (the only value its CPU kernel is tuned for).
+INT4_INNER_K_TILES = 2
+# Dense-copy threshold when it cannot be measured: a quantized GEMV lost to AMX bf16 from 8 rows.
+DEFAULT_DENSE_FROM_ROWS = 8
+KERNELS = ("auto", "int4pack", "int8pack", "dense", "int4pack+bf16", "int8pack+bf16")
+
+
+# ---- CPU features ---------------------------------------------------------------------------
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def cpu_has_native_bf16() -> bool:
+    """True when oneDNN can run bf16 matmuls in hardware (AVX512-BF16 or AMX)."""
+    try:
+        if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            return False
+    except Exception:
+        return False
+    flags = cpu_flags()
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+# ---- dense -----------------------------------------------------------------------------------
+
+
+class _Linear:
+    """y = x @ W.T, with W prepacked for oneDNN when that works here (plain `F.linear` otherwise).
+
+    Input and output in `dtype` (the caller converts x).
+    """
+
+    __slots__ = ("weight", "packed", "dtype")
+
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype, use_onednn: bool) -> None:
+        self.dtype = dtype
+        self.weight = weight.to(dtype=dtype, memory_format=torch.contiguous_format, copy=True)
+        self.packed = None
+        if use_onednn:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, PACK_ROWS)
+            self.weight = None  # the packed copy is all we read; don't hold the weight twice
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != self.dtype:
+            x = x.to(self.dtype)
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+        return F.linear(x, self.weight)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of weight this kernel holds."""
+        t = self.packed if self.packed is not None else self.weight
+        return t.numel() * t.element_size()
+
+
+def onednn_works(dtype: torch.dtype) -> bool:
+    """Whether prepacked oneDNN linears exist here and agree with `F.linear`."""
+    try:
+        if not torch.backends.mkldnn.is_available():
+            return False
+        gen = torch.Generator().manual_seed(0)
+        w = torch.randn(48, 64, generator=gen).to(dtype)
+        x = torch.randn(3, 64, generator=gen).to(dtype)
+        lin = _Linear(w, dtype, use_onednn=True)
+        tol = 1e-4 if dtype == torch.float32 else 0.1
+        return bool(torch.allclose(lin(x).float(), F.linear(x, w).float(), atol=tol, rtol=tol))
+    except Exception:
+        return False
+
+
+def dense_linear(weight: torch.Tensor, dtype: torch.dtype, device: "torch.device | str" = "cpu") -> _Linear:
+    """A dense kernel for an fp32 weight, prepacked when oneDNN works for `dtype` here."""
+    device = torch.device(device)
+    onednn = device.type == "cpu" and _onednn_cached(dtype)
+    return _Linear(weight.to(device, torch.float32), dtype, onednn)
+
+
+_ONEDNN: dict[torch.dtype, bool] = {}
+
+
+def _onednn_cached(dtype: torch.dtype) -> bool:
+    if dtype not in _ONEDNN:
+        _ONEDNN[dtype] = onednn_works(dtype)
+    return _ONEDNN[dtype]
+
+
+# ---- quantized tensors (format above) ----------------------------------------------------------
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """uint8 [out, in] values 0..15 -> uint8 [out, in // 2] (column 2j low nibble, 2j+1 high)."""
+    if q.shape[-1] % 2:
+        raise ValueError(f"int4 packing needs an even number of columns, got {tuple(q.shape)}")
+    q = q.to(torch.uint8)
+    return q[..., 0::2] | (q[..., 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [out, in // 2] -> uint8 [out, in] values 0..15 (inverse of `pack_int4`)."""
+    packed = packed.to(torch.uint8)
+    return torch.stack([packed & 15, packed >> 4], dim=-1).flatten(-2)
+
+
+def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """fp32 [out, in] weight of packed int4 (`q` uint8 [out, in // 2]): (q - 8) * scale + zero."""
+    values = unpack_int4(q).float()
+    group = values.shape[1] // scale.shape[1]
+    scale = scale.float().repeat_interleave(group, dim=1)
+    zero = zero.float().repeat_interleave(group, dim=1)
+    return (values - 8) * scale + zero
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp32 [out, in] weight of per-channel int8: q * scale."""
+    return q.float() * scale.float()[:, None]
+
+
+@dataclass
+class QuantTensor:
+    """One linear weight in quantized form: "int4" (q packed, scale, zero) or "int8" (q, scale)."""
+
+    mode: str
+    q: torch.Tensor
+    scale: torch.Tensor
+    zero: Optional[torch.Tensor] = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(out, in) of the weight it stands for."""
+        rows, cols = self.q.shape
+        return (rows, cols * 2) if self.mode == "int4" else (rows, cols)
+
+    @property
+    def group_size(self) -> Optional[int]:
+        """Input columns per scale/zero group (int4), None for per-channel int8."""
+        return self.shape[1] // self.scale.shape[1] if self.mode == "int4" else None
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 weight it stands for."""
+        if self.mode == "int4":
+            return dequantize_int4(self.q, self.scale, self.zero)
+        return dequantize_int8(self.q, self.scale)
+
+    def scaled(self, factor: float) -> "QuantTensor":
+        """The weight times `factor` (scales and zeros scale; q stays)."""
+        zero = None if self.zero is None else self.zero.float() * factor
+        return QuantTensor(self.mode, self.q, self.scale.float() * factor, zero)
+
+    @staticmethod
+    def cat(parts: list["QuantTensor"]) -> "QuantTensor":
+        """Concatenate along out-features (fused QKV, gate/up); modes and groups must agree."""
+        modes = {p.mode for p in parts}
+        groups = {(p.shape[1], p.group_size) for p in parts}
+        if len(modes) != 1 or len(groups) != 1:
+            raise ValueError(f"cannot fuse quantized weights of different formats: {modes}, {groups}")
+        zero = None if parts[0].zero is None else torch.cat([p.zero.float() for p in parts])
+        return QuantTensor(parts[0].mode, torch.cat([p.q for p in parts]),
+                           torch.cat([p.scale.float() for p in parts]), zero)
+
+    @staticmethod
+    def from_state_dict(sd: dict[str, torch.Tensor], name: str) -> Optional["QuantTensor"]:
+        """The quantized form of weight `name` in `sd`, or None when it is not stored quantized."""
+        if name + ".int4.q" in sd:
+            try:
+                q, scale, zero = sd[name + ".int4.q"], sd[name + ".int4.scale"], sd[name + ".int4.zero"]
+            except KeyError as exc:
+                raise ValueError(f"{name}: int4 weights need .int4.q, .int4.scale and .int4.zero; {exc} missing")
+            if q.dtype != torch.uint8 or q.dim() != 2 or scale.shape != zero.shape or scale.dim() != 2:
+                raise ValueError(f"{name}: expected int4.q uint8 [out, in/2] and scale/zero [out, in/group], got "
+                                 f"{q.dtype} {tuple(q.shape)}, {tuple(scale.shape)}, {tuple(zero.shape)}")
+            if scale.shape[0] != q.shape[0] or (2 * q.shape[1]) % scale.shape[1]:
+                raise ValueError(f"{name}: int4 scale {tuple(scale.shape)} does not fit q {tuple(q.shape)}")
+            return QuantTensor("int4", q, scale, zero)
+        if name + ".int8.q" in sd:
+            q, scale = sd[name + ".int8.q"], sd.get(name + ".int8.scale")
+            if scale is None or q.dtype != torch.int8 or q.dim() != 2 or tuple(scale.shape) != (q.shape[0],):
+                raise ValueError(f"{name}: expected int8.q int8 [out, in] and int8.scale [out], got "
+                                 f"{q.dtype} {tuple(q.shape)}, {None if scale is None else tuple(scale.shape)}")
+            return QuantTensor("int8", q, scale)
+        return None
+
+
+# ---- quantized kernels ---------------------------------------------------------------------------
+
+
+class Int4Linear:
+    """Group-wise int4 weight, bf16 activations: `aten._weight_int4pack_mm_for_cpu`. Output bf16.
+
+    With `dense` (a bf16 `_Linear` of the same weight), calls of `dense_from` rows or more go there.
+    """
+
+    __slots__ = ("packed", "scales_zeros", "group", "dense", "dense_from", "dtype")
+
+    def __init__(self, weight: QuantTensor, dense: Optional[_Linear] = None,
+                 dense_from: int = DEFAULT_DENSE_FROM_ROWS) -> None:
+        if weight.mode != "int4":
+            raise ValueError(f"Int4Linear needs an int4 weight, got {weight.mode}")
+        self.dtype = torch.bfloat16
+        self.group = weight.group_size
+        values = unpack_int4(weight.q).to(torch.int32)
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(values, INT4_INNER_K_TILES)
+        # [in / group, out, 2]: (scale, zero) pairs, in the activation dtype as the kernel demands.
+        self.scales_zeros = torch.stack([weight.scale.float().t(), weight.zero.float().t()], dim=-1)
+        self.scales_zeros = self.scales_zeros.to(self.dtype).contiguous()
+        self.dense, self.dense_from = dense, dense_from
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dense is not None and x.shape[0] >= self.dense_from:
+            return self.dense(x)
+        if x.dtype != self.dtype:
+            x = x.to(self.dtype)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group, self.scales_zeros)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of weight this kernel holds (dense copy included)."""
+        own = self.packed.numel() + self.scales_zeros.numel() * 2
+        return own + (self.dense.nbytes if self.dense is not None else 0)
+
+
+class Int8Linear:
+    """Per-channel int8 weight, bf16 activations: `aten._weight_int8pack_mm`. Output bf16.
+
+    With `dense` (a bf16 `_Linear` of the same weight), calls of `dense_from` rows or more go there.
+    """
+
+    __slots__ = ("q", "scale", "dense", "dense_from", "dtype")
+
+    def __init__(self, weight: QuantTensor, dense: Optional[_Linear] = None,
+                 dense_from: int = DEFAULT_DENSE_FROM_ROWS) -> None:
+        if weight.mode != "int8":
+            raise ValueError(f"Int8Linear needs an int8 weight, got {weight.mode}")
+        self.dtype = torch.bfloat16
+        # A copy we own: q may point into a safetensors mmap, which would stay mapped and resident.
+        self.q = weight.q.to(torch.int8).clone(memory_format=torch.contiguous_format)
+        self.scale = weight.scale.to(self.dtype).contiguous()
+        self.dense, self.dense_from = dense, dense_from
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dense is not None and x.shape[0] >= self.dense_from:
+            return self.dense(x)
+        if x.dtype != self.dtype:
+            x = x.to(self.dtype)
+        return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of weight this kernel holds (dense copy included)."""
+        own = self.q.numel() + self.scale.numel() * 2
+        return own + (self.dense.nbytes if self.dense is not None else 0)
+
+
+# ---- choosing a kernel ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    """How quantized weights of one mode run in this process (see `choose_kernel`)."""
+
+    mode: str  # "int4" | "int8"
+    kernel: str  # "int4pack" | "int8pack" | "dense" (dequantized at load into `dtype`)
+    dtype: torch.dtype  # matmul input and output dtype
+    dense_copy: bool = False  # also keep a dense bf16 copy for calls of many rows
+    dense_from_rows: int = DEFAULT_DENSE_FROM_ROWS
+    timings_us: dict = field(default_factory=dict, compare=False)
+    reason: str = ""
+
+    def build(self, weight: QuantTensor, device: "torch.device | str" = "cpu") -> Callable[[torch.Tensor], torch.Tensor]:
+        """The kernel for one weight under this plan (dense when the packed kernel cannot take its shape)."""
+        device = torch.device(device)
+        if self.kernel == "dense" or device.type != "cpu":
+            return dense_linear(weight.dequantize(), self.dtype, device)
+        dense = dense_linear(weight.dequantize(), torch.bfloat16) if self.dense_copy else None
+        try:
+            if weight.mode == "int4":
+                return Int4Linear(weight, dense, self.dense_from_rows)
+            return Int8Linear(weight, dense, self.dense_from_rows)
+        except RuntimeError as exc:  # a shape the packed kernel refuses (e.g. tiny test models)
+            log.debug("packed %s kernel refused shape %s (%s); dense instead", weight.mode, weight.shape, exc)
+            return dense_linear(weight.dequantize(), self.dtype)
+
+
+_PLANS: dict[tuple, KernelPlan] = {}
+
+
+def choose_kernel(mode: str, kernel: str = "auto", group_size: int = 32) -> KernelPlan:
+    """The kernel for `mode` ("int4" | "int8") weights here; "auto" measures (a few ms, once per process).
+
+    Named kernels: "int4pack" / "int8pack" (torch's packed weight-only kernels, bf16 activations),
+    "dense" (dequantize at load; bf16 where the CPU has native bf16, else fp32), and
+    "int4pack+bf16" / "int8pack+bf16" (packed, plus a dense bf16 copy for calls of many rows).
+    "auto" checks that the packed kernel works and agrees with a dequantized reference, times it
+    against dense bf16 and fp32 at one row (a decode step) and picks the fastest; it also measures
+    from how many rows dense bf16 wins (recorded, used when a "+bf16" copy is asked for).
+    """
+    if mode not in ("int4", "int8"):
+        raise ValueError(f"choose_kernel: mode must be 'int4' or 'int8', got {mode!r}")
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    key = (mode, kernel, group_size)
+    if key not in _PLANS:
+        _PLANS[key] = _choose(mode, kernel, group_size)
+        plan = _PLANS[key]
+        log.info("%s weights: kernel %s (%s, dense bf16 copy %s) %s", mode, plan.kernel,
+                 str(plan.dtype).removeprefix("torch."), "on" if plan.dense_copy else "off", plan.reason)
+    return _PLANS[key]
+
+
+def _choose(mode: str, kernel: str, group_size: int) -> KernelPlan:
+    packed_name = "int4pack" if mode == "int4" else "int8pack"
+    native_bf16 = cpu_has_native_bf16()
+    dense_dtype = torch.bfloat16 if native_bf16 else torch.float32
+    if kernel == "dense":
+        return KernelPlan(mode, "dense", dense_dtype, reason="asked for")
+    if kernel != "auto":
+        name, _, extra = kernel.partition("+")
+        if name != packed_name:
+            raise ValueError(f"kernel {kernel!r} does not run {mode} weights (use {packed_name!r} or 'dense')")
+        if not _packed_works(mode, group_size):
+            raise ValueError(f"kernel {kernel!r} does not work on this CPU/torch ({torch.__version__})")
+        dense_from = _dense_crossover(mode, group_size) if extra else DEFAULT_DENSE_FROM_ROWS
+        return KernelPlan(mode, name, torch.bfloat16, dense_copy=bool(extra), dense_from_rows=dense_from,
+                          reason="asked for")
+    # auto: measure at decode shape (one row, 576 -> 1536: SmolLM2's MLP; a few ms in all)
+    timings = {"dense-fp32": _time_us(_bench_dense(torch.float32))}
+    if native_bf16 and _onednn_cached(torch.bfloat16):
+        timings["dense-bf16"] = _time_us(_bench_dense(torch.bfloat16))
+    if _packed_works(mode, group_size):
+        timings[packed_name] = _time_us(_bench_packed(mode, group_size, rows=1))
+    best = min(timings, key=timings.get)
+    caps = f"capability {torch.backends.cpu.get_cpu_capability()}, native bf16 {'yes' if native_bf16 else 'no'}"
+    reason = "measured at 1 row, us: " + ", ".join(f"{k} {v:.0f}" for k, v in timings.items()) + f" ({caps})"
+    if best == packed_name:
+        return KernelPlan(mode, packed_name, torch.bfloat16, timings_us=timings, reason=reason,
+                          dense_from_rows=_dense_crossover(mode, group_size) if native_bf16 else DEFAULT_DENSE_FROM_ROWS)
+    dtype = torch.bfloat16 if best == "dense-bf16" else torch.float32
+    return KernelPlan(mode, "dense", dtype, timings_us=timings, reason=reason)
+
+
+_BENCH_IN, _BENCH_OUT = 576, 1536
+
+
+def _random_quant(mode: str, group_size: int, rows: int, cols: int, seed: int = 0) -> QuantTensor:
+    gen = torch.Generator().manual_seed(seed)
+    if mode == "int4":
+        q = pack_int4(torch.randint(0, 16, (rows, cols), generator=gen, dtype=torch.uint8))
+        scale = torch.rand(rows, cols // group_size, generator=gen) * 0.02 + 0.001
+        zero = torch.randn(rows, cols // group_size, generator=gen) * 0.01
+        return QuantTensor("int4", q, scale, zero)
+    q = torch.randint(-127, 128, (rows, cols), generator=gen, dtype=torch.int8)
+    return QuantTensor("int8", q, torch.rand(rows, generator=gen) * 0.002 + 1e-4)
+
+
+def _packed_works(mode: str, group_size: int) -> bool:
+    """The packed kernel runs here and agrees with the dequantized fp32 reference."""
+    try:
+        weight = _random_quant(mode, group_size, 64, 4 * group_size if mode == "int4" else 128)
+        lin = Int4Linear(weight) if mode == "int4" else Int8Linear(weight)
+        x = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+        ref = x.float() @ weight.dequantize().t()
+        err = (lin(x).float() - ref).abs().max().item()
+        return err <= 0.02 * ref.abs().max().item() + 1e-3
+    except Exception as exc:  # missing op, unsupported CPU: simply not a candidate
+        log.debug("packed %s kernel unusable: %s", mode, exc)
+        return False
+
+
+def _bench_dense(dtype: torch.dtype, rows: int = 1) -> Callable[[], object]:
+    weight = torch.randn(_BENCH_OUT, _BENCH_IN) * 0.05
+    lin = dense_linear(weight, dtype)
+    x = torch.randn(rows, _BENCH_IN).to(dtype)
+    return lambda: lin(x)
+
+
+def _bench_packed(mode: str, group_size: int, rows: int = 1) -> Callable[[], object]:
+    weight = _random_quant(mode, group_size, _BENCH_OUT, _BENCH_IN)
+    lin = Int4Linear(weight) if mode == "int4" else Int8Linear(weight)
+    x = torch.randn(rows, _BENCH_IN).to(torch.bfloat16)
+    return lambda: lin(x)
+
+
+def _time_us(fn: Callable[[], object], repeat: int = 15) -> float:
+    for _ in range(3):
+        fn()
+    samples = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples) * 1e6
+
+
+def _dense_crossover(mode: str, group_size: int) -> int:
+    """Fewest rows (of 2, 4, 8, 16) from which dense bf16 beats the packed kernel."""
+    if not (cpu_has_native_bf16() and _onednn_cached(torch.bfloat16)):
+        return DEFAULT_DENSE_FROM_ROWS
+    for rows in (2, 4, 8, 16):
+        if _time_us(_bench_dense(torch.bfloat16, rows), 7) < _time_us(_bench_packed(mode, group_size, rows), 7):
+            return rows
+    return 32
