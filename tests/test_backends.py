@@ -7,6 +7,7 @@ exports to ONNX once, into a temporary OUTRIDER_CACHE_DIR, never the user's cach
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 import subprocess
@@ -152,7 +153,7 @@ def test_second_load_uses_the_cached_export(ort_backend: Backend, monkeypatch: p
     seconds = time.perf_counter() - start
     assert again.onnx_path == cached and cached.stat().st_mtime_ns == mtime
     assert seconds < 5, f"a cached load took {seconds:.1f} s"
-    assert (cached.parent / "source.json").is_file()
+    assert json.loads((cached.parent / "provenance.json").read_text())["kind"] == "onnx"
 
 
 def test_a_failed_export_raises_with_the_exporters_error(tmp_path: Path) -> None:

@@ -41,7 +41,8 @@ import numpy as np
 from outrider import hookimpl
 from outrider.backend import Backend
 from outrider.errors import CancelledError, ExecutionError, ManifestError, OutriderError, RequestTimeoutError
-from outrider.manifest import Manifest
+from outrider.accelerators import AcceleratorSpec
+from outrider.manifest import BatchingSpec, Manifest
 from outrider.model import PendingRequest, RequestQueue, Scheduler
 
 __version__ = "0.1.0"
@@ -66,27 +67,25 @@ _QUIET_GAP_S = 0.001
 
 
 @hookimpl
-def outrider_register_accelerators(register: Callable[[str, Any], None]) -> None:
-    """Register the dynamic batcher for the manifest section `batching`."""
-    register("batching", DynamicBatcher)
+def outrider_register_accelerators(register: Callable[..., None]) -> None:
+    """Register the dynamic batcher: the batch policy of the manifest section `batching`, any backend."""
+    register(AcceleratorSpec(
+        name="dynamic-batching", role="batch_policy", section="batching", factory=DynamicBatcher,
+        backends=("*",), config=BatchingSpec,
+        description="concatenates queued requests along the first dimension (Triton's dynamic batcher knobs)",
+    ))
 
 
 class DynamicBatcher(Scheduler):
     """Forms batches from a model's queue and runs each as few backend calls as it can."""
 
-    def __init__(self, manifest: Manifest) -> None:
+    def __init__(self, manifest: Manifest, spec: Optional[BatchingSpec] = None) -> None:
         super().__init__(manifest)
-        spec = manifest.batching
+        spec = spec or manifest.batching
         if spec is None:
             raise ManifestError(f"{manifest.source_file or manifest.name}: the batcher needs a 'batching' section")
         self.max_batch_size = spec.max_batch_size
         self.max_queue_delay = spec.max_queue_delay_ms / 1000
-        bad = [size for size in spec.preferred_batch_sizes if not 1 <= size <= spec.max_batch_size]
-        if bad:
-            raise ManifestError(
-                f"{manifest.source_file or manifest.name}: field 'batching.preferred_batch_sizes': "
-                f"expected sizes from 1 to max_batch_size ({spec.max_batch_size}) (got {bad})"
-            )
         self.preferred = frozenset(spec.preferred_batch_sizes)
         self.preserve_ordering = spec.preserve_ordering
         #: When the core sets this (`deliver(request, result)` sends a reply and counts it),

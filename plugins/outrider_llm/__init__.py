@@ -4,8 +4,9 @@ Loads the GGUF once (dequantized weights are cached on disk), runs the compact f
 `model.py` over a slot KV cache, and drives `engine.GenerationEngine` from the model's queue.
 Speculative decoding comes from the `speculative` accelerator when the manifest turns it on.
 
-Manifest options: `max_sequences` (slots, default 8), `max_length` (context per slot, default
-2048), `threads` (default: physical cores), `dtype` (float32 | bfloat16).
+Manifest options (`LlmOptions`, validated at start): `max_sequences` (slots, default 8),
+`max_length` (context per slot, default 2048), `threads` (default: the cores this process may
+use), `dtype` (float32 | bfloat16 | auto: the matmul precision of unquantized weights).
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Literal, Optional
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
 
 from outrider import hookimpl
 from outrider.backend import Availability, Backend, require_packages, torch_device
@@ -33,12 +35,24 @@ def outrider_register_backends(register: Callable[[type], None]) -> None:
     register(LlmBackend)
 
 
+class LlmOptions(BaseModel):
+    """The `options` section of an `llm` manifest."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_sequences: int = Field(8, ge=1, le=256)
+    max_length: int = Field(2048, ge=16, le=131072)
+    threads: Optional[int] = Field(None, ge=1, le=1024)
+    dtype: Literal["float32", "fp32", "bfloat16", "bf16", "auto"] = "float32"
+
+
 class LlmBackend(Backend):
     """Text generation; infer requests are refused, generate requests go to the engine."""
 
     name = "llm"
     generates = True
     device_kinds = ("cpu", "cuda")
+    options_model = LlmOptions
 
     @classmethod
     def availability(cls, manifest: Optional[Manifest] = None, device: str = "auto") -> Availability:
@@ -61,25 +75,24 @@ class LlmBackend(Backend):
         import torch
 
         from outrider.generation.engine import GenerationEngine
+
         from .loading import load_model
 
-        options = self.manifest.options
-        threads = int(options.get("threads") or _physical_cores())
+        options = self.options
+        threads = options.threads or _physical_cores()
         torch.set_num_threads(threads)
         started = time.perf_counter()
-        self.model, self.tokenizer = load_model(self.manifest.model_path(), dtype=options.get("dtype", "float32"),
-                                                device=self.device)
+        self.model, self.tokenizer = load_model(self.manifest.model_path(), dtype=options.dtype, device=self.device)
         log.info("model %s: weights ready in %.2fs (%d threads)", self.manifest.name,
                  time.perf_counter() - started, threads)
-        strategy = self.accelerators.get("speculative")
+        strategy = getattr(self.accelerators, "decode_strategy", None)
         if strategy is not None:
             strategy = strategy.for_instance()  # drafter state is per engine, not per model
         self.engine = GenerationEngine(
             self.model, self.tokenizer, strategy=strategy,
-            max_sequences=int(options.get("max_sequences", 8)), max_length=int(options.get("max_length", 2048)),
-            stats=self.stats,
+            max_sequences=options.max_sequences, max_length=options.max_length, stats=self.stats,
         )
-        if self.engine.strategy is not None and hasattr(self.engine.strategy, "attach"):
+        if self.engine.strategy is not None:
             self.engine.strategy.attach(self.model, self.tokenizer)
 
     def warmup(self) -> None:

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional
 import numpy as np
 
 from outrider import hookimpl
+from outrider.artifacts import Artifact
 from outrider.backend import Availability, Backend, Task
 from outrider.errors import ExecutionError
 from outrider.manifest import Manifest
@@ -151,7 +152,10 @@ class OnnxRuntimeBackend(Backend):
         """Find or export the ONNX graph, then open a session on the requested providers."""
         import onnxruntime
 
-        self.onnx_path = onnx_model(self.manifest)
+        source = Artifact(onnx_model(self.manifest), "onnx")
+        # Quantization (and later engine builds) run here, before the session opens; the task
+        # turns sentences into feeds and outputs into embeddings for the quality gate.
+        self.onnx_path = self.transform_artifact(source, feeds=self._gate_feeds, postprocess=self._gate_outputs).path
         options = onnxruntime.SessionOptions()
         self.intra_op_threads = int(self.manifest.options.get("intra_op_threads") or physical_cores())
         options.intra_op_num_threads = self.intra_op_threads
@@ -179,6 +183,15 @@ class OnnxRuntimeBackend(Backend):
                 f"{', '.join(self.active_providers)} ({', '.join(missing)} failed to load or is not in this build)"
             )
             log.warning("model %s on %s: %s", self.manifest.name, self.device, self.fallback)
+
+    def _gate_feeds(self, sentences: list[str]) -> dict[str, np.ndarray]:
+        if self.task is None:
+            raise ExecutionError(f"model {self.manifest.name!r}: a quality gate on text needs a task")
+        return self.task.preprocess({self.manifest.inputs[0].name: np.array(sentences, dtype=object)})
+
+    def _gate_outputs(self, outputs: dict[str, np.ndarray], feeds: dict[str, np.ndarray]) -> np.ndarray:
+        result = self.task.postprocess(outputs, feeds) if self.task else outputs
+        return next(iter(result.values()))
 
     # -- execute ------------------------------------------------------------------------------
 

@@ -19,14 +19,49 @@ Importing this package imports no torch; the factories do, when a manifest asks 
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, model_validator
 
 from outrider import hookimpl
+from outrider.accelerators import AcceleratorSpec
 
 __version__ = "0.1.0"
 
 
-def make_strategy(manifest: Any):
+class SpeculativeSection(BaseModel):
+    """The `speculative` section as pydantic sees it (config.py documents the knobs).
+
+    Knobs are typed here so a mistake is reported at start as 'speculative.<field>'; options
+    under a drafter's name are checked by that drafter's factory when the model loads.
+    """
+
+    model_config = ConfigDict(extra="allow")
+
+    drafters: Union[str, list[str]] = ["ngram"]
+    max_draft_tokens: StrictInt = Field(16, ge=1, le=1024)
+    min_draft_tokens: Optional[StrictInt] = Field(None, ge=0, le=1024)
+    max_depth: StrictInt = Field(8, ge=1, le=256)
+    prob_threshold: Union[StrictInt, StrictFloat] = Field(0.05, ge=0.0, le=1.0)
+    max_children: StrictInt = Field(4, ge=1, le=1024)
+    adaptive: StrictBool = True
+    batch_draft_tokens: StrictInt = Field(64, ge=0, le=1 << 20)
+
+    @model_validator(mode="after")
+    def _drafter_sections(self) -> "SpeculativeSection":
+        from .config import SpeculativeConfig
+
+        # Cross-field rules and drafter sub-sections: the same checks the strategy applies
+        # (an OptionError is a ValueError naming the sub-field, which the core adds to the path).
+        SpeculativeConfig._read(self.section())
+        return self
+
+    def section(self) -> dict[str, Any]:
+        """The section as given (unset knobs left out, so the strategy applies its defaults)."""
+        return self.model_dump(exclude_unset=True)
+
+
+def make_strategy(manifest: Any, section: Optional[SpeculativeSection] = None):
     """Accelerator factory: the SpeculativeStrategy for a manifest's `speculative` section."""
     from .strategy import SpeculativeStrategy
 
@@ -48,9 +83,13 @@ def make_eagle_drafter(model: Any, options: Optional[Mapping[str, Any]] = None):
 
 
 @hookimpl
-def outrider_register_accelerators(register: Callable[[str, Any], None]) -> None:
-    """Register the speculative-decoding strategy for the manifest section `speculative`."""
-    register("speculative", make_strategy)
+def outrider_register_accelerators(register: Callable[..., None]) -> None:
+    """Register speculative decoding: the decode strategy of the section `speculative`, for generating backends."""
+    register(AcceleratorSpec(
+        name="speculative-decoding", role="decode_strategy", section="speculative", factory=make_strategy,
+        backends=("*",), config=SpeculativeSection,  # any backend that generates (the core checks)
+        description="draft trees (n-gram, trained draft head) verified losslessly in one target forward",
+    ))
 
 
 @hookimpl

@@ -13,11 +13,8 @@ Manifest options: `onnx`, `max_batch` (default: batching.max_batch_size, else 32
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import importlib.util
-import json
 import logging
-import os
 import threading
 import time
 from pathlib import Path
@@ -29,7 +26,8 @@ from outrider import hookimpl
 from outrider.backend import Availability, Backend, Task
 from outrider.errors import BadRequestError, ExecutionError, OutriderError
 from outrider.manifest import Manifest
-from outrider_onnxruntime.onnx_artifact import cache_dir, file_sha256, onnx_model
+from outrider.artifacts import ArtifactCache
+from outrider_onnxruntime.onnx_artifact import onnx_model
 
 __version__ = "0.1.0"
 
@@ -107,13 +105,15 @@ class TensorRTBackend(Backend):
             "fp16": bool(opts.get("fp16", False)), "workspace_mb": int(opts.get("workspace_mb", 1024)),
         }
         self.gpu = torch.cuda.get_device_name(self._device)
-        key = hashlib.sha256(json.dumps({
-            "onnx": file_sha256(onnx_path), "tensorrt": trt.__version__, "gpu": self.gpu,
-            "capability": torch.cuda.get_device_capability(self._device), **self.build_options,
-        }, sort_keys=True).encode()).hexdigest()
-        self.engine_path = cache_dir() / "tensorrt" / f"{key[:24]}.engine"
-        if not self.engine_path.is_file():
-            self._build(onnx_path)
+        # The core artifact cache keys the engine by the ONNX content, TensorRT version, GPU model,
+        # compute capability and build options; a second start deserializes and builds nothing.
+        capability = ".".join(map(str, torch.cuda.get_device_capability(self._device)))
+        artifact = ArtifactCache().get_or_build(
+            "tensorrt-engine", lambda directory, progress: self._build(onnx_path, directory / "model.engine"),
+            label=f"{self.manifest.name} TensorRT engine", sources=[onnx_path], versions=["tensorrt"],
+            device=f"{self.gpu} sm{capability}", options=self.build_options,
+        )
+        self.engine_path = artifact.file("model.engine")
         runtime = trt.Runtime(self._logger)
         self.engine = runtime.deserialize_cuda_engine(self.engine_path.read_bytes())
         if self.engine is None:
@@ -124,7 +124,7 @@ class TensorRTBackend(Backend):
         self._outputs = [n for n in names if n not in self._inputs]
         self._stream = torch.cuda.Stream(self._device)
 
-    def _build(self, onnx_path: Path) -> None:
+    def _build(self, onnx_path: Path, engine_path: Path) -> dict:
         trt = self._trt
         log.info("model %s: building a TensorRT engine on %s (minutes; cached afterwards)",
                  self.manifest.name, self.gpu)
@@ -150,11 +150,9 @@ class TensorRTBackend(Backend):
         serialized = builder.build_serialized_network(network, config)
         if serialized is None:
             raise OutriderError(f"TensorRT failed to build an engine from {onnx_path} (see the log above)")
-        self.engine_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.engine_path.with_name(f".{self.engine_path.name}.{os.getpid()}.tmp")
-        tmp.write_bytes(bytes(serialized))
-        os.replace(tmp, self.engine_path)  # a reader never sees half an engine
+        engine_path.write_bytes(bytes(serialized))  # inside the cache's temporary entry: atomic
         log.info("model %s: built the engine in %.0f s", self.manifest.name, time.monotonic() - start)
+        return {"gpu": self.gpu}
 
     # -- execute ------------------------------------------------------------------------------
 

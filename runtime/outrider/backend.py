@@ -60,15 +60,43 @@ class Backend:
     name: ClassVar[str] = ""
     #: devices this backend can use: "cpu", "cuda".
     device_kinds: ClassVar[tuple[str, ...]] = ("cpu",)
+    #: pydantic model of the manifest's `options` for this backend (None: any mapping), checked at start.
+    options_model: ClassVar[Optional[type]] = None
 
     def __init__(self, manifest: Manifest, device: str, task: Optional[Task] = None) -> None:
         self.manifest = manifest
         self.device = device
         self.task = task
-        #: accelerator objects by manifest section, set by the core before `load()`.
+        #: accelerator objects by manifest section (an `AcceleratorSet`), set by the core before `load()`.
         self.accelerators: dict[str, Any] = {}
         #: the model's ModelStats (set by the core), for backends that count more than requests.
         self.stats: Any = None
+        #: what the artifact transforms did (kind, figures, quality gate), shown in health
+        self.artifact_reports: list[dict[str, Any]] = []
+
+    @property
+    def options(self) -> Any:
+        """The manifest's `options`, validated by `options_model` when the backend has one."""
+        model = type(self).options_model
+        return model.model_validate(self.manifest.options) if model is not None else self.manifest.options
+
+    def transform_artifact(self, artifact: Any, **helpers: Any) -> Any:
+        """Run the manifest's artifact transforms (export -> quantize -> engine) on `artifact`, in order.
+
+        Call from `load()` with the source artifact (an `outrider.artifacts.Artifact`); `helpers`
+        are backend tools a transform may need for its quality gate (see `TransformContext`).
+        """
+        from .accelerators import TransformContext
+        from .artifacts import ArtifactCache
+
+        transforms = getattr(self.accelerators, "artifact_transforms", [])
+        if not transforms:
+            return artifact
+        context = TransformContext(self.manifest, self.name, self.device, ArtifactCache(), helpers)
+        for transform in transforms:
+            artifact = transform.apply(artifact, context)
+        self.artifact_reports = context.reports
+        return artifact
 
     @classmethod
     def availability(cls, manifest: Optional[Manifest] = None, device: str = "auto") -> Availability:
@@ -106,6 +134,22 @@ class Backend:
     def metadata(self) -> dict[str, Any]:
         """Extra facts for `models` replies (e.g. execution providers)."""
         return {}
+
+
+def check_options(manifest: Manifest, backend: type[Backend]) -> None:
+    """Validate `options` with the backend's `options_model`: a ManifestError names the field."""
+    model = backend.options_model
+    if model is None:
+        return
+    from pydantic import ValidationError
+
+    from .accelerators import format_validation_error
+    from .errors import ManifestError
+
+    try:
+        model.model_validate(manifest.options)
+    except ValidationError as exc:
+        raise ManifestError(format_validation_error(manifest.source_file or manifest.name, "options", exc)) from None
 
 
 def require_packages(packages: tuple[str, ...], extra: str) -> Availability:

@@ -92,7 +92,29 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         for t in p["tasks"]:
             print(f"  task {t}")
         for a in p["accelerators"]:
-            print(f"  accelerator {a}")
+            print(f"  accelerator {a['name']}: {a['role']}, section '{a['section']}', backends {', '.join(a['backends'])}")
+    return 0
+
+
+def cmd_cache(args: argparse.Namespace) -> int:
+    from .artifacts import ArtifactCache
+
+    cache = ArtifactCache(args.dir)
+    if args.action == "clear":
+        removed = cache.clear(args.kind)
+        print(f"removed {removed} entr{'y' if removed == 1 else 'ies'} from {cache.root}")
+        return 0
+    entries = [e for e in cache.entries() if args.kind is None or e.get("kind") == args.kind]
+    if args.json:
+        print(json.dumps(entries, indent=2, default=str))
+        return 0
+    if not entries:
+        print(f"{cache.root}: empty")
+    for e in entries:
+        gate = {k: e[k] for k in ("min_cosine", "mean_cosine", "top1_agreement", "ppl_ratio") if k in e}
+        extra = "  " + ", ".join(f"{k} {v:.4f}" for k, v in gate.items()) if gate else ""
+        print(f"{e.get('kind')}  {e.get('label')}  {e['bytes'] / 1e6:.1f} MB  built {e.get('created')} "
+              f"in {e.get('seconds')} s{extra}\n    {e['path']}")
     return 0
 
 
@@ -191,6 +213,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plugin", action="append", default=[], metavar="MODULE")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_plugins)
+
+    p = sub.add_parser("cache", help="list or clear the artifact cache (ONNX exports, converted and quantized weights)")
+    p.add_argument("action", choices=["list", "clear"])
+    p.add_argument("--kind", help="only entries of this kind (e.g. onnx, onnx-int8, llama-weights)")
+    p.add_argument("--dir", help="cache directory (default $OUTRIDER_CACHE_DIR or ~/.cache/outrider)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_cache)
 
     p = sub.add_parser("infer", help="send one infer request")
     _add_client_options(p)

@@ -94,6 +94,12 @@ class BackendUnavailableError(OutriderError):
     code = "backend_unavailable"
 
 
+class QualityGateError(OutriderError):
+    """A converted artifact (quantized weights, an engine) missed its manifest's quality gate."""
+
+    code = "quality_gate_failed"
+
+
 class InternalError(OutriderError):
     """A bug in the server; the message says where."""
 

@@ -35,13 +35,14 @@ def outrider_register_tasks(register: Callable[[type], None]) -> None:
 
 
 @hookspec
-def outrider_register_accelerators(register: Callable[[str, Any], None]) -> None:
-    """Register acceleration strategies: `register(section, factory)`.
+def outrider_register_accelerators(register: Callable[..., None]) -> None:
+    """Register accelerators: `register(AcceleratorSpec(name, role, section, factory, backends, config))`.
 
-    `section` is the manifest section that turns the accelerator on (`batching`,
-    `quantize`, `speculative`); `factory(manifest)` returns the object the core uses
-    for that model. Accelerators wrap the backend lifecycle: quantize before load,
-    form batches before execute, drive the decode loop.
+    `role` is where the core calls it (`artifact_transform` before load, `batch_policy` between
+    queue and instances, `decode_strategy` at each generation step; see outrider.accelerators);
+    `section` is the manifest section that turns it on; `backends` the backend names (fnmatch
+    patterns) it applies to; `config` the pydantic model of its section, validated at start.
+    `factory(manifest, config)` returns the object the core uses for that model.
     """
 
 
@@ -50,7 +51,7 @@ def outrider_register_drafters(register: Callable[[str, Any], None]) -> None:
     """Register drafters for speculative decoding: `register(name, factory)`.
 
     `factory(model, options)` returns an object with `propose(sequence, budget) -> DraftTree`
-    (see plugins/outrider_llm/contract.py). Manifests pick drafters by name in
+    (see outrider.generation.contract: `model` is a `CausalLM`). Manifests pick drafters by name in
     `speculative.drafters`; a drafter only proposes, it never decides what is accepted.
     """
 

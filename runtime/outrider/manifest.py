@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ValidationInfo, ConfigDict, Field, ValidationError, field_validator
 
 from .errors import ManifestError
 from .protocol import DATATYPES
@@ -82,6 +82,15 @@ class BatchingSpec(_Strict):
     max_queue_delay_ms: float = Field(2.0, ge=0, le=60000)
     preferred_batch_sizes: list[int] = Field(default_factory=list)
     preserve_ordering: bool = True
+
+    @field_validator("preferred_batch_sizes")
+    @classmethod
+    def _preferred_fit(cls, value: list[int], info: ValidationInfo) -> list[int]:
+        largest = info.data.get("max_batch_size", 65536)
+        bad = [size for size in value if not 1 <= size <= largest]
+        if bad:
+            raise ValueError(f"expected sizes from 1 to max_batch_size ({largest}) (got {bad})")
+        return value
 
 
 class SchedulingSpec(_Strict):

@@ -499,6 +499,8 @@ class ServedModel:
                     entry["backend"] = inst.backend.health()
                 except Exception as exc:
                     entry["backend"] = {"healthy": False, "error": repr(exc)}
+                if getattr(inst.backend, "artifact_reports", None):
+                    entry["artifacts"] = inst.backend.artifact_reports
             instances.append(entry)
         out = {
             "state": self.state,

@@ -13,6 +13,7 @@ from typing import Any, Iterable, Optional
 import pluggy
 
 from . import hookspecs
+from .accelerators import AcceleratorSet, AcceleratorSpec, select
 from .backend import Backend, BackendChoice, Task, choose_backend
 from .errors import ManifestError, OutriderError
 from .hookspecs import hookimpl
@@ -39,7 +40,8 @@ class PluginRegistry:
     pm: pluggy.PluginManager
     backends: dict[str, type[Backend]] = field(default_factory=dict)
     tasks: dict[str, type[Task]] = field(default_factory=dict)
-    accelerators: dict[str, Any] = field(default_factory=dict)
+    #: accelerator specs by (role, name)
+    accelerators: dict[tuple[str, str], AcceleratorSpec] = field(default_factory=dict)
     drafters: dict[str, Any] = field(default_factory=dict)
     #: modules registered by name (not through entry points): worker processes register them too.
     modules: list[str] = field(default_factory=list)
@@ -71,41 +73,44 @@ class PluginRegistry:
             raise OutriderError(f"register_tasks: {cls!r} is not a Task subclass with a name")
         self._claim(self.tasks, "task", cls.name, cls)
 
-    def _register_accelerator(self, section: str, factory: Any) -> None:
-        if section not in ("batching", "quantize", "speculative"):
-            raise OutriderError(f"register_accelerators: unknown manifest section {section!r}")
-        self._claim(self.accelerators, "accelerator", section, factory)
+    def _register_accelerator(self, spec: Any = None, **fields: Any) -> None:
+        if spec is None:
+            spec = AcceleratorSpec(**fields)
+        if not isinstance(spec, AcceleratorSpec):
+            raise OutriderError(f"register_accelerators: expected an AcceleratorSpec, got {spec!r}")
+        spec.check()
+        for key, other in self.accelerators.items():
+            if other is not spec and other.section == spec.section and key != (spec.role, spec.name):
+                # Two plugins may fill one section only for different backends (ORT int8, torch int8).
+                shared = [b for b in spec.backends if other.applies_to(b)] + [
+                    b for b in other.backends if spec.applies_to(b)]
+                if shared:
+                    raise OutriderError(
+                        f"accelerators {other.name!r} and {spec.name!r} both claim section {spec.section!r} "
+                        f"for backends {shared}"
+                    )
+        self._claim(self.accelerators, "accelerator", (spec.role, spec.name), spec)
 
     def _claim(self, table: dict, kind: str, name: str, value: Any) -> None:
         existing = table.get(name)
         if existing is not None and existing is not value:
             raise OutriderError(
-                f"two plugins register {kind} {name!r}: {self._owner.get(kind + name)} and {value!r}"
+                f"two plugins register {kind} {name!r}: {self._owner.get(kind + str(name))} and {value!r}"
             )
         table[name] = value
-        self._owner[kind + name] = getattr(value, "__module__", repr(value))
+        self._owner[kind + str(name)] = _owner_module(value)
 
     def choose_backend(self, manifest: Manifest) -> BackendChoice:
         return self.pm.hook.outrider_choose_backend(manifest=manifest, backends=dict(self.backends))
 
-    def accelerators_for(self, manifest: Manifest) -> dict[str, Any]:
-        """One object per accelerator section the manifest turns on (batching, quantize, speculative)."""
-        out: dict[str, Any] = {}
-        for section in ("batching", "quantize", "speculative"):
-            if getattr(manifest, section) is None:
-                continue
-            factory = self.accelerators.get(section)
-            if factory is None:
-                raise ManifestError(
-                    f"{manifest.source_file or manifest.name}: field '{section}': no loaded plugin provides this "
-                    f"accelerator (loaded accelerators: {sorted(self.accelerators) or 'none'})"
-                )
-            made = factory(manifest)
-            bind = getattr(made, "bind_registry", None)
+    def accelerators_for(self, manifest: Manifest, backend: type[Backend]) -> AcceleratorSet:
+        """Validate and build the accelerators `manifest` turns on, for the chosen backend class."""
+        made = select(list(self.accelerators.values()), manifest, backend)
+        for obj in made.values():
+            bind = getattr(obj, "bind_registry", None)
             if bind is not None:  # e.g. speculative decoding looks up drafters by name
                 bind(self)
-            out[section] = made
-        return out
+        return made
 
     def make_task(self, manifest: Manifest) -> Optional[Task]:
         task = manifest.model.task if manifest.model else None
@@ -144,12 +149,20 @@ class PluginRegistry:
                 "hooks": hooks,
                 "backends": backends,
                 "tasks": sorted(t for t, c in self.tasks.items() if c.__module__.split(".")[0] == _module_root(plugin)),
-                "accelerators": sorted(
-                    s for s, f in self.accelerators.items()
-                    if getattr(f, "__module__", "").split(".")[0] == _module_root(plugin)
-                ),
+                "accelerators": [
+                    {"name": spec.name, "role": spec.role, "section": spec.section, "backends": list(spec.backends)}
+                    for (_, _), spec in sorted(self.accelerators.items())
+                    if _owner_module(spec).split(".")[0] == _module_root(plugin)
+                ],
             })
         return out
+
+
+def _owner_module(value: Any) -> str:
+    """The module a registered thing comes from (an AcceleratorSpec: its factory's)."""
+    if isinstance(value, AcceleratorSpec):
+        value = value.factory
+    return getattr(value, "__module__", None) or repr(value)
 
 
 def _module_root(plugin: Any) -> str:

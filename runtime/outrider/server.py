@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional
 import zmq
 
 from . import __version__
-from .backend import check_inputs
+from .backend import check_inputs, check_options
 from .errors import (
     BadRequestError,
     InternalError,
@@ -101,8 +101,9 @@ class Server:
                 f"{manifest.source_file}: field 'model.task': no plugin registers task "
                 f"{manifest.model.task!r}; known: {sorted(self.registry.tasks)}"
             )
-        accelerators = self.registry.accelerators_for(manifest)
-        scheduler: Optional[Scheduler] = next((a for a in accelerators.values() if isinstance(a, Scheduler)), None)
+        check_options(manifest, choice.backend)
+        accelerators = self.registry.accelerators_for(manifest, choice.backend)
+        scheduler: Optional[Scheduler] = accelerators.batch_policy
         make_scheduler = getattr(choice.backend, "make_scheduler", None)
         if make_scheduler is not None:  # stateful engines (generation) bring their own loop
             scheduler = make_scheduler(manifest)

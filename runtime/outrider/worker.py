@@ -135,7 +135,7 @@ def _serve(address: str, spec: dict) -> int:
     registry = create_registry(modules=spec.get("plugins", []))
     choice = registry.choose_backend(manifest)
     backend = choice.backend(manifest, spec["device"], registry.make_task(manifest))
-    backend.accelerators = registry.accelerators_for(manifest)
+    backend.accelerators = registry.accelerators_for(manifest, choice.backend)
     sock = zmq.Context.instance().socket(zmq.PAIR)
     sock.setsockopt(zmq.LINGER, 1000)
     sock.connect(address)

@@ -1,0 +1,190 @@
+"""Accelerators: typed roles the core calls at defined points, registered under (role, name).
+
+Roles, and where the core calls them:
+
+- `artifact_transform`: before load. The backend hands its source artifact (an ONNX file, a
+  weights file) to `Backend.transform_artifact`, which runs every transform the manifest turns on,
+  in order (export -> quantize -> engine build), each through the core `ArtifactCache`. The object
+  a factory returns has `apply(artifact, context) -> Artifact`.
+- `batch_policy`: between the model's queue and its instances. The object is an
+  `outrider.model.Scheduler` (the dynamic batcher). A backend that schedules its own work
+  (generation: continuous batching) cannot take one: asking for both is a ManifestError.
+- `decode_strategy`: asked by a generating backend at each step; the object implements
+  `outrider.generation.contract.DecodeStrategy` (speculative decoding).
+
+An accelerator names the manifest section that turns it on, the backends it applies to
+(fnmatch patterns), and the pydantic model of its section, so the whole manifest is validated at
+start with errors that name the file and the field. Two accelerators may fill one section for
+different backends (ORT int8 and torch int8); two that apply to the same backend conflict.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from pydantic import BaseModel, ValidationError
+
+from .errors import ManifestError, OutriderError
+
+_NESTED_FIELD = re.compile(r"^field '([^']+)': (.*)$", re.S)
+ROLES = ("artifact_transform", "batch_policy", "decode_strategy")
+#: manifest sections an accelerator may claim, in the order their transforms run
+SECTIONS = ("quantize", "batching", "speculative")
+
+
+@dataclass(frozen=True)
+class AcceleratorSpec:
+    """What a plugin registers for one accelerator (see the module docstring)."""
+
+    name: str
+    role: str
+    section: str
+    factory: Callable[[Any, Any], Any]  # (manifest, validated section) -> the object the core uses
+    backends: tuple[str, ...] = ("*",)
+    config: Optional[type[BaseModel]] = None
+    description: str = ""
+
+    def applies_to(self, backend: str) -> bool:
+        """Whether this accelerator can be used with the backend named `backend`."""
+        return any(fnmatch.fnmatchcase(backend, pattern) for pattern in self.backends)
+
+    def check(self) -> None:
+        """Raise OutriderError when the registration itself is malformed."""
+        if not isinstance(self.name, str) or not self.name:
+            raise OutriderError(f"register_accelerators: name must be a non-empty string, got {self.name!r}")
+        if self.role not in ROLES:
+            raise OutriderError(f"register_accelerators: {self.name!r}: role must be one of {ROLES}, got {self.role!r}")
+        if self.section not in SECTIONS:
+            raise OutriderError(
+                f"register_accelerators: {self.name!r}: section must be one of {SECTIONS}, got {self.section!r}"
+            )
+        if not callable(self.factory):
+            raise OutriderError(f"register_accelerators: {self.name!r}: factory is not callable")
+        if self.config is not None and not (isinstance(self.config, type) and issubclass(self.config, BaseModel)):
+            raise OutriderError(f"register_accelerators: {self.name!r}: config must be a pydantic model class")
+        if isinstance(self.backends, str) or not self.backends:
+            raise OutriderError(f"register_accelerators: {self.name!r}: backends must be a tuple of names or patterns")
+
+
+class AcceleratorSet(dict):
+    """The accelerators one model uses: {section: object}, plus their specs and validated configs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.specs: dict[str, AcceleratorSpec] = {}
+        self.configs: dict[str, Any] = {}
+
+    def by_role(self, role: str) -> list[Any]:
+        """The objects filling `role`, in section order."""
+        return [self[s] for s in SECTIONS if s in self and self.specs[s].role == role]
+
+    @property
+    def batch_policy(self) -> Any:
+        found = self.by_role("batch_policy")
+        return found[0] if found else None
+
+    @property
+    def decode_strategy(self) -> Any:
+        found = self.by_role("decode_strategy")
+        return found[0] if found else None
+
+    @property
+    def artifact_transforms(self) -> list[Any]:
+        return self.by_role("artifact_transform")
+
+    def describe(self) -> dict[str, str]:
+        """{section: accelerator name}, for health and `models` replies."""
+        return {s: spec.name for s, spec in self.specs.items()}
+
+
+@dataclass
+class TransformContext:
+    """What an artifact transform gets besides the artifact.
+
+    `helpers` are the backend's own tools a transform may need and cannot import (a transform
+    never imports a backend plugin): e.g. `build_model(artifact)` and `tokenize(text)` for an LLM
+    quality gate, `embed(path, sentences)` for an embedding model's.
+    """
+
+    manifest: Any
+    backend: str
+    device: str
+    cache: Any  # outrider.artifacts.ArtifactCache
+    helpers: dict[str, Any] = field(default_factory=dict)
+    #: reports of the transforms run so far (name, artifact kind, quality figures), for health
+    reports: list[dict[str, Any]] = field(default_factory=list)
+
+
+def format_validation_error(where: str, prefix: str, exc: ValidationError) -> str:
+    """Pydantic errors as 'FILE: field 'SECTION.FIELD': what was expected (got ...)' lines."""
+    lines = []
+    for err in exc.errors():
+        path = ".".join(str(p) for p in (prefix, *err["loc"]) if p != "")
+        msg = err["msg"].removeprefix("Value error, ")
+        nested = _NESTED_FIELD.match(msg)
+        if nested:  # a section-level validator that names the sub-field it rejects (and says what it got)
+            path, msg = f"{path}.{nested.group(1)}", nested.group(2)
+        if err["type"] == "extra_forbidden":
+            msg = "unknown field (misspelled?)"
+        got = "" if nested or err["type"] in ("missing", "extra_forbidden") else f" (got {err.get('input')!r:.80})"
+        lines.append(f"{where}: field '{path}': {msg}{got}")
+    return "\n".join(lines)
+
+
+def validate_section(spec: AcceleratorSpec, value: Any, where: str) -> Any:
+    """The manifest section validated by the accelerator's own model (or passed through)."""
+    if spec.config is None:
+        return value
+    if isinstance(value, BaseModel):
+        value = value.model_dump()
+    if value is None:
+        value = {}
+    try:
+        return spec.config.model_validate(value)
+    except ValidationError as exc:
+        raise ManifestError(format_validation_error(where, spec.section, exc)) from None
+
+
+def select(specs: list[AcceleratorSpec], manifest: Any, backend: Any) -> AcceleratorSet:
+    """Pick, validate and build the accelerators a manifest turns on, for its chosen backend class.
+
+    Every mistake is a ManifestError naming the file and the section: no plugin provides the
+    section, none applies to this backend, two do, or the backend cannot take the role.
+    """
+    where = getattr(manifest, "source_file", None) or manifest.name
+    backend_name = backend.name
+    out = AcceleratorSet()
+    for section in SECTIONS:
+        value = getattr(manifest, section, None)
+        if value is None:
+            continue
+        offered = [s for s in specs if s.section == section]
+        if not offered:
+            raise ManifestError(f"{where}: field '{section}': no loaded plugin provides this accelerator")
+        usable = [s for s in offered if s.applies_to(backend_name)]
+        if not usable:
+            known = "; ".join(f"{s.name} ({s.role}) applies to {', '.join(s.backends)}" for s in offered)
+            raise ManifestError(
+                f"{where}: field '{section}': backend {backend_name!r} cannot use it ({known})"
+            )
+        if len(usable) > 1:
+            raise ManifestError(
+                f"{where}: field '{section}': accelerators {[s.name for s in usable]} all apply to backend "
+                f"{backend_name!r}; only one may"
+            )
+        spec = usable[0]
+        if spec.role == "batch_policy" and getattr(backend, "make_scheduler", None) is not None:
+            raise ManifestError(
+                f"{where}: field '{section}': backend {backend_name!r} schedules its own work "
+                f"(continuous batching); remove this section"
+            )
+        if spec.role == "decode_strategy" and not getattr(backend, "generates", False):
+            raise ManifestError(f"{where}: field '{section}': backend {backend_name!r} does not generate text")
+        config = validate_section(spec, value, where)
+        out[section] = spec.factory(manifest, config)
+        out.specs[section] = spec
+        out.configs[section] = config
+    return out
