@@ -97,29 +97,9 @@ class LlmBackend(Backend):
 
     def warmup(self) -> None:
         """Generate a few tokens through the whole engine (prefill, drafts, verification)."""
-        engine = self.engine
-        stats, engine.stats = engine.stats, None  # warmup tokens are not served tokens
-        try:
-            self._warm(engine)
-        finally:
-            engine.stats = stats
-
-    def _warm(self, engine: Any) -> None:
-        from outrider.generation.engine import Sequence
-        from outrider.generation.sampling import SamplingParams
-        from outrider.generation.text import IncrementalText
-
+        prompt = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n"
         for _ in range(max(1, self.manifest.warmup.iterations)):
-            ids = self.tokenizer.encode("def add(a, b):\n    return a + b\n\ndef add(a, b):\n")
-            params = SamplingParams(max_tokens=8)
-            seq = Sequence(None, engine.free_slots.pop(), ids, params,
-                           IncrementalText(self.tokenizer.decode, []), engine.strategy is not None)
-            engine.cache.reset(seq.slot)
-            if seq.speculate:
-                engine.strategy.start(seq)
-            engine.active.append(seq)
-            while seq in engine.active:
-                engine.step()
+            self.engine.warm_up(self.tokenizer.encode(prompt), max_tokens=8)
 
     def execute(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         raise BadRequestError(f"model {self.manifest.name!r} generates text; send a generate request")

@@ -120,6 +120,23 @@ class GenerationEngine:
             self.strategy.start(seq)
         return seq
 
+    def warm_up(self, prompt_ids: list[int], max_tokens: int = 8, temperature: float = 0.0) -> list[int]:
+        """Generate from `prompt_ids` outside any request (prefill, drafts, verification); not counted in stats."""
+        stats, self.stats = self.stats, None  # warmup tokens are not served tokens
+        try:
+            params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=0)
+            seq = Sequence(None, self.free_slots.pop(), prompt_ids, params,
+                           IncrementalText(self.tokenizer.decode, []), self.strategy is not None)
+            self.cache.reset(seq.slot)
+            if seq.speculate:
+                self.strategy.start(seq)
+            self.active.append(seq)
+            while seq in self.active:
+                self.step()
+            return seq.generated
+        finally:
+            self.stats = stats
+
     # -- one step ---------------------------------------------------------------------------
 
     def step(self) -> None:

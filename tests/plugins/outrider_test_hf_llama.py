@@ -1,0 +1,159 @@
+"""A second generating backend: transformers' LlamaForCausalLM on a tiny random config.
+
+It shares nothing with plugins/outrider_llm: it implements the core `CausalLM` contract on top
+of a stock transformers model, and the core `GenerationEngine` and the `speculative` accelerator
+drive it unchanged. That is the proof that the engine and speculation are not tied to one model.
+
+The KV cache here is deliberately naive: a slot remembers its committed token ids, and every
+forward recomputes the whole prefix with a 4-D attention mask (causal over the committed
+tokens, the draft tree's mask over the fed ones). Slow, but exactly the contract's semantics.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from outrider import hookimpl
+from outrider.backend import Backend
+from outrider.errors import BadRequestError
+from outrider.generation.contract import Chunk, ForwardOutput
+
+ALPHABET = "abcdefghijklmnopqrstuvwxyz .,!?-0123456789\n"
+
+
+class CharTokenizer:
+    """Token i <-> the i-th character of a small alphabet; no end-of-sequence token."""
+
+    eos_token_ids: set[int] = set()
+    bos_token_id = None
+
+    def encode(self, text: str) -> list[int]:
+        unknown = sorted({c for c in text if c not in ALPHABET})
+        if unknown:
+            raise BadRequestError(f"characters {unknown} are not in this test model's alphabet")
+        return [ALPHABET.index(c) for c in text]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return "".join(ALPHABET[i] for i in ids)
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        return "\n".join(m["content"] for m in messages) + "\n"
+
+
+class RecomputeCache:
+    """Committed token ids per slot; the last forward's fed tokens wait for `commit`."""
+
+    def __init__(self, num_slots: int, max_length: int) -> None:
+        self.num_slots, self.max_length = num_slots, max_length
+        self.tokens: list[list[int]] = [[] for _ in range(num_slots)]
+        self.fed: list[list[int]] = [[] for _ in range(num_slots)]
+
+    def length(self, slot: int) -> int:
+        return len(self.tokens[slot])
+
+    def commit(self, slot: int, keep: list[int]) -> None:
+        self.tokens[slot].extend(self.fed[slot][i] for i in keep)
+        self.fed[slot] = []
+
+    def reset(self, slot: int) -> None:
+        self.tokens[slot], self.fed[slot] = [], []
+
+
+class HFLlama:
+    """`CausalLM` over transformers' LlamaForCausalLM (fp32, CPU)."""
+
+    def __init__(self, seed: int = 0, vocab_size: int = len(ALPHABET)) -> None:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        torch.manual_seed(seed)
+        config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                             tie_word_embeddings=True)
+        config._attn_implementation = "eager"  # takes our 4-D float mask as given
+        self.hf = LlamaForCausalLM(config).eval()
+        self.vocab_size, self.hidden_size, self.dtype = vocab_size, config.hidden_size, torch.float32
+
+    def new_cache(self, num_slots: int, max_length: int) -> RecomputeCache:
+        return RecomputeCache(num_slots, max_length)
+
+    @torch.no_grad()
+    def forward(self, cache: RecomputeCache, chunks: list[Chunk],
+                logit_rows: Optional[torch.Tensor] = None) -> ForwardOutput:
+        hidden_rows = []
+        for chunk in chunks:
+            committed = cache.tokens[chunk.slot]
+            fed = chunk.tokens.tolist()
+            cache.fed[chunk.slot] = fed
+            n, m = len(committed), len(fed)
+            ids = torch.tensor([committed + fed])
+            positions = torch.cat([torch.arange(n), chunk.positions.long()])[None]
+            allowed = torch.zeros(n + m, n + m, dtype=torch.bool)
+            allowed[:n, :n] = torch.ones(n, n, dtype=torch.bool).tril()
+            allowed[n:, :n] = True
+            tree = chunk.tree_mask if chunk.tree_mask is not None else torch.ones(m, m, dtype=torch.bool).tril()
+            allowed[n:, n:] = tree
+            mask = torch.zeros(1, 1, n + m, n + m).masked_fill_(~allowed, torch.finfo(torch.float32).min)
+            out = self.hf.model(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=False)
+            hidden_rows.append(out.last_hidden_state[0, n:])  # after the final norm
+        hidden = torch.cat(hidden_rows)
+        rows = hidden if logit_rows is None else hidden.index_select(0, logit_rows)
+        return ForwardOutput(logits=self.hf.lm_head(rows).float(), hidden=hidden)
+
+    @torch.no_grad()
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.hf.model.embed_tokens(tokens.reshape(-1).long()).float()
+
+    @torch.no_grad()
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.hf.lm_head(hidden.float()).float()
+
+    def lm_head_rows(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.hf.lm_head.weight.detach().index_select(0, tokens.reshape(-1).long()).float()
+
+    def make_linear(self, weight: torch.Tensor, dtype: Optional[torch.dtype] = None) -> Callable[[torch.Tensor], torch.Tensor]:
+        weight = weight.detach().float()
+        return lambda x: F.linear(x.float(), weight)
+
+    def fingerprint(self) -> str:
+        return hashlib.sha256(self.hf.model.embed_tokens.weight.detach().numpy().tobytes()).hexdigest()
+
+
+class HFLlamaBackend(Backend):
+    """Text generation on `HFLlama` through the core engine (and the speculative accelerator)."""
+
+    name = "hf-llama"
+    generates = True
+
+    @classmethod
+    def make_scheduler(cls, manifest: Any) -> Any:
+        from outrider.generation.engine import GenerationScheduler
+
+        return GenerationScheduler(manifest)
+
+    def load(self) -> None:
+        from outrider.generation.engine import GenerationEngine
+
+        self.model, self.tokenizer = HFLlama(int(self.manifest.options.get("seed", 0))), CharTokenizer()
+        strategy = getattr(self.accelerators, "decode_strategy", None)
+        if strategy is not None:
+            strategy = strategy.for_instance()
+            strategy.attach(self.model, self.tokenizer)
+        self.engine = GenerationEngine(self.model, self.tokenizer, strategy=strategy, max_sequences=4,
+                                       max_length=256, stats=self.stats)
+
+    def warmup(self) -> None:
+        self.engine.warm_up(self.tokenizer.encode("abc abc abc"), max_tokens=4)
+
+    def execute(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        raise BadRequestError(f"model {self.manifest.name!r} generates text; send a generate request")
+
+
+@hookimpl
+def outrider_register_backends(register: Callable[[type], None]) -> None:
+    """Register `hf-llama`."""
+    register(HFLlamaBackend)
