@@ -4,6 +4,8 @@
   python tools/bench.py overhead    echo model vs a raw pyzmq DEALER<->ROUTER echo (same payload)
   python tools/bench.py coldstart   process start -> ready, for a manifest (cached artifacts)
   python tools/bench.py batching    minilm with dynamic batching vs without, and ORT offline
+  python tools/bench.py quantize    float vs quantized MiniLM and SmolLM2, with and without
+                                    speculation, and llama.cpp when installed (tools/bench_quantize.py)
   python tools/bench.py all         all of them
 
 Absolute numbers differ between machines; read the ratios.
@@ -399,7 +401,7 @@ def bench_batching(manifest: str, seconds: float, sets: list[str]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["overhead", "coldstart", "batching", "all"])
+    parser.add_argument("what", choices=["overhead", "coldstart", "batching", "quantize", "all"])
     parser.add_argument("-n", type=int, default=3000, help="round trips per row")
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--manifest", default=str(ROOT / "manifests/minilm.yaml"))
@@ -414,6 +416,12 @@ def main() -> None:
         bench_coldstart(args.manifest, args.runs)
     if args.what in ("batching", "all"):
         bench_batching(args.manifest, args.seconds, args.set)
+    if args.what in ("quantize", "all"):
+        sys.path.insert(0, str(ROOT / "tools"))
+        import bench_quantize
+
+        bench_quantize.bench_minilm(rounds=5)
+        bench_quantize.bench_llm(n_code=16, n_chat=8, tokens=96, threads=2)
 
 
 if __name__ == "__main__":

@@ -76,13 +76,24 @@ class LlmBackend(Backend):
 
         from outrider.generation.engine import GenerationEngine
 
-        from .loading import load_model
+        from .loading import artifact_tokenizer, load_weights_artifact, model_from_artifact
 
         options = self.options
         threads = options.threads or _physical_cores()
         torch.set_num_threads(threads)
         started = time.perf_counter()
-        self.model, self.tokenizer = load_model(self.manifest.model_path(), dtype=options.dtype, device=self.device)
+        weights = load_weights_artifact(self.manifest.model_path())
+        # Quantization runs here, before the model is built: its quality gate builds the float
+        # and the quantized model through these helpers (a transform never imports this plugin).
+        tokenizer = artifact_tokenizer(weights)
+        weights = self.transform_artifact(
+            weights,
+            build_model=lambda artifact, **kw: model_from_artifact(artifact, device=self.device, **kw)[0],
+            tokenize=tokenizer.encode,
+        )
+        # A quantized artifact says in which dtype it computes; `options.dtype` is for float weights.
+        dtype = None if self.manifest.quantize is not None else options.dtype
+        self.model, self.tokenizer = model_from_artifact(weights, dtype=dtype, device=self.device)
         log.info("model %s: weights ready in %.2fs (%d threads)", self.manifest.name,
                  time.perf_counter() - started, threads)
         strategy = getattr(self.accelerators, "decode_strategy", None)

