@@ -56,6 +56,9 @@ class QuantizeConfig(_Strict):
     # ONNX int8: also keep the linear MatMuls fed by an activation (BERT's FFN output projections)
     # in float; found by graph structure, so it survives any exporter's node naming.
     keep_sensitive: bool = True
+    # ONNX int8, method dynamic: SmoothQuant strength (None: off). Moves activation outliers into
+    # the weights (x / s, W * s, s = max|x|^a / max|W|^(1-a), from the calibration sentences).
+    smooth_alpha: Optional[float] = Field(None, ge=0.0, le=1.0)
     group_size: int = Field(32, ge=16, le=1024)
     kernel: str = "auto"
     calibration_sentences: int = Field(64, ge=1, le=100_000)

@@ -1,0 +1,138 @@
+"""fp32 vs int8 MiniLM on ONNX Runtime: sentences/s at batch 1 and 32, and min/mean cosine.
+
+    .venv/bin/python tools/bench_quantize_onnx.py                    # the recipe in minilm-int8.yaml
+    .venv/bin/python tools/bench_quantize_onnx.py --all              # every candidate recipe, one table
+    .venv/bin/python tools/bench_quantize_onnx.py --method static --no-keep-sensitive
+
+Sessions use 2 intra-op threads (the target machines have 2 cores). Throughput is timed in
+alternating rounds (fp32, int8, fp32, ...) and the best round of each is kept, so a neighbour
+process stealing a core skews both sides alike; compare the ratio, not the absolute figures.
+Cosines are on the held-out sentences of outrider_quantize.onnx, each alone and in batches of 32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT / "runtime"), str(ROOT / "plugins")]
+
+from outrider.manifest import load_manifest  # noqa: E402
+from outrider_onnxruntime.onnx_artifact import onnx_model  # noqa: E402
+from outrider_quantize.config import QuantizeConfig  # noqa: E402
+from outrider_quantize.onnx import (  # noqa: E402
+    HELDOUT_SENTENCES, calibration_feeds, embedding_quality, quantize_onnx, session,
+)
+from outrider_text import SentenceEmbeddingTask  # noqa: E402
+
+#: candidate recipes for --all: (label, QuantizeConfig fields)
+CANDIDATES = (
+    ("dynamic, per-tensor, all linear", {"method": "dynamic", "per_channel": False, "keep_sensitive": False}),
+    ("dynamic, per-channel, all linear", {"method": "dynamic", "keep_sensitive": False}),
+    ("dynamic, per-channel, FFN out fp32", {"method": "dynamic"}),
+    ("static QDQ, per-channel, all linear", {"method": "static", "keep_sensitive": False}),
+    ("static QDQ, per-channel, FFN out fp32", {"method": "static"}),
+    ("dynamic, per-channel, SmoothQuant 0.7, all linear", {"method": "dynamic", "smooth_alpha": 0.7,
+                                                            "keep_sensitive": False}),
+    ("dynamic, per-channel, SmoothQuant 0.5, FFN out fp32", {"method": "dynamic", "smooth_alpha": 0.5}),
+)
+
+
+def throughput(paths: dict[str, Path], feeds: Callable[[list[str]], dict], batch: int, rounds: int = 5,
+               seconds: float = 1.0) -> dict[str, float]:
+    """Best-of-`rounds` sentences/s per model at `batch` rows, models timed in alternation."""
+    sentences = list(HELDOUT_SENTENCES[:batch]) if batch > 1 else ["How long should I boil an egg?"]
+    feed = feeds(sentences)
+    sessions = {name: session(path, threads=2) for name, path in paths.items()}
+    runs = {}
+    for name, sess in sessions.items():
+        names = [i.name for i in sess.get_inputs()]
+        runs[name] = (sess, {n: feed[n] for n in names})
+        sess.run(None, runs[name][1])  # warm-up: first run allocates and packs weights
+    best = {name: 0.0 for name in paths}
+    for _ in range(rounds):
+        for name, (sess, inputs) in runs.items():
+            count, start = 0, time.perf_counter()
+            while (elapsed := time.perf_counter() - start) < seconds:
+                sess.run(None, inputs)
+                count += 1
+            best[name] = max(best[name], count * len(sentences) / elapsed)
+    return best
+
+
+def bench_rows(configs: list[tuple[str, dict[str, Any]]], rounds: int = 5) -> list[dict[str, Any]]:
+    """One row per recipe: fp32 and int8 sentences/s at batch 1 and 32, their ratios, cosines."""
+    manifest = load_manifest(ROOT / "manifests" / "minilm.yaml")
+    task = SentenceEmbeddingTask(manifest)
+
+    def feeds(sentences: list[str]) -> dict:
+        return task.preprocess({"text": np.array(sentences, dtype=object)})
+
+    fp32 = onnx_model(manifest)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for label, fields in configs:
+            config = QuantizeConfig(mode="int8", **fields)
+            dst = Path(tmp) / f"{len(rows)}.onnx"
+            calibrated = config.method == "static" or config.smooth_alpha is not None
+            calibration = calibration_feeds(feeds, config.calibration_sentences) if calibrated else None
+            done = quantize_onnx(fp32, dst, config, calibration)
+            quality = embedding_quality(fp32, dst, HELDOUT_SENTENCES, feeds=feeds, threads=2)
+            b1 = throughput({"fp32": fp32, "int8": dst}, feeds, 1, rounds)
+            b32 = throughput({"fp32": fp32, "int8": dst}, feeds, 32, rounds)
+            rows.append({"recipe": label, "float_nodes": len(done["float_nodes"]), **quality,
+                         "fp32_b1": b1["fp32"], "int8_b1": b1["int8"], "ratio_b1": b1["int8"] / b1["fp32"],
+                         "fp32_b32": b32["fp32"], "int8_b32": b32["int8"], "ratio_b32": b32["int8"] / b32["fp32"]})
+            print(_format([rows[-1]], header=len(rows) == 1), flush=True)
+    return rows
+
+
+def _format(rows: list[dict[str, Any]], header: bool = True) -> str:
+    cols = ("recipe", "float_nodes", "min_cosine", "mean_cosine", "fp32_b1", "int8_b1", "ratio_b1",
+            "fp32_b32", "int8_b32", "ratio_b32")
+    lines = [" | ".join(cols)] if header else []
+    for row in rows:
+        lines.append(" | ".join(f"{row[c]:.4f}" if c.endswith("cosine") else f"{row[c]:.2f}"
+                                if isinstance(row[c], float) else str(row[c]) for c in cols))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--all", action="store_true", help="every candidate recipe")
+    parser.add_argument("--method", choices=("dynamic", "static"))
+    parser.add_argument("--no-keep-sensitive", action="store_true", help="quantize the FFN output projections too")
+    parser.add_argument("--per-tensor", action="store_true")
+    parser.add_argument("--smooth-alpha", type=float, help="SmoothQuant strength (dynamic only)")
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    if args.all:
+        configs = list(CANDIDATES)
+    else:
+        fields: dict[str, Any] = {}
+        if args.method is None:
+            import yaml
+
+            fields = yaml.safe_load((ROOT / "manifests" / "minilm-int8.yaml").read_text())["quantize"]
+            fields = {k: v for k, v in fields.items() if k not in ("mode", "gate")}
+        else:
+            fields["method"] = args.method
+        if args.no_keep_sensitive:
+            fields["keep_sensitive"] = False
+        if args.smooth_alpha is not None:
+            fields["smooth_alpha"] = args.smooth_alpha
+        if args.per_tensor:
+            fields["per_channel"] = False
+        configs = [(", ".join(f"{k}={v}" for k, v in fields.items()) or "default", fields)]
+    bench_rows(configs, args.rounds)
+
+
+if __name__ == "__main__":
+    main()
