@@ -118,6 +118,9 @@ CALIBRATION_SENTENCES: tuple[str, ...] = (
     "Bees communicate the location of flowers through a waggle dance.",
     "I can't believe it's already December 🎄",
     "Tokenization splits text into subword units before the model sees it.",
+    "When the river flooded last spring, the whole village worked through the night to fill sandbags, "
+    "move the animals to higher ground and carry the elderly out of their homes, and by morning the "
+    "water had reached the church steps but not a single person had been hurt.",
 )
 
 HELDOUT_SENTENCES: tuple[str, ...] = (
@@ -186,6 +189,9 @@ HELDOUT_SENTENCES: tuple[str, ...] = (
     "Octopuses have three hearts and blue blood.",
     "Can't wait for the weekend 🙌",
     "Quantization maps floating point values to a small set of integers.",
+    "After three years of planning, the city finally opened the new library, a bright building of glass "
+    "and timber with a children's floor, quiet reading rooms, a makerspace full of 3D printers and a "
+    "rooftop garden where volunteers grow vegetables for the food bank down the street.",
 )
 
 
