@@ -11,10 +11,20 @@ import time
 
 import numpy as np
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from outrider import hookimpl
 from outrider.backend import Backend
 
 __version__ = "0.1.0"
+
+
+class EchoOptions(BaseModel):
+    """`delay_ms`: sleep this long per execute (to model a slow backend in tests and benchmarks)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    delay_ms: float = Field(0, ge=0, le=600_000)
 
 
 class EchoBackend(Backend):
@@ -22,6 +32,7 @@ class EchoBackend(Backend):
 
     name = "echo"
     device_kinds = ("cpu",)
+    options_model = EchoOptions
 
     def load(self) -> None:
         self.delay = float(self.manifest.options.get("delay_ms", 0)) / 1000

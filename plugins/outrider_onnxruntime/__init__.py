@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional
 
 import numpy as np
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from outrider import hookimpl
 from outrider.artifacts import Artifact
 from outrider.backend import Availability, Backend, Task
@@ -33,6 +35,8 @@ from outrider.errors import ExecutionError
 from outrider.manifest import Manifest
 
 from .cores import physical_cores
+from outrider_torch.onnx_export import DEFAULT_OPSET  # stdlib-only module: no torch
+
 from .onnx_artifact import cache_dir, onnx_model
 
 if TYPE_CHECKING:
@@ -49,6 +53,20 @@ _GPU_PROVIDERS = (TENSORRT, CUDA)
 _INSTALL_HINT = {TENSORRT: "install onnxruntime-gpu and TensorRT", CUDA: "install onnxruntime-gpu"}
 
 
+class OrtOptions(BaseModel):
+    """The `options` of an ONNX Runtime manifest, validated at start."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    onnx: Optional[str] = Field(None, description="an ONNX file (relative to the manifest); else exported")
+    opset: int = Field(DEFAULT_OPSET, ge=7, le=30)
+    export_timeout_s: float = Field(900, gt=0)
+    intra_op_threads: Optional[int] = Field(None, ge=1, le=1024)
+    fp16: bool = False
+    provider_options: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    max_seq_length: Optional[int] = Field(None, ge=2, description="text task: longest input in tokens")
+
+
 @hookimpl
 def outrider_register_backends(register: Callable[[type], None]) -> None:
     """Register the ONNX Runtime backends."""
@@ -60,6 +78,7 @@ class OnnxRuntimeBackend(Backend):
     """An ORT InferenceSession over the manifest's ONNX graph (given, or exported and cached)."""
 
     name = "onnxruntime"
+    options_model = OrtOptions
     device_kinds = ("cpu", "cuda")
     #: execution providers in order of preference.
     providers: ClassVar[tuple[str, ...]] = (TENSORRT, CUDA, CPU)

@@ -21,17 +21,33 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
 
 from outrider import hookimpl
 from outrider.backend import Availability, Backend, Task
 from outrider.errors import BadRequestError, ExecutionError, OutriderError
-from outrider.manifest import Manifest
 from outrider.artifacts import ArtifactCache
+from outrider.manifest import Manifest
 from outrider_onnxruntime.onnx_artifact import onnx_model
+from outrider_torch.onnx_export import DEFAULT_OPSET  # stdlib-only module: no torch
 
 __version__ = "0.1.0"
 
 log = logging.getLogger("outrider.tensorrt")
+
+
+class TensorRTOptions(BaseModel):
+    """The `options` of a TensorRT manifest, validated at start."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    onnx: Optional[str] = None
+    opset: int = Field(DEFAULT_OPSET, ge=7, le=30)
+    export_timeout_s: float = Field(900, gt=0)
+    max_batch: Optional[int] = Field(None, ge=1, le=65536)
+    max_seq_length: Optional[int] = Field(None, ge=2)
+    fp16: bool = False
+    workspace_mb: int = Field(1024, ge=16)
 
 
 @hookimpl
@@ -56,6 +72,7 @@ class TensorRTBackend(Backend):
     """One engine and one execution context per instance, on one GPU."""
 
     name = "tensorrt"
+    options_model = TensorRTOptions
     device_kinds = ("cuda",)
 
     def __init__(self, manifest: Manifest, device: str, task: Optional[Task] = None) -> None:

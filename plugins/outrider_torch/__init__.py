@@ -14,6 +14,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
 
 from outrider import hookimpl
 from outrider.backend import Availability, Backend, Task, require_packages, torch_device
@@ -40,10 +41,20 @@ def _default_threads() -> int:
         return os.cpu_count() or 1
 
 
+class TorchOptions(BaseModel):
+    """The `options` of a PyTorch manifest, validated at start."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    threads: Optional[int] = Field(None, ge=1, le=1024)
+    max_seq_length: Optional[int] = Field(None, ge=2, description="text task: longest input in tokens")
+
+
 class TorchBackend(Backend):
     """Runs the task's torch module (see `outrider_torch.models`) under `inference_mode`."""
 
     name = "torch"
+    options_model = TorchOptions
     device_kinds = ("cpu", "cuda")
 
     def __init__(self, manifest: Manifest, device: str, task: Optional[Task] = None) -> None:
