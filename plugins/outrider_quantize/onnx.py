@@ -491,7 +491,14 @@ class OnnxQuantizer:
     def __init__(self, manifest: Any, config: QuantizeConfig) -> None:
         self.manifest = manifest
         self.config = config
-        check_mode(config)
+        where = getattr(manifest, "source_file", None) or getattr(manifest, "name", "<manifest>")
+        try:
+            check_mode(config)
+            if config.smooth_alpha is not None and config.method != "dynamic":
+                raise ManifestError(f"field 'quantize.smooth_alpha': applies to method 'dynamic' only, "
+                                    f"got method {config.method!r}")
+        except ManifestError as exc:
+            raise ManifestError(f"{where}: {exc}") from None
 
     def options(self) -> dict[str, Any]:
         """The config fields that shape the built model and its figures (part of the cache key)."""
