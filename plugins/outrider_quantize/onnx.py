@@ -4,13 +4,18 @@
       mode: int8
       method: dynamic            # or static (QDQ, calibrated on CALIBRATION_SENTENCES)
       per_channel: true
+      keep_sensitive: true       # FFN output projections stay float
+      smooth_alpha: 0.5          # SmoothQuant before dynamic quantization (calibrated)
       gate: {min_cosine: 0.99, on_fail: fail}
 
 Only the "linear" MatMuls (those whose B input is a weight initializer) are quantized; the
 attention score MatMuls, LayerNorm, GELU, Softmax, the residual Adds and the pooling stay in
 float, as optimum leaves them. On top of that the FFN output projections (the MatMul fed by
 the GELU) stay in float by default: their input is the GELU output, whose long positive tail
-is what per-tensor uint8 activations represent worst (see `sensitive_matmuls`).
+is what per-tensor uint8 activations represent worst (see `sensitive_matmuls`). With
+`smooth_alpha`, SmoothQuant first divides the few huge LayerNorm-output channels out of each
+quantized MatMul's input (a Mul before its DynamicQuantizeLinear) and multiplies them into its
+weight rows, so the per-tensor activation scale no longer wastes its 256 levels on them.
 
 The nodes to quantize are passed to ONNX Runtime as an explicit `nodes_to_quantize` list, and
 the written graph is checked afterwards: `quantize_dynamic` renames nodes it rewrites
