@@ -29,7 +29,7 @@ Quantized tensor format (safetensors, Hugging Face weight name N), shared with o
 from __future__ import annotations
 
 import logging
-import statistics
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -376,11 +376,12 @@ def _choose(mode: str, kernel: str, group_size: int) -> KernelPlan:
         return KernelPlan(mode, name, torch.bfloat16, dense_copy=bool(extra), dense_from_rows=dense_from,
                           reason="asked for")
     # auto: measure at decode shape (one row, 576 -> 1536: SmolLM2's MLP; a few ms in all)
-    timings = {"dense-fp32": _time_us(_bench_dense(torch.float32))}
+    candidates = {"dense-fp32": _bench_dense(torch.float32)}
     if native_bf16 and _onednn_cached(torch.bfloat16):
-        timings["dense-bf16"] = _time_us(_bench_dense(torch.bfloat16))
+        candidates["dense-bf16"] = _bench_dense(torch.bfloat16)
     if _packed_works(mode, group_size):
-        timings[packed_name] = _time_us(_bench_packed(mode, group_size, rows=1))
+        candidates[packed_name] = _bench_packed(mode, group_size, rows=1)
+    timings = _race(candidates)
     best = min(timings, key=timings.get)
     caps = f"capability {torch.backends.cpu.get_cpu_capability()}, native bf16 {'yes' if native_bf16 else 'no'}"
     reason = "measured at 1 row, us: " + ", ".join(f"{k} {v:.0f}" for k, v in timings.items()) + f" ({caps})"
@@ -433,15 +434,23 @@ def _bench_packed(mode: str, group_size: int, rows: int = 1) -> Callable[[], obj
     return lambda: lin(x)
 
 
-def _time_us(fn: Callable[[], object], repeat: int = 15) -> float:
-    for _ in range(3):
-        fn()
-    samples = []
+def _race(candidates: dict[str, Callable[[], object]], repeat: int = 15) -> dict[str, float]:
+    """Best-of-`repeat` microseconds per candidate, calls interleaved round-robin.
+
+    The minimum, not the median, and interleaved: on a 2-core machine shared with other work, a
+    busy neighbour stalls whole bursts of calls (16 ms medians were seen for a 50 us matmul);
+    the fastest call is the kernel's own cost, and interleaving spreads any stall over everyone.
+    """
+    for fn in candidates.values():
+        for _ in range(3):
+            fn()
+    best = {name: math.inf for name in candidates}
     for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples) * 1e6
+        for name, fn in candidates.items():
+            start = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return {name: seconds * 1e6 for name, seconds in best.items()}
 
 
 def _dense_crossover(mode: str, group_size: int) -> int:
@@ -449,6 +458,7 @@ def _dense_crossover(mode: str, group_size: int) -> int:
     if not (cpu_has_native_bf16() and _onednn_cached(torch.bfloat16)):
         return DEFAULT_DENSE_FROM_ROWS
     for rows in (2, 4, 8, 16):
-        if _time_us(_bench_dense(torch.bfloat16, rows), 7) < _time_us(_bench_packed(mode, group_size, rows), 7):
+        timings = _race({"dense": _bench_dense(torch.bfloat16, rows), "packed": _bench_packed(mode, group_size, rows)}, 7)
+        if timings["dense"] < timings["packed"]:
             return rows
     return 32

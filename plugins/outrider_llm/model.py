@@ -240,14 +240,18 @@ class LlamaModel(torch.nn.Module):
         self.device = torch.device(device or "cpu")
         self.vocab_size = config.vocab_size
         self.hidden_size = config.hidden_size
-        self.quant_mode = _quant_mode(state_dict)
-        self.kernel_plan: Optional[KernelPlan] = None
-        if self.quant_mode is not None:
+        # One plan per quantized format present (int4 layers usually come with an int8 LM head).
+        self.kernel_plans: dict[str, KernelPlan] = {}
+        for mode in _quant_modes(state_dict):
             if self.device.type == "cpu":
-                self.kernel_plan = choose_kernel(self.quant_mode, kernel, _group_size(state_dict))
+                self.kernel_plans[mode] = choose_kernel(mode, _kernel_for(mode, kernel), _group_size(state_dict))
             else:  # the packed kernels are CPU-only: dequantize
-                self.kernel_plan = KernelPlan(self.quant_mode, "dense", resolve_dtype(dtype), reason="not a CPU")
-            self.dtype = self.kernel_plan.dtype
+                self.kernel_plans[mode] = KernelPlan(mode, "dense", resolve_dtype(dtype), reason="not a CPU")
+        if self.kernel_plans:
+            # bf16 as soon as one kernel takes bf16: every projection's output is then cast back to
+            # fp32 (a dense fp32 kernel converts its bf16 input itself).
+            dtypes = {plan.dtype for plan in self.kernel_plans.values()}
+            self.dtype = torch.bfloat16 if torch.bfloat16 in dtypes else dtypes.pop()
         else:
             self.dtype = resolve_dtype(dtype)
         if use_onednn is None:
@@ -287,7 +291,7 @@ class LlamaModel(torch.nn.Module):
             # else (a partly quantized state dict) they run dense from their fp32 values.
             if all(isinstance(p, QuantTensor) for p in parts):
                 fused = parts[0] if len(parts) == 1 else QuantTensor.cat(list(parts))
-                return self.kernel_plan.build(fused, self.device)
+                return self.kernel_plans[fused.mode].build(fused, self.device)
             dense = [p.dequantize().to(self.device) if isinstance(p, QuantTensor) else p for p in parts]
             return _Linear(dense[0] if len(dense) == 1 else torch.cat(dense), dt, onednn)
 
@@ -630,12 +634,15 @@ class LlamaModel(torch.nn.Module):
         return b
 
 
-def _quant_mode(sd: dict[str, torch.Tensor]) -> Optional[str]:
-    """"int4" / "int8" when the state dict holds linear weights in that form (one mode per model)."""
-    modes = {m for m in ("int4", "int8") if any(k.endswith(f".{m}.q") for k in sd)}
-    if len(modes) > 1:
-        raise ValueError(f"a state dict may hold one quantized format, found {sorted(modes)}")
-    return modes.pop() if modes else None
+def _quant_modes(sd: dict[str, torch.Tensor]) -> list[str]:
+    """The quantized formats ("int4", "int8") the state dict holds linear weights in."""
+    return [m for m in ("int4", "int8") if any(k.endswith(f".{m}.q") for k in sd)]
+
+
+def _kernel_for(mode: str, kernel: str) -> str:
+    """A kernel name asked for one format, carried over to the other ("int4pack+bf16" -> "int8pack+bf16")."""
+    other = "int8pack" if mode == "int4" else "int4pack"
+    return kernel.replace(other, f"{mode}pack") if kernel.startswith(other) else kernel
 
 
 def _group_size(sd: dict[str, torch.Tensor]) -> int:
