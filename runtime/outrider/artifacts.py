@@ -28,6 +28,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -123,6 +124,7 @@ class Progress:
         self.started = time.monotonic()
         self._last_log = self.started
         self._bar = None
+        self._stop = threading.Event()
         if sys.stderr.isatty():
             try:
                 from tqdm import tqdm
@@ -130,6 +132,13 @@ class Progress:
                 self._bar = tqdm(total=total, desc=label, delay=1.0, leave=False, dynamic_ncols=True)
             except ImportError:
                 pass
+            else:
+                # Builds that report no steps (an export subprocess) still show time passing.
+                threading.Thread(target=self._tick, name="outrider-progress", daemon=True).start()
+
+    def _tick(self) -> None:
+        while not self._stop.wait(0.5):
+            self._bar.refresh()
 
     def set_total(self, total: float) -> None:
         """Declare how much work there is (unknown until now)."""
@@ -153,6 +162,7 @@ class Progress:
             log.info("%s: %g%s %s(%.0f s)", self.label, self.done, of, f"{note} " if note else "", now - self.started)
 
     def close(self) -> None:
+        self._stop.set()
         if self._bar is not None:
             self._bar.close()
 
