@@ -76,8 +76,8 @@ def tiny_head(tiny, tmp_path_factory) -> Path:
 
 def _strategy(drafters: list[str], **section):
     manifest = validate_manifest({"name": "t", "backend": "llm", "speculative": {"drafters": drafters, **section}})
-    registry = create_registry(["outrider_speculative"], load_entry_points=False)
-    return registry.accelerators_for(manifest)["speculative"].for_instance()
+    registry = create_registry(["outrider_llm", "outrider_speculative"], load_entry_points=False)
+    return registry.accelerators_for(manifest, registry.backends["llm"])["speculative"].for_instance()
 
 
 def _view(model, tokens: list[int]) -> View:

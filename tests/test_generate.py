@@ -56,8 +56,8 @@ class Capture:
 
 def _strategy(manifest_extra: dict | None = None):
     manifest = validate_manifest({"name": "t", "backend": "llm", "speculative": {"drafters": ["ngram"], **(manifest_extra or {})}})
-    registry = create_registry(["outrider_speculative"], load_entry_points=False)
-    return registry.accelerators_for(manifest)["speculative"].for_instance()
+    registry = create_registry(["outrider_llm", "outrider_speculative"], load_entry_points=False)
+    return registry.accelerators_for(manifest, registry.backends["llm"])["speculative"].for_instance()
 
 
 def _engine(model, tokenizer, speculative: bool, max_sequences: int = 4, **spec):

@@ -612,10 +612,11 @@ def test_defaults_and_drafter_options():
 
 
 def test_plugin_registers_the_accelerator_and_the_ngram_drafter():
-    registry = create_registry(["outrider_speculative"], load_entry_points=False)
-    assert "speculative" in registry.accelerators and "ngram" in registry.drafters
+    registry = create_registry(["outrider_llm", "outrider_speculative"], load_entry_points=False)
+    assert ("decode_strategy", "speculative-decoding") in registry.accelerators
+    assert {"ngram", "eagle"} <= set(registry.drafters)
     manifest = Manifest(name="m", backend="llm", speculative={"max_draft_tokens": 8})
-    strategy = registry.accelerators_for(manifest)["speculative"]
+    strategy = registry.accelerators_for(manifest, registry.backends["llm"])["speculative"]
     assert isinstance(strategy, SpeculativeStrategy) and strategy.config.max_draft_tokens == 8
     strategy.attach()
     assert [d.name for d in strategy.drafters] == ["ngram"]

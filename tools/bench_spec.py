@@ -59,8 +59,8 @@ def run_engine(model, tokenizer, drafters: list[str] | None, prompts: list[dict]
     strategy = None
     if drafters:
         manifest = validate_manifest({"name": "b", "backend": "llm", "speculative": {"drafters": drafters}})
-        registry = create_registry(["outrider_speculative"], load_entry_points=False)
-        strategy = registry.accelerators_for(manifest)["speculative"].for_instance()
+        registry = create_registry(["outrider_llm", "outrider_speculative"], load_entry_points=False)
+        strategy = registry.accelerators_for(manifest, registry.backends["llm"])["speculative"].for_instance()
         strategy.attach(model, tokenizer)
     engine = GenerationEngine(model, tokenizer, strategy, max_sequences=1, max_length=2048)
     finals: list[dict] = []

@@ -138,7 +138,21 @@ class TreeNode:
         return out[::-1]
 
 
-Expansion = Iterable[Sequence[Any]]  # (token, prob) or (token, prob, state)
+@dataclass
+class SampledExpansion:
+    """A node's children drawn at random from a draft distribution, for `build_dynamic_tree`.
+
+    `group` is what the verifier needs (q and every draw, in draw order); `items` are the
+    draws as (token, prob[, state]) candidates for the tree. Every draw stays in the group even
+    when the tree does not take its node (below the threshold, beyond the budget): dropping a
+    draw from the record would change what the later draws were conditioned on.
+    """
+
+    group: SampledChildren
+    items: list[Sequence[Any]] = field(default_factory=list)
+
+
+Expansion = Iterable[Sequence[Any]]  # (token, prob) or (token, prob, state); or a SampledExpansion
 
 
 def build_dynamic_tree(
@@ -163,8 +177,10 @@ def build_dynamic_tree(
     The candidate with the highest cumulative probability is added next; a node is added only if
     its cumulative probability reaches `prob_threshold`, and growth stops at `budget` nodes.
     Only the best `max_children` candidates of a node are considered; nodes at `max_depth` are
-    not expanded. Children are chosen deterministically (top-k), so the verifier treats them as
-    one-hot proposals.
+    not expanded. Children given as a plain list are deterministic (e.g. a top-k), so the
+    verifier treats them as one-hot proposals; an expansion given as a `SampledExpansion` is
+    recorded in `tree.sampled` under the expanded node (whose index is final by then: a node is
+    expanded only after it joined the tree), so the verifier uses its q.
     """
     tree = SpecTree()
     if budget <= 0 or max_depth <= 0:
@@ -173,7 +189,10 @@ def build_dynamic_tree(
     heap: list[tuple[float, int, TreeNode]] = []
     seen: set[tuple[int, int]] = set()
 
-    def push_children(node: TreeNode, expansion: Expansion) -> None:
+    def push_children(node: TreeNode, expansion: "Expansion | SampledExpansion") -> None:
+        if isinstance(expansion, SampledExpansion):
+            tree.sampled.setdefault(node.index, []).append(expansion.group)
+            expansion = expansion.items
         ranked = sorted((tuple(item) for item in expansion), key=lambda item: -float(item[1]))
         taken = 0
         for item in ranked:
