@@ -4,6 +4,12 @@
   python tools/bench_llm_forward.py                 forward table (decode, verify, prefill, LM head)
   python tools/bench_llm_forward.py --load          also time loading (first load, cached load, transformers)
   python tools/bench_llm_forward.py --context 1000  committed tokens before each measured step
+  python tools/bench_llm_forward.py --quant int4,int8,int4+bf16 --no-hf   quantized columns only vs ours
+
+Columns: outrider fp32, bf16 (where the CPU has native bf16, or --bf16 yes), the quantized modes
+of --quant (weights from outrider_quantize.llm; kernels chosen as at load, "+bf16" also keeps a
+dense bf16 copy for calls of many rows), then transformers. The ratio columns are fp32 time over
+each column's time, measured in the same run.
 
 Every case is timed as the median of repeated calls, with `--threads` (default 2) torch threads.
 "Verify n" feeds the pending token plus n-1 draft tokens: a tree for outrider (DraftTree mask),
@@ -28,23 +34,28 @@ import torch.nn.functional as F
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def median_ms(fn: Callable[[], object], repeat: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples) * 1e3
-
-
 def balanced_tree(size: int, width: int = 2):
     """A DraftTree of `size` nodes, each node with up to `width` children (breadth first)."""
     from outrider.generation.contract import DraftTree
 
     parents = [-1 if i < width else (i - width) // width for i in range(size)]
     return DraftTree(tokens=[(17 * i + 5) % 1000 + 100 for i in range(size)], parents=parents, probs=[1.0] * size)
+
+
+def interleaved_ms(fns: list[Optional[Callable[[], object]]], repeat: int, warmup: int = 3) -> list[Optional[float]]:
+    """Median ms per function, the calls taken round-robin: load from other processes on a shared
+    machine then hits every column alike instead of whichever happened to run during it."""
+    for fn in fns:
+        for _ in range(warmup if fn else 0):
+            fn()
+    samples: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeat):
+        for fn, out in zip(fns, samples):
+            if fn is not None:
+                start = time.perf_counter()
+                fn()
+                out.append(time.perf_counter() - start)
+    return [statistics.median(out) * 1e3 if out else None for out in samples]
 
 
 class Ours:
@@ -153,18 +164,45 @@ def transformers_model(config, state_dict, dtype: torch.dtype):
     return model.to(dtype)
 
 
+def quantized_models(config, raw_state_dict: dict, modes: list[str]) -> list[tuple[str, object]]:
+    """(column name, LlamaModel) per quantized mode ("int4", "int8", "int4+bf16": dense copy too)."""
+    from outrider_llm.model import LlamaModel
+    from outrider_quantize.llm import quantize_state_dict
+
+    out = []
+    for spec in modes:
+        mode, _, extra = spec.partition("+")
+        if mode not in ("int4", "int8") or extra not in ("", "bf16"):
+            raise SystemExit(f"--quant: expected int4, int8, int4+bf16 or int8+bf16, got {spec!r}")
+        weights = quantize_state_dict(raw_state_dict, mode)
+        model = LlamaModel(config, weights, kernel=f"{mode}pack+bf16" if extra else "auto")
+        for plan in model.kernel_plans.values():
+            print(f"# {spec}: {plan.mode} weights -> {plan.kernel} (dense copy {'from %d rows' % plan.dense_from_rows if plan.dense_copy else 'off'}); {plan.reason}")
+        print(f"# {spec}: matmul weights {model.weight_bytes() / 1e6:.0f} MB")
+        out.append((f"outrider {spec}", model))
+    return out
+
+
 def bench_forward(args: argparse.Namespace) -> None:
-    from outrider_llm.loading import load_gguf_weights, smollm2_gguf_path
-    from outrider_llm.model import LlamaModel, cpu_has_native_bf16, tune_malloc
+    from outrider_llm.loading import load_weights_artifact, read_artifact_meta, read_artifact_weights, smollm2_gguf_path
+    from outrider_llm.model import LlamaConfig, LlamaModel, cpu_has_native_bf16, tune_malloc
 
     tune_malloc()
-    config, state_dict, _ = load_gguf_weights(smollm2_gguf_path())
+    artifact = load_weights_artifact(smollm2_gguf_path())
+    config = LlamaConfig.from_dict(read_artifact_meta(artifact)["config"])
+    raw = read_artifact_weights(artifact, raw_blocks=True)  # with the GGUF's Q4_1 blocks, for exact int4
+    state_dict = {k: v for k, v in raw.items() if ".q4_1." not in k}
     context = [(11 * i) % 2000 + 100 for i in range(args.context)]
     columns: list[tuple[str, object]] = [("outrider fp32", Ours(LlamaModel(config, state_dict, dtype="fp32"), context))]
     if args.bf16 == "yes" or (args.bf16 == "auto" and cpu_has_native_bf16()):
         columns.append(("outrider bf16", Ours(LlamaModel(config, state_dict, dtype="bf16"), context)))
-    columns.append(("transformers fp32", Transformers(transformers_model(config, state_dict, torch.float32), context)))
-    if args.hf_bf16:
+    modes = [m for m in args.quant.split(",") if m]
+    for name, model in quantized_models(config, raw, modes):
+        columns.append((name, Ours(model, context)))
+    del raw
+    if not args.no_hf:
+        columns.append(("transformers fp32", Transformers(transformers_model(config, state_dict, torch.float32), context)))
+    if args.hf_bf16 and not args.no_hf:
         hf_bf16 = transformers_model(config, state_dict, torch.bfloat16)
         columns.append(("transformers bf16", Transformers(hf_bf16, context)))
 
@@ -184,18 +222,20 @@ def bench_forward(args: argparse.Namespace) -> None:
     names = [name for name, _ in columns]
     print(f"SmolLM2-135M, {torch.get_num_threads()} threads, {args.context} committed tokens, "
           f"CPU capability {torch.backends.cpu.get_cpu_capability()}, torch {torch.__version__}")
-    header = f"| {'case':<20} | " + " | ".join(f"{n:>17}" for n in names) + " | fp32 speedup vs transformers |"
+    width = max(17, *(len(n) for n in names))
+    ratio_names = [n.removeprefix("outrider ") for n in names[1:]]
+    header = (f"| {'case':<20} | " + " | ".join(f"{n:>{width}}" for n in names) + " | "
+              + " | ".join(f"{'fp32/' + n:>{max(10, len(n) + 5)}}" for n in ratio_names) + " |")
     print(header)
-    print("|" + "|".join("-" * (len(part) + 0) for part in header.split("|")[1:-1]) + "|")
+    print("|" + "|".join("-" * len(part) for part in header.split("|")[1:-1]) + "|")
     for label, method, method_args, repeat in cases:
-        row: list[Optional[float]] = []
-        for _, runner in columns:
-            fn = getattr(runner, method, None)
-            row.append(median_ms(fn(*method_args), repeat) if fn else None)
-        hf = row[names.index("transformers fp32")]
-        speedup = f"{hf / row[0]:.2f}x" if hf and row[0] else "-"
-        cells = " | ".join(f"{v:>14.2f} ms" if v is not None else f"{'-':>17}" for v in row)
-        print(f"| {label:<20} | {cells} | {speedup:>28} |", flush=True)
+        fns = [getattr(runner, method, None) for _, runner in columns]
+        row = interleaved_ms([fn(*method_args) if fn else None for fn in fns], repeat)
+        cells = " | ".join(f"{v:>{width - 3}.2f} ms" if v is not None else f"{'-':>{width}}" for v in row)
+        ratios = " | ".join(
+            f"{(f'{row[0] / v:.2f}x' if v and row[0] else '-'):>{max(10, len(n) + 5)}}" for n, v in zip(ratio_names, row[1:])
+        )
+        print(f"| {label:<20} | {cells} | {ratios} |", flush=True)
 
 
 LOAD_SNIPPET = r"""
@@ -244,6 +284,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--bf16", choices=("auto", "yes", "no"), default="auto", help="also outrider in bf16")
     parser.add_argument("--hf-bf16", action="store_true", help="also transformers in bf16")
+    parser.add_argument("--quant", default="int4,int8", help="quantized columns: int4, int8, int4+bf16, int8+bf16")
+    parser.add_argument("--no-hf", action="store_true", help="leave out the transformers columns")
     parser.add_argument("--load", action="store_true", help="also time loading, in fresh processes")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
