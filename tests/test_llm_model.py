@@ -333,13 +333,12 @@ def test_long_and_short_chunks_mixed_in_one_forward(lm: Setup, attention_mode: s
 def test_second_load_comes_from_the_cache_and_tokenizer_matches_transformers(lm: Setup) -> None:
     if lm.name != "smollm2":
         pytest.skip("SmolLM2 only")
-    import os
-    from pathlib import Path
-
     from transformers import AutoTokenizer
 
-    entries = list((Path(os.environ["OUTRIDER_CACHE_DIR"]) / "llm").iterdir())
-    assert [e.name.startswith("SmolLM2-135M-Instruct.Q4_1-") for e in entries] == [True]
+    from outrider.artifacts import ArtifactCache
+
+    entries = [e for e in ArtifactCache().entries() if e["kind"] == "llama-weights"]
+    assert len(entries) == 1 and entries[0]["label"].startswith("SmolLM2-135M-Instruct.Q4_1.gguf")
     config, weights, tokenizer = load_gguf_weights(smollm2_gguf_path())
     assert config == lm.config and weights.keys() == lm.state_dict.keys()
     assert all(torch.equal(weights[k], lm.state_dict[k]) for k in weights)
@@ -368,3 +367,30 @@ def test_bf16_mostly_agrees_with_fp32(lm: Setup) -> None:
     bf16_logits = bf16.forward(bf16.new_cache(1, 64), [chunk(0, tokens, 0)]).logits
     agreement = (fp32_logits.argmax(-1) == bf16_logits.argmax(-1)).float().mean().item()
     assert agreement >= 0.9, agreement
+
+
+def test_kv_cache_grows_with_admitted_sequences_and_hands_memory_back():
+    model = tiny_random_llama(seed=5)
+    cache = model.new_cache(8, 1024)
+    assert cache.nbytes == 0  # nothing preallocated for 8 x 1024 positions
+    prompt = torch.arange(20) % model.vocab_size
+    out = model.forward(cache, [Chunk(2, prompt, torch.arange(20))])
+    cache.commit(2, list(range(20)))
+    assert cache.capacity == 256 and cache.kv.shape[2] == 3  # slots 0..2, one growth step of positions
+    small = cache.nbytes
+    long_prompt = torch.arange(300) % model.vocab_size
+    model.forward(cache, [Chunk(0, long_prompt, torch.arange(300))])
+    cache.commit(0, list(range(300)))
+    assert cache.capacity == 512 and cache.nbytes == 2 * small
+    # Growing kept what slot 2 held: its next token sees the same context as in a fresh cache.
+    fresh = model.new_cache(8, 1024)
+    model.forward(fresh, [Chunk(0, prompt, torch.arange(20))])
+    fresh.commit(0, list(range(20)))
+    nxt = torch.tensor([int(out.logits[-1].argmax())])
+    a = model.forward(cache, [Chunk(2, nxt, torch.tensor([20]))]).logits
+    b = model.forward(fresh, [Chunk(0, nxt, torch.tensor([20]))]).logits
+    torch.testing.assert_close(a, b)
+    cache.reset(0)
+    assert cache.nbytes > 0
+    cache.reset(2)
+    assert cache.nbytes == 0

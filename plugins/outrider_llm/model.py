@@ -34,6 +34,8 @@ import torch.nn.functional as F
 
 from outrider.generation.contract import Chunk, ForwardOutput
 
+from .kv_cache import SlotKVCache
+
 from .linear import (  # noqa: F401  (re-exported: `from outrider_llm.model import _Linear` keeps working)
     PACK_ROWS,
     KernelPlan,
@@ -133,62 +135,6 @@ def release_free_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
-
-
-class SlotKVCache:
-    """Preallocated K/V for `num_slots` sequences of up to `max_length` tokens each.
-
-    Layout [layers, 2 (K, V), slots, kv_heads, max_length, head_dim]: one copy per chunk and layer
-    writes K and V together, and a layer's K (or V) over a range of slots is one strided view, so
-    attention can run over several slots at once without copying the cache.
-    A forward writes its fed tokens tentatively at length .. length+n-1; `commit` keeps some.
-    """
-
-    def __init__(
-        self, config: LlamaConfig, num_slots: int, max_length: int, dtype: torch.dtype, device: torch.device
-    ) -> None:
-        if num_slots < 1 or max_length < 1:
-            raise ValueError(f"need num_slots >= 1 and max_length >= 1, got {num_slots}, {max_length}")
-        self.num_slots = num_slots
-        self.max_length = max_length
-        self.kv = torch.zeros(
-            config.num_layers, 2, num_slots, config.num_kv_heads, max_length, config.head_dim,
-            dtype=dtype, device=device,
-        )
-        self._lengths = [0] * num_slots
-        self._fed = [0] * num_slots  # tokens written tentatively by the last forward, not yet committed
-
-    @property
-    def nbytes(self) -> int:
-        """Memory held by the K/V tensors."""
-        return self.kv.numel() * self.kv.element_size()
-
-    def length(self, slot: int) -> int:
-        """Committed tokens in `slot`."""
-        return self._lengths[slot]
-
-    def commit(self, slot: int, keep: list[int]) -> None:
-        """Keep the fed tokens at chunk indices `keep` (increasing), compacted after the committed ones."""
-        fed = self._fed[slot]
-        keep = [int(i) for i in keep]
-        if any(i < 0 or i >= fed for i in keep) or any(b <= a for a, b in zip(keep, keep[1:])):
-            raise ValueError(
-                f"commit(slot={slot}): keep must be increasing chunk indices below {fed} "
-                f"(tokens fed by the last forward), got {keep}"
-            )
-        start = self._lengths[slot]
-        if keep != list(range(len(keep))):
-            index = torch.tensor(keep, dtype=torch.long, device=self.kv.device) + start
-            # index_select copies first, so overlapping source and destination are safe.
-            kv = self.kv[:, :, slot]  # [layers, 2, kv_heads, max_length, head_dim]
-            kv[:, :, :, start : start + len(keep)] = kv.index_select(3, index)
-        self._lengths[slot] = start + len(keep)
-        self._fed[slot] = 0
-
-    def reset(self, slot: int) -> None:
-        """Forget everything in `slot` (no memory is cleared: lengths bound what is read)."""
-        self._lengths[slot] = 0
-        self._fed[slot] = 0
 
 
 class _ChunkPlan:
@@ -554,7 +500,9 @@ class LlamaModel(torch.nn.Module):
             if n == 0 or c.tokens.dim() != 1 or c.positions.shape != c.tokens.shape:
                 raise ValueError(f"chunk for slot {slot}: tokens and positions must be equal-length 1-D, n >= 1")
             length = cache.length(slot)
-            if length + n > cache.max_length:
+            if length + n <= cache.max_length:
+                cache.reserve(slot, length + n)  # the cache grows with what is admitted
+            else:
                 raise ValueError(
                     f"slot {slot}: {length} committed + {n} fed tokens exceed max_length {cache.max_length}"
                 )
