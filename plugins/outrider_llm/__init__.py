@@ -82,21 +82,23 @@ class LlmBackend(Backend):
         threads = options.threads or _physical_cores()
         torch.set_num_threads(threads)
         started = time.perf_counter()
+        strategy = getattr(self.accelerators, "decode_strategy", None)
+        kernel = self._kernel(strategy is not None)
         weights = load_weights_artifact(self.manifest.model_path())
         # Quantization runs here, before the model is built: its quality gate builds the float
         # and the quantized model through these helpers (a transform never imports this plugin).
         tokenizer = artifact_tokenizer(weights)
         weights = self.transform_artifact(
             weights,
-            build_model=lambda artifact, **kw: model_from_artifact(artifact, device=self.device, **kw)[0],
+            build_model=lambda artifact, **kw: model_from_artifact(artifact, device=self.device,
+                                                                   **{"kernel": kernel, **kw})[0],
             tokenize=tokenizer.encode,
         )
         # A quantized artifact says in which dtype it computes; `options.dtype` is for float weights.
         dtype = None if self.manifest.quantize is not None else options.dtype
-        self.model, self.tokenizer = model_from_artifact(weights, dtype=dtype, device=self.device)
+        self.model, self.tokenizer = model_from_artifact(weights, dtype=dtype, device=self.device, kernel=kernel)
         log.info("model %s: weights ready in %.2fs (%d threads)", self.manifest.name,
                  time.perf_counter() - started, threads)
-        strategy = getattr(self.accelerators, "decode_strategy", None)
         if strategy is not None:
             strategy = strategy.for_instance()  # drafter state is per engine, not per model
         self.engine = GenerationEngine(
@@ -105,6 +107,13 @@ class LlmBackend(Backend):
         )
         if self.engine.strategy is not None:
             self.engine.strategy.attach(self.model, self.tokenizer)
+
+    def _kernel(self, speculative: bool) -> str:
+        """The quantized matmul kernel: the manifest's, with a dense bf16 copy for verification when
+        speculation is on and the kernel is chosen automatically (see outrider_llm.linear)."""
+        config = getattr(self.accelerators, "configs", {}).get("quantize")
+        kernel = config.kernel if config is not None else "auto"
+        return "auto+bf16" if kernel == "auto" and speculative else kernel
 
     def warmup(self) -> None:
         """Generate a few tokens through the whole engine (prefill, drafts, verification)."""

@@ -49,7 +49,10 @@ DEFAULT_DENSE_FROM_ROWS = 8
 # failures are large (fp32 activations: 7-20x), while a busy shared 2-core machine skews a
 # few-ms benchmark by tens of percent either way.
 PACKED_TIE_MARGIN = 2.0
-KERNELS = ("auto", "int4pack", "int8pack", "dense", "int4pack+bf16", "int8pack+bf16")
+KERNELS = ("auto", "auto+bf16", "int4pack", "int8pack", "dense", "int4pack+bf16", "int8pack+bf16")
+# "auto+bf16" keeps a dense bf16 copy only where it wins from this many rows or fewer: a draft
+# tree's verification feeds 2-17 rows per sequence.
+MULTIROW_COPY_MAX_ROWS = 8
 
 
 # ---- CPU features ---------------------------------------------------------------------------
@@ -199,6 +202,11 @@ class QuantTensor:
             return dequantize_int4(self.q, self.scale, self.zero)
         return dequantize_int8(self.q, self.scale)
 
+    def params_in(self, dtype: torch.dtype) -> "QuantTensor":
+        """The same weight with scales and zeros rounded to `dtype`, as the packed kernels hold them."""
+        zero = None if self.zero is None else self.zero.to(dtype).float()
+        return QuantTensor(self.mode, self.q, self.scale.to(dtype).float(), zero)
+
     def scaled(self, factor: float) -> "QuantTensor":
         """The weight times `factor` (scales and zeros scale; q stays)."""
         zero = None if self.zero is None else self.zero.float() * factor
@@ -328,7 +336,9 @@ class KernelPlan:
         device = torch.device(device)
         if self.kernel == "dense" or device.type != "cpu":
             return dense_linear(weight.dequantize(), self.dtype, device)
-        dense = dense_linear(weight.dequantize(), torch.bfloat16) if self.dense_copy else None
+        # The dense copy starts from the weights the packed kernel sees (bf16 scales and zeros),
+        # so the many-row and the one-row paths compute the same model, up to rounding.
+        dense = dense_linear(weight.params_in(torch.bfloat16).dequantize(), torch.bfloat16) if self.dense_copy else None
         try:
             if weight.mode == "int4":
                 return Int4Linear(weight, dense, self.dense_from_rows)
@@ -350,6 +360,9 @@ def choose_kernel(mode: str, kernel: str = "auto", group_size: int = 32) -> Kern
     "auto" checks that the packed kernel works and agrees with a dequantized reference, times it
     against dense bf16 and fp32 at one row (a decode step) and picks the fastest; it also measures
     from how many rows dense bf16 wins (recorded, used when a "+bf16" copy is asked for).
+    "auto+bf16" (what the llm backend asks for when speculative decoding is on) is "auto" plus a
+    dense bf16 copy where native bf16 beats the packed kernel from `MULTIROW_COPY_MAX_ROWS` rows or
+    fewer: verification feeds many rows at once, where the packed kernels cost about linearly.
     """
     if mode not in ("int4", "int8"):
         raise ValueError(f"choose_kernel: mode must be 'int4' or 'int8', got {mode!r}")
@@ -370,7 +383,8 @@ def _choose(mode: str, kernel: str, group_size: int) -> KernelPlan:
     dense_dtype = torch.bfloat16 if native_bf16 else torch.float32
     if kernel == "dense":
         return KernelPlan(mode, "dense", dense_dtype, reason="asked for")
-    if kernel != "auto":
+    multirow = kernel == "auto+bf16"
+    if kernel not in ("auto", "auto+bf16"):
         name, _, extra = kernel.partition("+")
         if name != packed_name:
             raise ValueError(f"kernel {kernel!r} does not run {mode} weights (use {packed_name!r} or 'dense')")
@@ -395,8 +409,14 @@ def _choose(mode: str, kernel: str, group_size: int) -> KernelPlan:
     caps = f"capability {torch.backends.cpu.get_cpu_capability()}, native bf16 {'yes' if native_bf16 else 'no'}"
     reason = "measured at 1 row, us: " + ", ".join(f"{k} {v:.0f}" for k, v in timings.items()) + f" ({caps})"
     if best == packed_name:
-        return KernelPlan(mode, packed_name, torch.bfloat16, timings_us=timings, reason=reason,
-                          dense_from_rows=_dense_crossover(mode, group_size) if native_bf16 else DEFAULT_DENSE_FROM_ROWS)
+        crossover = _dense_crossover(mode, group_size) if native_bf16 else DEFAULT_DENSE_FROM_ROWS
+        # Packed weight-only kernels cost about linearly in rows, dense bf16 on AMX/AVX512-BF16
+        # about flat: for speculative verification, a dense copy is worth its memory where it wins early.
+        copy = multirow and native_bf16 and crossover <= MULTIROW_COPY_MAX_ROWS
+        if multirow:
+            reason += f"; dense bf16 wins from {crossover} rows: copy {'kept' if copy else 'not kept'}"
+        return KernelPlan(mode, packed_name, torch.bfloat16, dense_copy=copy, timings_us=timings, reason=reason,
+                          dense_from_rows=crossover)
     dtype = torch.bfloat16 if best == "dense-bf16" else torch.float32
     return KernelPlan(mode, "dense", dtype, timings_us=timings, reason=reason)
 
