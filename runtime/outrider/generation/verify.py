@@ -33,6 +33,27 @@ the bonus is drawn from the final residual; at a leaf it is drawn from the leaf'
 Each step is a speculative-sampling step with a proposal fixed before its own uniform draw, so by
 induction every emitted token is distributed exactly as the target's. Nothing here looks at the
 drafter's probabilities, thresholds or budgets.
+
+What a drafter must respect for that induction to hold (verify.py cannot check it): the draws
+recorded in a group are *all* the draws made from its q for that parent, in draw order, from a
+q fixed before the first of them (a draw left out, or a group kept only when its draws look
+good, conditions the later draws on something the rule does not know). Draws whose node was
+pruned stay in `draws`. The randomness of drafting and of this rule may share the request's
+generator: the draws are made before any uniform here is drawn.
+
+Near-ties, by design: "identical to plain decoding" is relative to the logits of the forward
+that verifies. The engine computes a step's logits in one batched forward over the pending
+token and the tree (other matmul shapes, a tree mask, other sequences in the batch), where plain
+decoding feeds one token; the two agree to floating-point rounding (about 1e-6 relative in fp32,
+more with bf16 or quantized kernels), not bit for bit. When the two best logits of a row are
+closer than that, the argmax can differ between the two forwards, and greedy output with and
+without speculation then parts from that token on. Neither forward is the more correct one
+(plain decoding is not bit-reproducible across batch compositions either). What is guaranteed:
+every emitted token is exactly the argmax (T = 0), or exactly distributed as
+`target_distribution` (T > 0), of the verifying forward's logits for exactly the tokens emitted
+before it; greedy identity with plain decoding holds wherever the top two logits are further
+apart than the forwards' rounding difference. The tests check exact identity, and the SmolLM2
+test accepts a divergence only at a position whose top-two gap is below that tolerance.
 """
 
 from __future__ import annotations
