@@ -41,10 +41,12 @@ VOCAB = 16
 class View:
     """A SequenceView: what a drafter reads."""
 
-    def __init__(self, token_ids: list[int], last_hidden) -> None:
+    def __init__(self, token_ids: list[int], last_hidden, params=None, generator=None) -> None:
         self.token_ids = token_ids
         self.prompt_length = len(token_ids)
         self.last_hidden = last_hidden
+        self.params = params  # the engine's Sequence has the request's SamplingParams and generator
+        self.generator = generator
 
 
 @pytest.fixture(scope="module")
@@ -173,6 +175,44 @@ def test_root_children_are_the_heads_top_tokens(tiny, tiny_head):
     assert tree.probs == pytest.approx(probs[0].tolist(), rel=1e-5)
     assert len(drafter.propose(View([1, 2], None), 8)) == 0, "no hidden state yet: no draft"
     assert len(drafter.propose(view, 0)) == 0
+
+
+def test_sampling_requests_draw_children_from_the_heads_tempered_q(tiny, tiny_head):
+    from outrider.generation.sampling import SamplingParams, target_distribution
+
+    model, _ = tiny
+    drafter: EagleDrafter = make_eagle_drafter(model, {"weights": str(tiny_head), "prob_threshold": 0.0, "max_children": 3})
+    base = _view(model, [1, 2, 3, 4, 5])
+    # The tiny head is confident: a high temperature leaves several tokens for top-k to cut to 5.
+    params = SamplingParams(temperature=4.0, top_k=5, top_p=0.99)
+
+    def view(seed: int) -> View:
+        return View(base.token_ids, base.last_hidden, params, torch.Generator().manual_seed(seed))
+
+    tree = drafter.propose(view(0), 8)
+    check_tree(tree)
+    (root,) = tree.sampled[-1]
+    _, logits = drafter.compiled(base.last_hidden[None], model.embed(torch.tensor([5])))
+    expected = torch.zeros(VOCAB)
+    expected[drafter.draft_vocab] = target_distribution(logits[0], 4.0, 5, 0.99)
+    assert torch.equal(root.q, expected), "q is the head's distribution through the request's T, top-k, top-p"
+    assert int((expected > 0).sum()) >= 3, "q too peaked for this test to draw several children"
+    assert not root.replacement and len(set(root.draws)) == len(root.draws) == 3
+    assert all(root.q[t] > 0 for t in root.draws)
+    assert {tree.tokens[i] for i, p in enumerate(tree.parents) if p == -1} <= set(root.draws)
+    for parent, groups in tree.sampled.items():  # deeper nodes sample too, each under its own node
+        assert -1 <= parent < len(tree) and all(len(g.draws) > 0 for g in groups)
+    assert len(tree.sampled) > 1
+    # The request's generator decides the draws: a seed reproduces them, other seeds vary them.
+    assert drafter.propose(view(0), 8).sampled[-1][0].draws == root.draws
+    assert len({tuple(drafter.propose(view(seed), 8).sampled[-1][0].draws) for seed in range(12)}) > 1
+    # Greedy requests, and `sample: false`, keep the deterministic top-k tree.
+    greedy = drafter.propose(View(base.token_ids, base.last_hidden, SamplingParams(), torch.Generator()), 8)
+    assert not greedy.sampled and greedy.tokens == drafter.propose(base, 8).tokens
+    fixed = make_eagle_drafter(model, {"weights": str(tiny_head), "prob_threshold": 0.0, "max_children": 3, "sample": False})
+    assert not fixed.propose(view(0), 8).sampled
+    with pytest.raises(ManifestError, match=r"speculative\.eagle\.sample'"):
+        _strategy(["eagle"], eagle={"weights": str(tiny_head), "sample": "yes"}).attach(model, None)
 
 
 # ---- lossless with the engine ---------------------------------------------------------------------

@@ -30,6 +30,7 @@ from outrider_speculative.drafters import NgramDrafter, NgramIndex
 from outrider_speculative.strategy import BudgetController, SpeculativeStrategy
 from outrider_speculative.tree import (
     SampledChildren,
+    SampledExpansion,
     SpecTree,
     build_dynamic_tree,
     children_of,
@@ -513,6 +514,69 @@ def test_build_dynamic_tree_hands_back_state_and_can_expand_in_batches():
     _check_topological(tree)
     assert len(tree) == 20
     assert len(calls) < 20 and max(calls) > 1
+
+
+def test_build_dynamic_tree_records_sampled_expansions_under_the_expanded_node():
+    # Each node draws 3 children from Q_TABLE (its row = its token); with a threshold some draws
+    # get no node, and must still be in their group, in draw order.
+    gen = torch.Generator().manual_seed(3)
+    made: dict[int, SampledChildren] = {}
+
+    def expand(node):
+        row = Q_TABLE[PROMPT[-1] if node.token is None else node.token]
+        group = sample_children(row, 3, gen)
+        made[node.index] = group
+        return SampledExpansion(group, [(t, float(row[t])) for t in group.draws])
+
+    tree = build_dynamic_tree(expand, budget=6, max_depth=3, prob_threshold=0.05, max_children=3)
+    _check_topological(tree)
+    assert set(tree.sampled) == set(made)  # one group per expanded node, under its final index
+    for parent, (group,) in tree.sampled.items():
+        assert group is made[parent]
+        kids = [tree.tokens[i] for i, p in enumerate(tree.parents) if p == parent]
+        assert set(kids) <= set(group.draws) and len(group.draws) == 3
+    assert any(len([i for i, p in enumerate(tree.parents) if p == parent]) < 3 for parent in tree.sampled), \
+        "no draw was left without a node: the 'pruned draws stay' case is not exercised"
+
+
+def test_merged_and_pruned_trees_keep_every_group_whole_and_under_its_node():
+    """Whatever merge and prune do, a kept group still hangs under the node it was drawn for."""
+    gen = torch.Generator().manual_seed(17)
+    drafter = SampledDrafter(seed=18)
+    strategy = _ngram_strategy()
+    for trial in range(200):
+        seq = Seq(_markov_sample(30 + trial % 7, seed=trial))
+        sampled = drafter.propose(seq, 16)
+        paths = {}  # group -> the token path of the node it was drawn under
+        for parent, groups in sampled.sampled.items():
+            path, at = [], parent
+            while at >= 0:
+                path.append(sampled.tokens[at])
+                at = sampled.parents[at]
+            for group in groups:
+                paths[id(group)] = tuple(reversed(path))
+        merged = merge_trees(strategy.drafters[0].propose(seq, 8), sampled)
+        budget = int(torch.randint(1, 12, (1,), generator=gen))
+        pruned = prune_tree(merged, budget, max_depth=int(torch.randint(1, 4, (1,), generator=gen)),
+                            max_children=int(torch.randint(1, 4, (1,), generator=gen)))
+        _check_topological(pruned)
+        for parent, groups in pruned.sampled.items():
+            assert -1 <= parent < len(pruned)
+            path, at = [], parent
+            while at >= 0:
+                path.append(pruned.tokens[at])
+                at = pruned.parents[at]
+            for group in groups:
+                assert paths[id(group)] == tuple(reversed(path)), "a group moved to another node"
+        # No group is lost while its node stays.
+        kept_paths = set()
+        for node in range(-1, len(pruned)):
+            path, at = [], node
+            while at >= 0:
+                path.append(pruned.tokens[at])
+                at = pruned.parents[at]
+            kept_paths.add(tuple(reversed(path)))
+        assert sum(len(g) for g in pruned.sampled.values()) == sum(1 for p in paths.values() if p in kept_paths)
 
 
 def test_merge_trees_unites_shared_prefixes_and_keeps_the_higher_probability():
