@@ -314,16 +314,19 @@ class EagleDrafter:
         return features, top.values, self.draft_vocab[top.indices]
 
     def sample_children(self, logits: torch.Tensor, features: torch.Tensor, k: int, temperature: float,
-                        top_k: int, top_p: float, generator: Optional[torch.Generator]) -> list[SampledExpansion]:
+                        top_k: int, top_p: float, generator: Optional[torch.Generator]) -> list:
         """Per node, up to k children drawn without replacement from q = the head's tempered, truncated distribution."""
         # The same function the target's p comes from, on the draft vocabulary: q then tracks p
         # (same temperature, same cuts), which is what makes min(1, p/q) accept often.
         q = target_distribution(logits, temperature, top_k, top_p)
         vocab = self.model.vocab_size
-        out: list[SampledExpansion] = []
+        out: list = []
         for i in range(q.shape[0]):
             row = q[i]
             count = min(k, int((row > 0).sum()))
+            if count == 0:  # no usable q (non-finite head output): no children, nothing drawn
+                out.append([])
+                continue
             drawn = torch.multinomial(row, count, replacement=False, generator=generator).tolist()
             full = torch.zeros(vocab, dtype=row.dtype)
             full[self.draft_vocab] = row  # the exact weights the draws came from, in vocabulary ids
