@@ -180,7 +180,7 @@ def _decode_rate(stats: dict) -> tuple[float, float, float]:
     return decode, new / max(seconds, 1e-9), stats.get("mean_accepted_length") or 1.0
 
 
-def bench_llm(n_code: int, n_chat: int, tokens: int, threads: int) -> None:
+def bench_llm(n_code: int, n_chat: int, tokens: int, threads: int, llama_cpp: bool = True) -> None:
     from outrider import Client
 
     prompts = llm_prompts(n_code, n_chat)
@@ -205,7 +205,7 @@ def bench_llm(n_code: int, n_chat: int, tokens: int, threads: int) -> None:
         peak = rss_mb(server.proc.pid)[1]
     finally:
         server.stop()
-    reference = llama_cpp_rows(prompts, tokens, threads)
+    reference = llama_cpp_rows(prompts, tokens, threads) if llama_cpp else None
     print(f"\nSmolLM2-135M through outrider serve: {n_code} HumanEval prompts (problems 100+), {n_chat} chat "
           f"prompts, max {tokens} tokens, {threads} threads; median over prompts")
     print(f"server RSS with both models loaded: idle {idle:.0f} MB, peak {peak:.0f} MB; greedy spec vs plain "
@@ -224,23 +224,41 @@ def bench_llm(n_code: int, n_chat: int, tokens: int, threads: int) -> None:
                 decode = statistics.median(reference[kind])
                 print(f"{'':<6}{'llama.cpp (Q4_1)':<20}{kind:<6}{decode:>13.1f}{decode / base:>7.2f}x")
     if reference is None:
-        print("\n(llama.cpp row skipped: pip install llama-cpp-python to include it)")
+        print("\n(no llama.cpp row: pip install llama-cpp-python to include it)")
 
 
 def llama_cpp_rows(prompts: list[tuple[str, dict]], tokens: int, threads: int) -> dict[str, list[float]] | None:
-    """Greedy decode tokens/s of llama.cpp on the same GGUF and prompts (None when not installed)."""
-    try:
-        from llama_cpp import Llama
-    except ImportError:
+    """Greedy decode tokens/s of llama.cpp on the same GGUF and prompts (None when not installed).
+
+    Runs in a subprocess: a llama.cpp build for the wrong CPU dies of SIGILL, and that must cost
+    this row, not the table.
+    """
+    import importlib.util
+    import json
+
+    if importlib.util.find_spec("llama_cpp") is None:
         return None
+    template = _chat_renderer()
+    texts = [(kind, r["prompt"] if "prompt" in r else template(r["messages"])) for kind, r in prompts]
+    proc = subprocess.run([sys.executable, __file__, "--llama-cpp-worker", str(tokens), str(threads or 2)],
+                          input=json.dumps(texts), capture_output=True, text=True, timeout=3600)
+    if proc.returncode != 0:
+        print(f"(llama.cpp failed with exit status {proc.returncode}: {proc.stderr.strip()[-300:]})")
+        return None
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _llama_cpp_worker(tokens: int, threads: int) -> None:
+    import json
+
+    from llama_cpp import Llama
+
     from outrider_llm.loading import smollm2_gguf_path
 
-    llm = Llama(model_path=str(smollm2_gguf_path()), n_ctx=2048, n_threads=threads or 2,
-                n_threads_batch=threads or 2, verbose=False)
-    template = _chat_renderer()
+    llm = Llama(model_path=str(smollm2_gguf_path()), n_ctx=2048, n_threads=threads, n_threads_batch=threads,
+                verbose=False)
     out: dict[str, list[float]] = {}
-    for kind, request in prompts:
-        text = request["prompt"] if "prompt" in request else template(request["messages"])
+    for kind, text in json.loads(sys.stdin.read()):
         ids = llm.tokenize(text.encode(), add_bos=False, special=True)
         llm.reset()
         llm.eval(ids)
@@ -254,7 +272,7 @@ def llama_cpp_rows(prompts: list[tuple[str, dict]], tokens: int, threads: int) -
         seconds = time.perf_counter() - start
         if generated > 1:
             out.setdefault(kind, []).append((generated - 1) / seconds)
-    return out
+    print(json.dumps(out))
 
 
 def _chat_renderer():
@@ -265,6 +283,9 @@ def _chat_renderer():
 
 
 def main() -> None:
+    if len(sys.argv) == 4 and sys.argv[1] == "--llama-cpp-worker":
+        _llama_cpp_worker(int(sys.argv[2]), int(sys.argv[3]))
+        return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", type=int, default=16, help="HumanEval prompts")
     parser.add_argument("--chat", type=int, default=8, help="chat prompts")
@@ -273,11 +294,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="MiniLM interleaved rounds")
     parser.add_argument("--skip-minilm", action="store_true")
     parser.add_argument("--skip-llm", action="store_true")
+    parser.add_argument("--no-llama-cpp", action="store_true", help="leave out the llama.cpp reference row")
     args = parser.parse_args()
     if not args.skip_minilm:
         bench_minilm(args.rounds)
     if not args.skip_llm:
-        bench_llm(args.prompts, args.chat, args.tokens, args.threads)
+        bench_llm(args.prompts, args.chat, args.tokens, args.threads, llama_cpp=not args.no_llama_cpp)
 
 
 if __name__ == "__main__":
