@@ -16,14 +16,11 @@ AMX barely grows from 1 to 32 rows. Measured on the Xeon (AMX) machine, 2 thread
 fp32 / bf16 / int8 / int4: 576->3072 at 1 row 170 / 84 / 74 / 68, at 16 rows 334 / 101 / 582 / 519;
 the LM head 576->49152 at 1 row 3227 / 1575 / 1869 / 1063, at 16 rows 5972 / 1478 / 9657 / 6944.
 So a quantized kernel may carry a second, dense bf16 copy that serves calls of many rows (draft
-verification, prefill): 4x cheaper verification there, for +2 bytes per weight (SmolLM2: +270 MB,
-which breaks the 500 MB edge budget; hence only on request, kernel "int4pack+bf16").
+verification, prefill): 4x cheaper verification there, for +2 bytes per weight (SmolLM2: +270 MB).
+"auto" leaves it out; "auto+bf16" (what the llm backend asks for with speculation on) keeps it
+where native bf16 wins early; "int4pack+bf16" asks for it outright.
 
-Quantized tensor format (safetensors, Hugging Face weight name N), shared with outrider_quantize:
-  N.int4.q      uint8 [out, in // 2]: two 4-bit values 0..15 per byte, column 2j in the low
-                nibble, column 2j+1 in the high nibble
-  N.int4.scale  fp32 or bf16 [out, in // group]      N.int4.zero  same shape; w = (q - 8) * scale + zero
-  N.int8.q      int8 [out, in]                       N.int8.scale fp32 [out]; w = q * scale
+The quantized tensor format is `outrider.generation.weights` (shared with outrider_quantize).
 """
 
 from __future__ import annotations
@@ -36,6 +33,9 @@ from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
+
+from outrider.generation.weights import dequantize_int4, dequantize_int8, pack_int4, unpack_int4  # noqa: F401
+from outrider.hardware import cpu_flags
 
 log = logging.getLogger("outrider.llm")
 
@@ -56,18 +56,6 @@ MULTIROW_COPY_MAX_ROWS = 8
 
 
 # ---- CPU features ---------------------------------------------------------------------------
-
-
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
 
 
 def cpu_has_native_bf16() -> bool:
@@ -146,34 +134,6 @@ def _onednn_cached(dtype: torch.dtype) -> bool:
 
 
 # ---- quantized tensors (format above) ----------------------------------------------------------
-
-
-def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """uint8 [out, in] values 0..15 -> uint8 [out, in // 2] (column 2j low nibble, 2j+1 high)."""
-    if q.shape[-1] % 2:
-        raise ValueError(f"int4 packing needs an even number of columns, got {tuple(q.shape)}")
-    q = q.to(torch.uint8)
-    return q[..., 0::2] | (q[..., 1::2] << 4)
-
-
-def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """uint8 [out, in // 2] -> uint8 [out, in] values 0..15 (inverse of `pack_int4`)."""
-    packed = packed.to(torch.uint8)
-    return torch.stack([packed & 15, packed >> 4], dim=-1).flatten(-2)
-
-
-def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    """fp32 [out, in] weight of packed int4 (`q` uint8 [out, in // 2]): (q - 8) * scale + zero."""
-    values = unpack_int4(q).float()
-    group = values.shape[1] // scale.shape[1]
-    scale = scale.float().repeat_interleave(group, dim=1)
-    zero = zero.float().repeat_interleave(group, dim=1)
-    return (values - 8) * scale + zero
-
-
-def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """fp32 [out, in] weight of per-channel int8: q * scale."""
-    return q.float() * scale.float()[:, None]
 
 
 @dataclass

@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from outrider.artifacts import ArtifactCache, cache_root, file_sha256  # noqa: F401  (file_sha256: re-exported)
+from outrider.artifacts import ArtifactCache, cache_root
 from outrider.errors import ManifestError, OutriderError
 from outrider.manifest import Manifest
 from outrider_torch.onnx_export import DEFAULT_OPSET, EXPORT_FORMAT  # stdlib-only module: no torch

@@ -2,17 +2,8 @@
 
 An artifact transform: the `llm` backend hands over its fp32 "llama-weights" directory
 (weights.safetensors, tokenizer.json, meta.json) and gets back another one whose linear weights
-are stored quantized. The format (shared with the backend's kernels, which read it):
-
-  N.int4.q      uint8 [out, in // 2]: two 4-bit values 0..15 per byte, column 2j in the low
-                nibble, column 2j + 1 in the high nibble
-  N.int4.scale  fp32 [out, in // group]      N.int4.zero  fp32, same shape
-                w = (q - 8) * scale + zero, per group of `group_size` input columns
-  N.int8.q      int8 [out, in]               N.int8.scale fp32 [out];  w = q * scale
-
-N is the Hugging Face name of a linear weight (`model.layers.0.mlp.down_proj.weight`; the LM head
-is `lm_head.weight`, also when tied to the embeddings). Embeddings and norms stay fp32 always.
-bf16 mode stores the linear weights in bf16 and says "dtype": "bf16" in meta.json.
+are stored quantized, in the format of `outrider.generation.weights` (which the backend's kernels
+read); bf16 mode stores the linear weights in bf16 and says "dtype": "bf16" in meta.json.
 
 Imports torch, safetensors and `outrider.*` only: an accelerator never imports a backend plugin.
 The backend passes what the gate needs as `context.helpers`: `build_model(artifact) -> CausalLM`
@@ -27,13 +18,15 @@ import math
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
 from outrider.artifacts import Artifact
 from outrider.errors import ManifestError, QualityGateError
 from outrider.generation.contract import Chunk
+from outrider.generation.weights import pack_int4
+from outrider.hardware import cpu_has_bf16_instructions
 
 log = logging.getLogger("outrider.quantize")
 
@@ -116,12 +109,6 @@ kept the other for later, although she already knew she would not manage to keep
 def is_linear_weight(name: str, tensor: torch.Tensor) -> bool:
     """A 2-D `.weight` other than the input embeddings: a projection or the LM head."""
     return name.endswith(".weight") and tensor.dim() == 2 and name != EMBEDDINGS
-
-
-def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """uint8 [out, in] values 0..15 -> uint8 [out, in // 2] (column 2j low nibble, 2j + 1 high)."""
-    q = q.to(torch.uint8)
-    return q[:, 0::2] | (q[:, 1::2] << 4)
 
 
 def quantize_int4(weight: torch.Tensor, group_size: int = 32) -> dict[str, torch.Tensor]:
@@ -246,57 +233,15 @@ def llm_quality(reference: Any, candidate: Any, token_ids_list: list[list[int]])
 # ---- mode: auto ------------------------------------------------------------------------------
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-def _packed_kernel_us(mode: str) -> Optional[float]:
-    """Median microseconds of torch's packed weight-only kernel at one row, 576 -> 1536; None if absent."""
-    try:
-        gen = torch.Generator().manual_seed(0)
-        x = torch.randn(1, 576, generator=gen).to(torch.bfloat16)
-        if mode == "int4":
-            values = torch.randint(0, 16, (1536, 576), generator=gen, dtype=torch.int32)
-            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(values, 2)
-            scales = (torch.rand(576 // 32, 1536, 2, generator=gen) * 0.01).to(torch.bfloat16)
-            fn: Callable[[], object] = lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, 32, scales)
-        else:
-            q = torch.randint(-127, 128, (1536, 576), generator=gen, dtype=torch.int8)
-            scale = (torch.rand(1536, generator=gen) * 0.01).to(torch.bfloat16)
-            fn = lambda: torch.ops.aten._weight_int8pack_mm(x, q, scale)
-        for _ in range(3):
-            fn()
-        best = math.inf
-        for _ in range(15):  # best of: a busy neighbour on a shared 2-core machine only adds delays
-            start = time.perf_counter()
-            fn()
-            best = min(best, time.perf_counter() - start)
-        return best * 1e6
-    except Exception as exc:  # the op is missing or refuses this CPU
-        log.debug("packed %s kernel unusable here: %s", mode, exc)
-        return None
-
-
 def resolve_mode(mode: str) -> str:
     """The concrete mode for `mode`; "auto" is bf16 where the CPU multiplies bf16 natively
-    (avx512_bf16 / AMX), else the faster of int4 / int8 measured here (int8 when neither runs)."""
+    (avx512_bf16 / AMX), else int4 (the backend then measures its kernels for those weights at load,
+    and dequantizes to a dense kernel where the packed ones lose)."""
     if mode in MODES:
         return mode
     if mode != "auto":
         raise ManifestError(f"quantize.mode {mode!r} is not supported for LLM weights (use one of {MODES} or auto)")
-    flags = _cpu_flags()
-    if "avx512_bf16" in flags or "amx_bf16" in flags:
-        return "bf16"
-    timings = {m: _packed_kernel_us(m) for m in ("int4", "int8")}
-    working = {m: t for m, t in timings.items() if t is not None}
-    return min(working, key=working.get) if working else "int8"
+    return "bf16" if cpu_has_bf16_instructions() else "int4"
 
 
 # ---- the transform ---------------------------------------------------------------------------

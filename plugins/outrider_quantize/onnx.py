@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import fnmatch
 import logging
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence, Union
 

@@ -1,0 +1,24 @@
+"""Facts about this machine that plugins choose kernels and precision by (imports nothing heavy)."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+
+@lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def cpu_has_bf16_instructions() -> bool:
+    """Whether the CPU multiplies bf16 in hardware (AVX512-BF16 or AMX); slow emulation otherwise."""
+    flags = cpu_flags()
+    return "avx512_bf16" in flags or "amx_bf16" in flags
