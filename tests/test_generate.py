@@ -369,7 +369,7 @@ SMOL_CHAT = [  # written for this test, not the benchmark's chat set
 ]
 
 
-@pytest.mark.slow  # about a minute here: 16 prompts, each decoded with and without speculation
+@pytest.mark.slow  # minutes on 2 cores: 16 prompts x 48 tokens, each decoded with and without speculation
 def test_smollm2_greedy_identity_with_and_without_speculation_on_code_and_chat():
     """Greedy output with n-gram + draft head speculation equals plain greedy output, token for token."""
     pytest.importorskip("gguf")
