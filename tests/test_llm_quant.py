@@ -32,6 +32,7 @@ from outrider_llm.loading import random_llama_weights, tiny_llama_config  # noqa
 from outrider_llm.model import LlamaModel, _Linear  # noqa: E402
 from outrider_quantize.config import QualityGate, QuantizeConfig  # noqa: E402
 from outrider_quantize.llm import (  # noqa: E402
+    default_head_mode,
     HELD_OUT_CODE,
     HELD_OUT_PROSE,
     LlmWeightQuantizer,
@@ -139,10 +140,10 @@ def _dequantized(state_dict: dict) -> dict:
 @pytest.mark.parametrize("mode", ["int4", "int8"])
 def test_tiny_quantized_model_matches_its_dequantized_weights(mode: str) -> None:
     config, weights = _tiny()
-    quantized = quantize_state_dict(weights, mode)
+    head_mode = "int8" if mode == "int4" else mode
+    quantized = quantize_state_dict(weights, mode, head_mode=head_mode)
     assert "model.layers.0.mlp.down_proj.weight" not in quantized  # fp32 copies are dropped
     assert f"model.layers.0.mlp.down_proj.weight.{mode}.q" in quantized
-    head_mode = "int8" if mode == "int4" else mode
     assert f"lm_head.weight.{head_mode}.q" in quantized  # the tied head, quantized apart
     assert torch.equal(quantized["model.embed_tokens.weight"], weights["model.embed_tokens.weight"])
     model = LlamaModel(config, quantized)
@@ -269,9 +270,23 @@ def test_smollm2_int4_agrees_with_fp32(smollm2_artifact: Artifact, tmp_path: Pat
     report = context.reports[-1]
     assert report["gate"] == "passed", report
     model, _ = model_from_artifact(built)
-    assert set(model.kernel_plans) == {"int4", "int8"}  # int4 layers, int8 head
+    # int4 layers; the head unquantized (bf16 at run time) where bf16 is native, else int8
+    assert set(model.kernel_plans) == ({"int4"} if default_head_mode("int4") == "float" else {"int4", "int8"})
     reference, _ = model_from_artifact(smollm2_artifact)
     assert model.fingerprint() == reference.fingerprint()  # a draft head trained on fp32 still fits
     tokens = [tokenizer.encode(HELD_OUT_PROSE)[:120]]
     assert llm_quality(reference, model, tokens)["top1_agreement"] >= 0.9
     assert len(tokenizer.encode(HELD_OUT_CODE)) > 200
+
+
+def test_float_head_mode_leaves_the_tied_head_to_the_model_dtype() -> None:
+    config, weights = _tiny()
+    quantized = quantize_state_dict(weights, "int4", head_mode="float")
+    assert not any(k.startswith("lm_head.weight") for k in quantized)
+    model = LlamaModel(config, quantized)
+    assert set(model.kernel_plans) == {"int4"}
+    # The head reads the embeddings in the model's compute dtype.
+    cache = model.new_cache(1, 16)
+    out = model.forward(cache, [Chunk(0, torch.tensor([1, 2, 3]), torch.arange(3))])
+    expected = out.hidden.to(model.dtype).float() @ weights["model.embed_tokens.weight"].to(model.dtype).float().t()
+    _close(out.logits, expected, 0.03)

@@ -83,7 +83,7 @@ class LlmBackend(Backend):
         torch.set_num_threads(threads)
         started = time.perf_counter()
         strategy = getattr(self.accelerators, "decode_strategy", None)
-        kernel = self._kernel(strategy is not None)
+        kernel = self._kernel()
         weights = load_weights_artifact(self.manifest.model_path())
         # Quantization runs here, before the model is built: its quality gate builds the float
         # and the quantized model through these helpers (a transform never imports this plugin).
@@ -108,12 +108,10 @@ class LlmBackend(Backend):
         if self.engine.strategy is not None:
             self.engine.strategy.attach(self.model, self.tokenizer)
 
-    def _kernel(self, speculative: bool) -> str:
-        """The quantized matmul kernel: the manifest's, with a dense bf16 copy for verification when
-        speculation is on and the kernel is chosen automatically (see outrider_llm.linear)."""
+    def _kernel(self) -> str:
+        """The quantized matmul kernel the manifest asks for (`quantize.kernel`, default auto)."""
         config = getattr(self.accelerators, "configs", {}).get("quantize")
-        kernel = config.kernel if config is not None else "auto"
-        return "auto+bf16" if kernel == "auto" and speculative else kernel
+        return config.kernel if config is not None else "auto"
 
     def warmup(self) -> None:
         """Generate a few tokens through the whole engine (prefill, drafts, verification)."""

@@ -398,10 +398,11 @@ class LlamaModel(torch.nn.Module):
                 gate_up = layer.gate_up(h)
                 x = layer.down(F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])).add_(x)
             else:
-                x = layer.o(attn.to(low)).float().add_(x)
+                # fp32 += bf16 upcasts inside the add: the same sums, two fewer copies per layer.
+                x.add_(layer.o(attn.to(low)))
                 h = F.rms_norm(x, hidden_shape, layer.mlp_norm, eps).to(low)
                 gate_up = layer.gate_up(h)
-                x = layer.down(F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])).float().add_(x)
+                x.add_(layer.down(F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])))
         hidden = F.rms_norm(x, hidden_shape, self.final_norm, eps)
         for slot, n, _ in spans:
             cache._fed[slot] = n

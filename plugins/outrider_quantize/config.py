@@ -60,8 +60,8 @@ class QuantizeConfig(_Strict):
     # the weights (x / s, W * s, s = max|x|^a / max|W|^(1-a), from the calibration sentences).
     smooth_alpha: Optional[float] = Field(None, ge=0.0, le=1.0)
     group_size: int = Field(32, ge=16, le=1024)
-    # LLM weights (the llm backend's kernels): auto = measured at load (plus a dense bf16 copy for
-    # verification when speculation is on and native bf16 wins there); the others name one.
+    # LLM weights (the llm backend's kernels, outrider_llm/linear.py): auto = measured at load;
+    # "+bf16" adds a dense bf16 copy for calls of many rows; the others name one kernel.
     kernel: Literal["auto", "auto+bf16", "int4pack", "int8pack", "dense", "int4pack+bf16", "int8pack+bf16"] = "auto"
     calibration_sentences: int = Field(64, ge=1, le=100_000)
     gate: QualityGate = Field(default_factory=QualityGate)
