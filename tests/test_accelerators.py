@@ -221,3 +221,11 @@ def test_cache_command_lists_and_clears(tmp_path):
     assert json.loads(run("list", "--json").stdout)[0]["kind"] == "demo"
     assert "removed 1 entry" in run("clear").stdout
     assert "empty" in run("list").stdout
+
+
+def test_a_quantize_mode_the_backend_cannot_take_fails_at_start():
+    reg = registry("outrider_llm", "outrider_onnxruntime", "outrider_quantize")
+    for backend in ("llm", "onnxruntime-cpu"):
+        manifest = validate_manifest({"name": "q", "backend": backend, "quantize": {"mode": "fp16"}}, "q.yaml")
+        with pytest.raises(ManifestError, match=r"^q\.yaml: field 'quantize.mode'"):
+            reg.accelerators_for(manifest, backend_class(reg, backend))

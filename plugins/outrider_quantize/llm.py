@@ -257,7 +257,7 @@ def resolve_mode(mode: str) -> str:
     if mode in MODES:
         return mode
     if mode != "auto":
-        raise ManifestError(f"quantize.mode {mode!r} is not supported for LLM weights (use one of {MODES} or auto)")
+        raise ManifestError(f"{mode!r} is not supported for LLM weights on this backend (use one of {MODES} or auto)")
     return "bf16" if cpu_has_bf16_instructions() else "int4"
 
 
@@ -271,6 +271,11 @@ class LlmWeightQuantizer:
         """`config` is the manifest's validated `quantize` section (`QuantizeConfig`)."""
         self.manifest = manifest
         self.config = config
+        try:  # at start, not at load: a mode these weights cannot take fails before anything loads
+            resolve_mode(config.mode)
+        except ManifestError as exc:
+            where = getattr(manifest, "source_file", None) or getattr(manifest, "name", "<manifest>")
+            raise ManifestError(f"{where}: field 'quantize.mode': {exc.message}") from None
 
     def apply(self, artifact: Artifact, context: Any) -> Artifact:
         """A "llama-weights" artifact with quantized weights, built once per input and options."""

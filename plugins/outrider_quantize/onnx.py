@@ -502,7 +502,7 @@ class OnnxQuantizer:
                 raise ManifestError(f"field 'quantize.smooth_alpha': applies to method 'dynamic' only, "
                                     f"got method {config.method!r}")
         except ManifestError as exc:
-            raise ManifestError(f"{where}: {exc}") from None
+            raise ManifestError(f"{where}: {exc.message}") from None
 
     def options(self) -> dict[str, Any]:
         """The config fields that shape the built model and its figures (part of the cache key)."""
