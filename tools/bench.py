@@ -422,6 +422,7 @@ def main() -> None:
 
         bench_quantize.bench_minilm(rounds=5)
         bench_quantize.bench_llm(n_code=16, n_chat=8, tokens=96, threads=2)
+        bench_quantize.bench_llm_memory(threads=2)
 
 
 if __name__ == "__main__":
