@@ -1,7 +1,7 @@
 """The shapes shared by the generation engine, a generating backend's model and decode strategies.
 
 Conventions (read these first):
-- A sequence lives in one *slot* of a preallocated KV cache. `cache.length(slot)` tokens are
+- A sequence lives in one *slot* of a KV cache. `cache.length(slot)` tokens are
   committed there (positions 0 .. length-1).
 - The *pending* token is the last token chosen (sampled or accepted) but not yet in the cache.
   Every decode step feeds the pending token plus the draft tree's nodes in ONE forward pass.
