@@ -211,13 +211,38 @@ class QuantTensor:
 # ---- quantized kernels ---------------------------------------------------------------------------
 
 
-class Int4Linear:
+class _PackedLinear:
+    """What both packed weight-only kernels share: bf16 activations, and an optional dense bf16 copy
+    (a `_Linear` of the same weight) that serves calls of `dense_from` rows or more."""
+
+    __slots__ = ("dense", "dense_from", "dtype")
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dense is not None and x.shape[0] >= self.dense_from:
+            return self.dense(x)
+        if x.dtype != self.dtype:
+            x = x.to(self.dtype)
+        return self._mm(x)
+
+    def _mm(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _own_bytes(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of weight this kernel holds (dense copy included)."""
+        return self._own_bytes() + (self.dense.nbytes if self.dense is not None else 0)
+
+
+class Int4Linear(_PackedLinear):
     """Group-wise int4 weight, bf16 activations: `aten._weight_int4pack_mm_for_cpu`. Output bf16.
 
     With `dense` (a bf16 `_Linear` of the same weight), calls of `dense_from` rows or more go there.
     """
 
-    __slots__ = ("packed", "scales_zeros", "group", "dense", "dense_from", "dtype")
+    __slots__ = ("packed", "scales_zeros", "group")
 
     def __init__(self, weight: QuantTensor, dense: Optional[_Linear] = None,
                  dense_from: int = DEFAULT_DENSE_FROM_ROWS) -> None:
@@ -232,27 +257,20 @@ class Int4Linear:
         self.scales_zeros = self.scales_zeros.to(self.dtype).contiguous()
         self.dense, self.dense_from = dense, dense_from
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dense is not None and x.shape[0] >= self.dense_from:
-            return self.dense(x)
-        if x.dtype != self.dtype:
-            x = x.to(self.dtype)
+    def _mm(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group, self.scales_zeros)
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes of weight this kernel holds (dense copy included)."""
-        own = self.packed.numel() + self.scales_zeros.numel() * 2
-        return own + (self.dense.nbytes if self.dense is not None else 0)
+    def _own_bytes(self) -> int:
+        return self.packed.numel() + self.scales_zeros.numel() * 2
 
 
-class Int8Linear:
+class Int8Linear(_PackedLinear):
     """Per-channel int8 weight, bf16 activations: `aten._weight_int8pack_mm`. Output bf16.
 
     With `dense` (a bf16 `_Linear` of the same weight), calls of `dense_from` rows or more go there.
     """
 
-    __slots__ = ("q", "scale", "dense", "dense_from", "dtype")
+    __slots__ = ("q", "scale")
 
     def __init__(self, weight: QuantTensor, dense: Optional[_Linear] = None,
                  dense_from: int = DEFAULT_DENSE_FROM_ROWS) -> None:
@@ -264,18 +282,11 @@ class Int8Linear:
         self.scale = weight.scale.to(self.dtype).contiguous()
         self.dense, self.dense_from = dense, dense_from
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dense is not None and x.shape[0] >= self.dense_from:
-            return self.dense(x)
-        if x.dtype != self.dtype:
-            x = x.to(self.dtype)
+    def _mm(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale)
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes of weight this kernel holds (dense copy included)."""
-        own = self.q.numel() + self.scale.numel() * 2
-        return own + (self.dense.nbytes if self.dense is not None else 0)
+    def _own_bytes(self) -> int:
+        return self.q.numel() + self.scale.numel() * 2
 
 
 # ---- choosing a kernel ----------------------------------------------------------------------
