@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import itertools
 import math
 import subprocess
 import sys
 from collections import Counter
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
