@@ -82,7 +82,6 @@ class LlmBackend(Backend):
         threads = options.threads or _physical_cores()
         torch.set_num_threads(threads)
         started = time.perf_counter()
-        strategy = getattr(self.accelerators, "decode_strategy", None)
         kernel = self._kernel()
         weights = load_weights_artifact(self.manifest.model_path())
         # Quantization runs here, before the model is built: its quality gate builds the float
@@ -90,8 +89,7 @@ class LlmBackend(Backend):
         tokenizer = artifact_tokenizer(weights)
         weights = self.transform_artifact(
             weights,
-            build_model=lambda artifact, **kw: model_from_artifact(artifact, device=self.device,
-                                                                   **{"kernel": kernel, **kw})[0],
+            build_model=lambda artifact: model_from_artifact(artifact, device=self.device, kernel=kernel)[0],
             tokenize=tokenizer.encode,
         )
         # A quantized artifact says in which dtype it computes; `options.dtype` is for float weights.
@@ -99,6 +97,7 @@ class LlmBackend(Backend):
         self.model, self.tokenizer = model_from_artifact(weights, dtype=dtype, device=self.device, kernel=kernel)
         log.info("model %s: weights ready in %.2fs (%d threads)", self.manifest.name,
                  time.perf_counter() - started, threads)
+        strategy = getattr(self.accelerators, "decode_strategy", None)
         if strategy is not None:
             strategy = strategy.for_instance()  # drafter state is per engine, not per model
         self.engine = GenerationEngine(

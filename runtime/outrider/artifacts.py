@@ -245,12 +245,6 @@ class ArtifactCache:
             log.info("built %s in %.1f s", label, seconds)
         return Artifact(target, kind, provenance)
 
-    def update_provenance(self, artifact: Artifact, **figures: Any) -> None:
-        """Add figures to an entry's provenance file (e.g. a quality gate measured after the build)."""
-        artifact.provenance.update(figures)
-        _atomic_write(artifact.path / PROVENANCE,
-                      json.dumps(artifact.provenance, indent=2, sort_keys=True, default=str) + "\n")
-
     def entries(self) -> list[dict[str, Any]]:
         """Every complete entry: its provenance plus `path` and `bytes`."""
         out = []

@@ -73,9 +73,7 @@ class PluginRegistry:
             raise OutriderError(f"register_tasks: {cls!r} is not a Task subclass with a name")
         self._claim(self.tasks, "task", cls.name, cls)
 
-    def _register_accelerator(self, spec: Any = None, **fields: Any) -> None:
-        if spec is None:
-            spec = AcceleratorSpec(**fields)
+    def _register_accelerator(self, spec: Any) -> None:
         if not isinstance(spec, AcceleratorSpec):
             raise OutriderError(f"register_accelerators: expected an AcceleratorSpec, got {spec!r}")
         spec.check()
