@@ -143,3 +143,38 @@ def test_encode_message_layout():
     header = msgpack.unpackb(frames[1])
     assert header["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [2]}]
     assert len(frames) == 3 and len(bytes(frames[2])) == 8
+
+
+@pytest.mark.parametrize(
+    "shape, error, match",
+    [
+        ([0, 2**62, 2**62], TooLargeError, "dimension 1 is 4611686018427387904"),
+        ([0, 1 << 20, 1 << 20], TooLargeError, "not counting its zero dimensions"),
+        ([True], ProtocolError, "dimension 0 is True"),
+        ([2.0], ProtocolError, "dimension 0 is 2.0"),
+        ([None], ProtocolError, "dimension 0 is None"),
+        ([[1]], ProtocolError, "dimension 0 is \\[1\\]"),
+    ],
+)
+def test_hostile_shapes_are_refused_before_numpy_sees_them(shape, error, match):
+    with pytest.raises(error, match=match):
+        decode_tensors([{"name": "x", "datatype": "FP32", "shape": shape}], [b""])
+
+
+def test_tensors_are_checked_without_decoding_then_decoded_with_an_element_limit():
+    from outrider.protocol import parse_tensors
+
+    frame = b"".join(len(x).to_bytes(4, "little") + x for x in (b"ab", b"c" * 10))
+    (tensor,) = parse_tensors([{"name": "t", "datatype": "BYTES", "shape": [2]}], [frame])
+    assert (tensor.count, tensor.nbytes, tensor.rows) == (2, len(frame), 2)
+    assert tensor.decode().tolist() == [b"ab", b"c" * 10]
+    with pytest.raises(TooLargeError, match="element 1 is 10 bytes; the limit is limits.max_element_bytes = 9"):
+        tensor.decode(9, "limits.max_element_bytes")
+
+
+def test_header_containers_are_bounded_by_the_header_limit():
+    # an array that declares 2**32-1 elements in an 8-byte header: refused by its declared length
+    with pytest.raises(ProtocolError, match="exceeds max_array_len"):
+        unpack_header(b"\x81\xa1a\xdd\xff\xff\xff\xff")
+    with pytest.raises(ProtocolError, match="ext type"):
+        unpack_header(msgpack.packb({"a": msgpack.ExtType(3, b"xx")}))

@@ -3,7 +3,7 @@
 Turned on by a manifest's `batching` section, with the knobs of Triton's dynamic batcher:
 
   max_batch_size         most rows (first-dimension entries) one backend call gets; a request
-                         with more rows than this runs alone
+                         with more rows than this is split (below)
   max_queue_delay_ms     hard cap on how long the first request of a batch waits for company
   preferred_batch_sizes  dispatch at once when the batch reaches one of these sizes
   preserve_ordering      replies of one batch leave in arrival order; false lets each
@@ -26,6 +26,13 @@ by shape), and when text lengths differ a lot: the text task pads every row to t
 its call, so BYTES requests are sorted by length and cut where the padding saved outweighs the
 cost of one more call (bucketing). One bad request fails alone: when a batched call raises,
 each of its requests is run by itself.
+
+A request with more rows than `max_batch_size` (all its inputs sharing that first dimension) is
+split into pieces of `max_batch_size` rows, as text-embeddings-inference does. Pieces run one
+batch at a time, taking turns with the other requests that wait (a lone small request waits for
+at most one piece), and their outputs are joined in order into the request's one reply. A model
+whose outputs have no batch dimension to join along answers such a request `too_large`. Rows
+per request are bounded before that by the manifest's `limits.max_rows`.
 """
 
 from __future__ import annotations
@@ -40,10 +47,17 @@ import numpy as np
 
 from outrider import hookimpl
 from outrider.backend import Backend
-from outrider.errors import CancelledError, ExecutionError, ManifestError, OutriderError, RequestTimeoutError
+from outrider.errors import (
+    CancelledError,
+    ExecutionError,
+    ManifestError,
+    OutriderError,
+    RequestTimeoutError,
+    TooLargeError,
+)
 from outrider.accelerators import AcceleratorSpec
 from outrider.manifest import BatchingSpec, Manifest
-from outrider.model import PendingRequest, RequestQueue, Scheduler
+from outrider.model import DEFERRED, PendingRequest, RequestQueue, Scheduler
 
 __version__ = "0.1.0"
 
@@ -99,14 +113,24 @@ class DynamicBatcher(Scheduler):
         # the only case in which waiting for company can pay.
         self._busy = False
         self._warned_unsplittable = False
+        # Requests with more rows than a batch, handing out pieces round-robin; and whose turn
+        # it is: after a piece the next batch opens with waiting requests, after those a piece.
+        self._splits: deque[_Split] = deque()
+        self._splits_lock = threading.Lock()
+        self._piece_turn = True
 
     # -- forming batches ------------------------------------------------------------------
 
     def next_batch(self, queue: RequestQueue) -> list[PendingRequest]:
         """Wait for a first request, then gather more until full, preferred-sized or out of delay."""
-        first = self._take_held() or queue.take(timeout=_IDLE_POLL_S)
+        first: Any = self._take_piece() if self._piece_turn else None
+        if first is None:
+            first = self._take_held() or queue.take(timeout=0.0 if self._splits else _IDLE_POLL_S)
+        if first is None:
+            first = self._take_piece()  # nothing else waits: the next piece goes now
         if first is None:
             return []
+        self._piece_turn = not isinstance(first, _Piece)
         batch, rows = [first], self._rows(first)
         if rows >= self.max_batch_size:
             return batch
@@ -135,10 +159,29 @@ class DynamicBatcher(Scheduler):
 
     def _rows(self, request: PendingRequest) -> int:
         """The request's first dimension; more than a batch holds when it has none to share."""
-        dims = {a.shape[0] if a.ndim else -1 for a in request.inputs.values()}
-        if len(dims) != 1 or -1 in dims:
-            return self.max_batch_size + 1
-        return dims.pop()
+        rows = _shared_rows(request)
+        return self.max_batch_size + 1 if rows is None else rows
+
+    # -- splitting requests larger than a batch -------------------------------------------
+
+    def _start_split(self, request: PendingRequest, rows: int) -> None:
+        with self._splits_lock:
+            self._splits.append(_Split(request, rows, self.max_batch_size))
+
+    def _take_piece(self) -> Optional["_Piece"]:
+        """The next piece of the oldest split request (round-robin over several), or None."""
+        if not self._splits:  # unlocked peek: the common case costs nothing
+            return None
+        with self._splits_lock:
+            while self._splits:
+                split = self._splits.popleft()
+                if split.request.done:  # cancelled, timed out or failed: drop its other pieces
+                    continue
+                piece = split.next_piece()
+                if not split.exhausted:
+                    self._splits.append(split)
+                return piece
+        return None
 
     def _hold(self, request: PendingRequest) -> None:
         with self._held_lock:
@@ -174,12 +217,18 @@ class DynamicBatcher(Scheduler):
                 )
             elif request.done:  # cancelled while the batch formed; its reply is already sent
                 results[index] = CancelledError(f"request {request.id!r} was cancelled")
+            elif not isinstance(request, _Piece) and (_shared_rows(request) or 0) > self.max_batch_size:
+                # Too many rows for one call: its pieces come back through next_batch, taking
+                # turns with other requests, and the last one to finish replies for all.
+                self._start_split(request, _shared_rows(request))
+                results[index] = DEFERRED
             else:
                 live.append(index)
         sent = 0
         for group in self.plan(batch, live):
             for index, result in zip(group, self._run(backend, [batch[i] for i in group])):
-                results[index] = result
+                request = batch[index]
+                results[index] = request.finish(result) if isinstance(request, _Piece) else result
             sent = self._deliver_ready(batch, results, group, sent)
         return results
 
@@ -260,12 +309,112 @@ class DynamicBatcher(Scheduler):
             return sent
         if not self.preserve_ordering:
             for index in group:
-                self.deliver(batch[index], results[index])
+                if results[index] is not DEFERRED:
+                    self.deliver(batch[index], results[index])
             return sent
         while sent < len(batch) and results[sent] is not None:
-            self.deliver(batch[sent], results[sent])
+            if results[sent] is not DEFERRED:  # a piece of a split request: answered when all are done
+                self.deliver(batch[sent], results[sent])
             sent += 1
         return sent
+
+
+class _Split:
+    """A request with more rows than a batch: cut into pieces, their outputs joined in order."""
+
+    def __init__(self, request: PendingRequest, rows: int, size: int) -> None:
+        self.request = request
+        self.rows = rows
+        self.size = size
+        self.offset = 0  # where the next piece starts
+        self._parts: dict[int, dict[str, np.ndarray]] = {}
+        self._finished_rows = 0
+        self._lock = threading.Lock()
+
+    @property
+    def exhausted(self) -> bool:
+        return self.offset >= self.rows
+
+    def next_piece(self) -> "_Piece":
+        start, stop = self.offset, min(self.offset + self.size, self.rows)
+        self.offset = stop
+        return _Piece(self, start, stop)
+
+    def add(self, piece: "_Piece", outputs: Any) -> Any:
+        """Keep a piece's outputs; the joined outputs once every piece is in, else DEFERRED."""
+        rows = piece.stop - piece.start
+        if not isinstance(outputs, dict) or any(
+            not isinstance(v, np.ndarray) or v.ndim == 0 or v.shape[0] != rows for v in outputs.values()
+        ):
+            return TooLargeError(
+                f"model {self.request.model!r}: a request of {self.rows} rows is more than "
+                f"batching.max_batch_size = {self.size}, and this model's outputs have no batch dimension "
+                f"to join its pieces along; send at most {self.size} rows"
+            )
+        with self._lock:
+            self._parts[piece.start] = outputs
+            self._finished_rows += rows
+            if self._finished_rows < self.rows:
+                return DEFERRED
+            parts = [self._parts[k] for k in sorted(self._parts)]
+            self._parts = {}
+        names = list(parts[0])
+        if any(list(p) != names for p in parts):
+            return ExecutionError(f"model {self.request.model!r}: pieces of one request returned different outputs")
+        return {n: np.concatenate([p[n] for p in parts]) for n in names}
+
+
+class _Piece:
+    """Rows [start, stop) of a split request, scheduled like a request of its own.
+
+    Answering a piece answers its request: a piece that fails (or times out, or is abandoned with
+    a hung instance) fails the whole request, and the last piece to finish replies with all rows.
+    """
+
+    tensors = None
+
+    def __init__(self, split: _Split, start: int, stop: int) -> None:
+        parent = split.request
+        self.split, self.start, self.stop = split, start, stop
+        self.parent = parent
+        self.inputs = {name: array[start:stop] for name, array in parent.inputs.items()}
+        self.route, self.id, self.kind, self.model = parent.route, parent.id, parent.kind, parent.model
+        self.parameters = parent.parameters
+        self.deadline = parent.deadline
+        self.received = time.monotonic()  # queue-wait stats count from when the piece was cut
+
+    @property
+    def done(self) -> bool:
+        return self.parent.done
+
+    def decode(self) -> None:
+        pass  # the parent was decoded before it was split
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {name: tuple(array.shape) for name, array in self.inputs.items()}
+
+    def finish(self, result: Any) -> Any:
+        """This piece's result as the scheduler should report it: an error, DEFERRED, or all rows."""
+        if isinstance(result, OutriderError):
+            return result
+        return self.split.add(self, result)
+
+    def claim(self) -> bool:
+        return self.parent.claim()
+
+    def reply(self, outputs: Optional[dict[str, np.ndarray]] = None, claimed: bool = False, **fields: Any) -> bool:
+        return self.parent.reply(outputs, claimed=claimed, **fields)
+
+    def fail(self, error: OutriderError, claimed: bool = False) -> bool:
+        return self.parent.fail(error, claimed=claimed)
+
+
+def _shared_rows(request: Any) -> Optional[int]:
+    """The first dimension all of a request's inputs share, or None (a scalar, or dims differ)."""
+    dims = {shape[0] if shape else -1 for shape in request.shapes().values()}
+    if len(dims) != 1 or -1 in dims:
+        return None
+    return dims.pop()
 
 
 def _execute_alone(backend: Backend, request: PendingRequest) -> Any:

@@ -8,9 +8,9 @@ from typing import Any, ClassVar, Optional
 
 import numpy as np
 
-from .errors import BackendUnavailableError, BadRequestError
+from .errors import BackendUnavailableError, BadRequestError, TooLargeError
 from .manifest import Manifest, TensorSpec
-from .protocol import datatype_of, numpy_dtype
+from .protocol import TensorFrame, datatype_of, numpy_dtype
 
 log = logging.getLogger("outrider.backend")
 
@@ -200,6 +200,51 @@ def warmup_inputs(manifest: Manifest) -> dict[str, np.ndarray]:
 
 def check_inputs(manifest: Manifest, inputs: dict[str, np.ndarray]) -> None:
     """Inputs must match the manifest's declared names, datatypes and shapes (-1 = any)."""
+    _check_contract(manifest, {name: (datatype_of(a), tuple(a.shape)) for name, a in inputs.items()})
+
+
+def check_request(manifest: Manifest, tensors: list[TensorFrame]) -> None:
+    """A request's tensors, before any is decoded: the input contract, then `manifest.limits`.
+
+    O(number of tensors): it reads the header's shapes and the frames' lengths, never a buffer,
+    so the I/O thread can refuse an oversized request before anyone pays for decoding it.
+    """
+    _check_contract(manifest, {t.name: (t.datatype, t.shape) for t in tensors})
+    check_limits(manifest, tensors)
+
+
+def check_limits(manifest: Manifest, tensors: list[TensorFrame]) -> None:
+    """TooLargeError naming the limit (`limits.*`) and the value, for the first one exceeded."""
+    limits = manifest.limits
+    where = f"model {manifest.name!r}"
+    for t in tensors:
+        if t.rows is not None and t.rows > limits.max_rows:
+            raise TooLargeError(
+                f"{where}: input {t.name!r} has {t.rows} rows (first dimension); the limit is "
+                f"limits.max_rows = {limits.max_rows}"
+            )
+    elements = sum(t.count for t in tensors)
+    if elements > limits.max_elements:
+        raise TooLargeError(
+            f"{where}: the request has {elements} elements; the limit is limits.max_elements = {limits.max_elements}"
+        )
+    size = sum(t.nbytes for t in tensors)
+    if size > limits.max_request_bytes:
+        raise TooLargeError(
+            f"{where}: the request's tensors hold {size} bytes; the limit is "
+            f"limits.max_request_bytes = {limits.max_request_bytes}"
+        )
+    for t in tensors:
+        # Each BYTES element costs a 4-byte length; if the rest cannot fit in `count` elements of
+        # at most max_element_bytes, one is over the limit (which one is found when decoding).
+        if t.datatype == "BYTES" and t.nbytes - 4 * t.count > t.count * limits.max_element_bytes:
+            raise TooLargeError(
+                f"{where}: input {t.name!r} carries {t.nbytes - 4 * t.count} bytes in {t.count} BYTES "
+                f"element(s); the limit is limits.max_element_bytes = {limits.max_element_bytes} per element"
+            )
+
+
+def _check_contract(manifest: Manifest, inputs: dict[str, tuple[str, tuple[int, ...]]]) -> None:
     if not manifest.inputs:
         return
     declared = {t.name for t in manifest.inputs}
@@ -211,17 +256,14 @@ def check_inputs(manifest: Manifest, inputs: dict[str, np.ndarray]) -> None:
     for spec in manifest.inputs:
         if spec.name not in inputs:
             raise BadRequestError(f"model {manifest.name!r}: input {spec.name!r} is missing")
-        array = inputs[spec.name]
-        datatype = datatype_of(array)
+        datatype, shape = inputs[spec.name]
         if datatype != spec.datatype:
             raise BadRequestError(
                 f"model {manifest.name!r}: input {spec.name!r} is {datatype}; expected {spec.datatype}"
             )
-        if len(array.shape) != len(spec.shape) or any(
-            d != -1 and d != s for d, s in zip(spec.shape, array.shape)
-        ):
+        if len(shape) != len(spec.shape) or any(d != -1 and d != s for d, s in zip(spec.shape, shape)):
             raise BadRequestError(
-                f"model {manifest.name!r}: input {spec.name!r} has shape {list(array.shape)}; "
+                f"model {manifest.name!r}: input {spec.name!r} has shape {list(shape)}; "
                 f"expected {spec.shape} (-1 = any size)"
             )
 

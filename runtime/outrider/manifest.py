@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ValidationInfo, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ValidationInfo, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import ManifestError
 from .protocol import DATATYPES
@@ -20,6 +20,7 @@ from .protocol import DATATYPES
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
 _DEVICE = re.compile(r"^(cpu|auto|cuda(:\d+)?)$")
 ENV_PREFIX = "OUTRIDER_SET_"
+_NESTED_FIELD = re.compile(r"^field '([^']+)': (.*)$", re.S)
 
 
 class _Strict(BaseModel):
@@ -93,8 +94,27 @@ class BatchingSpec(_Strict):
         return value
 
 
+class LimitsSpec(_Strict):
+    """Bounds on the work one request may ask of this model, checked before any tensor is decoded.
+
+    A request over a limit is answered `too_large`, naming the limit and the value. The defaults
+    keep one request's decoded input, tokenization and compute to a small share of a 24 GB machine;
+    raise them for models that need more (docs/SECURITY.md).
+    """
+
+    max_rows: int = Field(2048, ge=1, le=1 << 31, description="first dimension of any input (rows, sentences)")
+    max_element_bytes: int = Field(1 << 20, ge=1, le=1 << 31, description="bytes of one BYTES element")
+    max_elements: int = Field(16 << 20, ge=1, le=1 << 34, description="elements of all inputs together")
+    max_request_bytes: int = Field(32 << 20, ge=1, le=1 << 34, description="bytes of all input tensors together")
+
+
 class SchedulingSpec(_Strict):
     max_queue_size: int = Field(1024, ge=1, le=1_000_000)
+    max_queue_bytes: int = Field(
+        512 << 20, ge=1, le=1 << 40,
+        description="input bytes of the requests this model holds (queued, being split or executed); "
+                    "beyond it new requests are answered `overloaded`",
+    )
     timeout_ms: Optional[float] = Field(None, gt=0, description="default per-request deadline")
     execute_timeout_ms: Optional[float] = Field(None, gt=0)
     instance_kind: Literal["thread", "process"] = "thread"
@@ -111,6 +131,7 @@ class Manifest(_Strict):
     options: dict[str, Any] = Field(default_factory=dict, description="backend-specific settings")
     warmup: WarmupSpec = Field(default_factory=WarmupSpec)
     scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec)
+    limits: LimitsSpec = Field(default_factory=LimitsSpec)
     batching: Optional[BatchingSpec] = None
     quantize: Optional[dict[str, Any]] = None
     speculative: Optional[dict[str, Any]] = None
@@ -137,6 +158,16 @@ class Manifest(_Strict):
         if isinstance(value, list) and not value:
             raise ValueError("expected a backend name or a non-empty preference list")
         return value
+
+    @model_validator(mode="after")
+    def _queue_holds_a_request(self) -> "Manifest":
+        if self.scheduling.max_queue_bytes < self.limits.max_request_bytes:
+            raise ValueError(
+                f"field 'scheduling.max_queue_bytes': must be at least limits.max_request_bytes "
+                f"({self.limits.max_request_bytes}), or no request that passes the limits could be queued "
+                f"(got {self.scheduling.max_queue_bytes})"
+            )
+        return self
 
     @property
     def backend_preferences(self) -> list[str]:
@@ -169,6 +200,9 @@ def _format_errors(where: str, exc: ValidationError) -> str:
             msg = "unknown field (misspelled?)"
         got = err.get("input")
         got_text = "" if err["type"] in ("missing", "extra_forbidden") else f" (got {got!r:.80})"
+        nested = _NESTED_FIELD.match(msg)
+        if nested:  # a cross-field check names the field it rejects and what it got
+            field, msg, got_text = nested.group(1), nested.group(2), ""
         lines.append(f"{where}: field '{field}': {msg}{got_text}")
     return "\n".join(lines)
 

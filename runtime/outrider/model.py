@@ -27,6 +27,7 @@ from .errors import (
     UnavailableError,
 )
 from .manifest import Manifest
+from .protocol import TensorFrame
 from .stats import ModelStats
 
 log = logging.getLogger("outrider.model")
@@ -42,7 +43,12 @@ class ModelState:
 
 @dataclass(eq=False)
 class PendingRequest:
-    """One request waiting for its single final reply. Replies after the first are dropped."""
+    """One request waiting for its single final reply. Replies after the first are dropped.
+
+    The server hands over its tensors checked but not decoded (`tensors`): `decode()` turns them
+    into `inputs` on the instance thread that runs the request, so the I/O thread never walks a
+    BYTES frame. Requests built in process may pass `inputs` directly.
+    """
 
     route: bytes
     id: Any
@@ -55,8 +61,15 @@ class PendingRequest:
     deadline: Optional[float] = None
     priority: int = 0
     on_done: Optional[Callable[["PendingRequest"], None]] = None
+    #: checked, not yet decoded input tensors (None once decoded, or when `inputs` was given)
+    tensors: Optional[list[TensorFrame]] = None
+    #: bytes of the input frames this request holds (for the model's queue byte budget)
+    nbytes: int = 0
+    #: the model's limits.max_element_bytes, applied while decoding BYTES
+    max_element_bytes: Optional[int] = None
     _done: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _on_claim: list = field(default_factory=list)
 
     @property
     def done(self) -> bool:
@@ -70,7 +83,25 @@ class PendingRequest:
             self._done = True
         if self.on_done is not None:
             self.on_done(self)
+        for hook in self._on_claim:
+            hook(self)
         return True
+
+    def decode(self) -> None:
+        """Decode `tensors` into `inputs` (raises the request's OutriderError: malformed BYTES, too large)."""
+        tensors = self.tensors
+        if tensors is None:
+            return
+        self.inputs = {
+            t.name: t.decode(self.max_element_bytes, "limits.max_element_bytes") for t in tensors
+        }
+        self.tensors = None
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Input shapes by name, known before decoding (schedulers plan batches with them)."""
+        if self.tensors is not None:
+            return {t.name: t.shape for t in self.tensors}
+        return {name: tuple(a.shape) for name, a in self.inputs.items()}
 
     def reply(self, outputs: Optional[dict[str, np.ndarray]] = None, claimed: bool = False, **fields: Any) -> bool:
         """Send the final successful reply; False if the request was already answered."""
@@ -95,10 +126,17 @@ class PendingRequest:
 
 
 class RequestQueue:
-    """Bounded FIFO per model: full means 'overloaded' now, not unbounded memory later."""
+    """Bounded FIFO per model: full means 'overloaded' now, not unbounded memory later.
 
-    def __init__(self, max_size: int) -> None:
+    Two bounds: how many requests wait (`max_size`), and how many input bytes the model holds
+    (`max_bytes`): a request's bytes count from `put` until it is answered, so requests being
+    split or executed count too, not only those waiting.
+    """
+
+    def __init__(self, max_size: int, max_bytes: Optional[int] = None) -> None:
         self.max_size = max_size
+        self.max_bytes = max_bytes
+        self.bytes = 0
         self._items: deque[PendingRequest] = deque()
         self._cond = threading.Condition()
         self._closed = False
@@ -114,8 +152,21 @@ class RequestQueue:
                 raise OverloadedError(
                     f"model {request.model!r}: queue is full ({self.max_size} waiting); retry later"
                 )
+            size = request.nbytes
+            if size and self.max_bytes is not None and self.bytes + size > self.max_bytes:
+                raise OverloadedError(
+                    f"model {request.model!r}: requests in progress hold {self.bytes} bytes and this one "
+                    f"{size}; the budget is scheduling.max_queue_bytes = {self.max_bytes}; retry later"
+                )
+            if size:
+                self.bytes += size
+                request._on_claim.append(self._release)
             self._items.append(request)
             self._cond.notify()
+
+    def _release(self, request: PendingRequest) -> None:
+        with self._cond:
+            self.bytes -= request.nbytes
 
     def take(self, timeout: float) -> Optional[PendingRequest]:
         """The oldest live request, waiting up to `timeout` s; None on timeout or close."""
@@ -252,8 +303,28 @@ class Instance(threading.Thread):
         except Exception:
             log.exception("model %s instance %d: unload failed", self.model.name, self.index)
 
+    def _decode(self, batch: list[PendingRequest]) -> list[PendingRequest]:
+        """Decode each request's tensors here, off the I/O thread; one that fails is answered alone."""
+        live = []
+        for request in batch:
+            try:
+                request.decode()
+            except Exception as exc:
+                if not isinstance(exc, OutriderError):
+                    log.exception("model %s: decoding a request failed", self.model.name)
+                    exc = ExecutionError(f"model {self.model.name!r}: decoding inputs failed: {type(exc).__name__}")
+                if request.claim():
+                    self.model.stats.failure(exc.code)
+                    request.fail(exc, claimed=True)
+                continue
+            live.append(request)
+        return live
+
     def _execute(self, batch: list[PendingRequest]) -> None:
         model = self.model
+        batch = self._decode(batch)
+        if not batch:
+            return
         start = time.monotonic()
         self.current = batch
         self.busy_since = start
@@ -340,7 +411,7 @@ class ServedModel:
         self.choice = choice
         self.make_task = make_task
         self.scheduler = scheduler or Scheduler(manifest)
-        self.queue = RequestQueue(manifest.scheduling.max_queue_size)
+        self.queue = RequestQueue(manifest.scheduling.max_queue_size, manifest.scheduling.max_queue_bytes)
         self.stats = ModelStats()
         self.instances: list[Instance] = []
         self.state = ModelState.LOADING

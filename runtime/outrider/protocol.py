@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import struct
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import msgpack
 import numpy as np
@@ -105,17 +105,32 @@ def encode_bytes_tensor(array: np.ndarray) -> bytes:
     return b"".join(parts)
 
 
-def decode_bytes_tensor(buffer: memoryview, count: int, name: str) -> np.ndarray:
-    """Parse `count` length-prefixed elements; the buffer must be consumed exactly."""
+def decode_bytes_tensor(
+    buffer: memoryview,
+    count: int,
+    name: str,
+    max_element_bytes: Optional[int] = None,
+    limit_name: str = "max_element_bytes",
+) -> np.ndarray:
+    """Parse `count` length-prefixed elements; the buffer must be consumed exactly.
+
+    An element longer than `max_element_bytes` is refused (TooLargeError) before it is copied.
+    """
     out = np.empty(count, dtype=object)
     offset, end = 0, len(buffer)
+    unpack = _U32.unpack_from
     for i in range(count):
         if offset + 4 > end:
             raise ProtocolError(
                 f"tensor {name!r}: BYTES frame ends inside the length of element {i} of {count}"
             )
-        (length,) = struct.unpack_from("<I", buffer, offset)
+        (length,) = unpack(buffer, offset)
         offset += 4
+        if max_element_bytes is not None and length > max_element_bytes:
+            raise TooLargeError(
+                f"tensor {name!r}: BYTES element {i} is {length} bytes; the limit is "
+                f"{limit_name} = {max_element_bytes}"
+            )
         if offset + length > end:
             raise ProtocolError(
                 f"tensor {name!r}: BYTES element {i} claims {length} bytes, "
@@ -128,6 +143,9 @@ def decode_bytes_tensor(buffer: memoryview, count: int, name: str) -> np.ndarray
             f"tensor {name!r}: BYTES frame has {end - offset} bytes left after {count} elements"
         )
     return out
+
+
+_U32 = struct.Struct("<I")
 
 
 def _buffer(frame: Any) -> memoryview:
@@ -162,14 +180,22 @@ def unpack_header(raw: memoryview | bytes, limits: Limits = DEFAULT_LIMITS) -> d
         raise TooLargeError(
             f"header is {len(raw)} bytes; the limit is {limits.max_header_bytes}"
         )
+    # Explicit bounds on every container and string, so no declared length can make msgpack
+    # allocate more than the header itself could hold; ext types (timestamps, custom) are refused.
+    bound = limits.max_header_bytes
     try:
         header = msgpack.unpackb(
             raw,
             raw=False,
             strict_map_key=True,
+            max_str_len=bound,
+            max_bin_len=bound,
+            max_array_len=bound,
+            max_map_len=bound,
+            max_ext_len=0,
         )
     except Exception as exc:  # msgpack raises several unrelated types
-        raise ProtocolError(f"header is not valid msgpack: {exc}") from None
+        raise ProtocolError(f"header is not valid msgpack (or holds an ext type, which is refused): {exc}") from None
     if not isinstance(header, dict):
         raise ProtocolError(f"header must be a msgpack map, got {type(header).__name__}")
     _depth(header, limits.max_header_depth)
@@ -179,25 +205,78 @@ def unpack_header(raw: memoryview | bytes, limits: Limits = DEFAULT_LIMITS) -> d
 def _check_shape(name: str, shape: Any, limits: Limits) -> tuple[int, ...]:
     if not isinstance(shape, (list, tuple)) or len(shape) > _MAX_DIMS:
         raise ProtocolError(
-            f"tensor {name!r}: shape must be a list of at most {_MAX_DIMS} integers, got {shape!r}"
+            f"tensor {name!r}: shape must be a list of at most {_MAX_DIMS} integers, "
+            f"got {_preview(shape)}"
         )
-    for dim in shape:
+    for index, dim in enumerate(shape):
         if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
             raise ProtocolError(
-                f"tensor {name!r}: shape {list(shape)} has {dim!r}; expected non-negative integers"
+                f"tensor {name!r}: shape dimension {index} is {_preview(dim)}; expected non-negative "
+                f"integers (0 to {limits.max_tensor_elements})"
             )
-    count = math.prod(shape)
-    if count > limits.max_tensor_elements:
+        if dim > limits.max_tensor_elements:
+            raise TooLargeError(
+                f"tensor {name!r}: shape dimension {index} is {dim}; the limit is "
+                f"{limits.max_tensor_elements} elements per tensor"
+            )
+    # A zero dimension makes the count 0, but numpy still multiplies the others: bound them too,
+    # so `[0, 2**62, 2**62]` is refused here rather than overflowing in reshape.
+    spread = math.prod(d for d in shape if d)
+    if spread > limits.max_tensor_elements:
         raise TooLargeError(
-            f"tensor {name!r}: {count} elements; the limit is {limits.max_tensor_elements}"
+            f"tensor {name!r}: shape {list(shape)} spans {spread} elements"
+            f"{' (not counting its zero dimensions)' if 0 in shape else ''}; the limit is "
+            f"{limits.max_tensor_elements}"
         )
     return tuple(shape)
 
 
-def decode_tensors(
-    specs: Any, frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS
-) -> dict[str, np.ndarray]:
-    """View tensor frames as numpy arrays (zero-copy for numeric types), after every check."""
+def _preview(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+@dataclass(frozen=True)
+class TensorFrame:
+    """A tensor described by a header and checked against its frame, not yet decoded.
+
+    Everything here is O(1) per tensor, so the I/O thread can check a request's sizes without
+    touching its buffers; `decode()` (O(elements) for BYTES) runs where the request is executed.
+    """
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+    buffer: memoryview
+
+    @property
+    def count(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.buffer)
+
+    @property
+    def rows(self) -> Optional[int]:
+        """The first dimension, or None for a scalar."""
+        return self.shape[0] if self.shape else None
+
+    def decode(self, max_element_bytes: Optional[int] = None, limit_name: str = "max_element_bytes") -> np.ndarray:
+        """The tensor as a numpy array: a zero-copy view for numeric types, objects for BYTES."""
+        if self.datatype == "BYTES":
+            return decode_bytes_tensor(
+                self.buffer, self.count, self.name, max_element_bytes, limit_name
+            ).reshape(self.shape)
+        return np.frombuffer(self.buffer, dtype=numpy_dtype(self.datatype), count=self.count).reshape(self.shape)
+
+
+def parse_tensors(specs: Any, frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> list[TensorFrame]:
+    """Check tensor descriptions against their frames without decoding any buffer.
+
+    Numeric frames must be exactly shape x item size; a BYTES frame must at least hold a 4-byte
+    length per element (its elements are checked when it is decoded).
+    """
     if not isinstance(specs, list):
         raise ProtocolError(f"'inputs' must be a list of tensor descriptions, got {type(specs).__name__}")
     if len(specs) > limits.max_tensors:
@@ -206,35 +285,48 @@ def decode_tensors(
         raise ProtocolError(
             f"header describes {len(specs)} tensors but the message carries {len(frames)} tensor frames"
         )
-    tensors: dict[str, np.ndarray] = {}
+    out: list[TensorFrame] = []
+    names: set[str] = set()
     for index, (spec, frame) in enumerate(zip(specs, frames)):
         if not isinstance(spec, dict):
             raise ProtocolError(f"tensor #{index}: description must be a map")
         name = spec.get("name")
         if not isinstance(name, str) or not name or len(name) > _MAX_NAME:
             raise ProtocolError(f"tensor #{index}: 'name' must be a non-empty string of at most {_MAX_NAME} characters")
-        if name in tensors:
+        if name in names:
             raise ProtocolError(f"tensor {name!r} appears twice")
+        names.add(name)
         datatype = spec.get("datatype")
-        if datatype not in DATATYPES:
+        if not isinstance(datatype, str) or datatype not in DATATYPES:
             raise ProtocolError(
-                f"tensor {name!r}: unknown datatype {datatype!r}; expected one of {sorted(DATATYPES)}"
+                f"tensor {name!r}: unknown datatype {_preview(datatype)}; expected one of {sorted(DATATYPES)}"
             )
         shape = _check_shape(name, spec.get("shape"), limits)
         buffer = _buffer(frame)
         count = math.prod(shape)
         if datatype == "BYTES":
-            tensors[name] = decode_bytes_tensor(buffer, count, name).reshape(shape)
-            continue
-        dtype = numpy_dtype(datatype)
-        expected = count * dtype.itemsize
-        if len(buffer) != expected:
-            raise ProtocolError(
-                f"tensor {name!r}: shape {list(shape)} x {dtype.itemsize} bytes ({datatype}) = "
-                f"{expected} bytes, but its frame has {len(buffer)}"
-            )
-        tensors[name] = np.frombuffer(buffer, dtype=dtype, count=count).reshape(shape)
-    return tensors
+            if len(buffer) < 4 * count:
+                raise ProtocolError(
+                    f"tensor {name!r}: BYTES frame of {len(buffer)} bytes ends inside the length of an "
+                    f"element: {count} elements need at least {4 * count} bytes"
+                )
+        else:
+            itemsize = 2 if datatype == "BF16" else np.dtype(_DTYPES[datatype]).itemsize
+            expected = count * itemsize
+            if len(buffer) != expected:
+                raise ProtocolError(
+                    f"tensor {name!r}: shape {list(shape)} x {itemsize} bytes ({datatype}) = "
+                    f"{expected} bytes, but its frame has {len(buffer)}"
+                )
+        out.append(TensorFrame(name, datatype, shape, buffer))
+    return out
+
+
+def decode_tensors(
+    specs: Any, frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS
+) -> dict[str, np.ndarray]:
+    """View tensor frames as numpy arrays (zero-copy for numeric types), after every check."""
+    return {t.name: t.decode() for t in parse_tensors(specs, frames, limits)}
 
 
 def encode_tensors(tensors: dict[str, np.ndarray]) -> tuple[list[dict], list[Any]]:
@@ -267,9 +359,10 @@ def encode_message(
 
 def parse_type_frame(frame: Any, allowed: Iterable[str]) -> str:
     """Check the type/version frame and return the message kind."""
-    raw = bytes(_buffer(frame))
-    if len(raw) > 64:
-        raise ProtocolError("type frame longer than 64 bytes")
+    buffer = _buffer(frame)
+    if len(buffer) > 64:  # checked before copying: the frame may be megabytes long
+        raise ProtocolError(f"type frame is {len(buffer)} bytes; at most 64 expected")
+    raw = bytes(buffer)
     magic, _, kind = raw.partition(b" ")
     if magic != MAGIC:
         if magic.startswith(b"outrider/"):

@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional
 import zmq
 
 from . import __version__
-from .backend import check_inputs, check_options
+from .backend import check_options, check_request
 from .errors import (
     BadRequestError,
     InternalError,
@@ -41,17 +41,19 @@ from .protocol import (
     DEFAULT_LIMITS,
     REQUEST_KINDS,
     Limits,
-    decode_tensors,
     encode_message,
     message_size,
+    parse_tensors,
     parse_type_frame,
     unpack_header,
 )
-from .transport import DEFAULT_ADDRESS, CurveServerKeys, recv_ready, send_frames, server_socket, start_authenticator
+from .transport import DEFAULT_ADDRESS, CurveServerKeys, recv_message, send_frames, server_socket, start_authenticator
 
 log = logging.getLogger("outrider.server")
 
 _MAX_ID_LENGTH = 256
+#: the longest deadline a request may ask for (24 hours); longer is a mistake, not a deadline
+MAX_TIMEOUT_MS = 86_400_000
 _BURST = 256  # messages moved per socket per wake-up, so neither direction starves the other
 
 
@@ -106,6 +108,14 @@ class Server:
         scheduler: Optional[Scheduler] = accelerators.batch_policy
         make_scheduler = getattr(choice.backend, "make_scheduler", None)
         if make_scheduler is not None:  # stateful engines (generation) bring their own loop
+            if manifest.scheduling.instance_kind != "thread":
+                # Its loop drives the engine object of an in-process backend across steps; a
+                # worker process only answers execute(batch), so it could never serve.
+                raise ManifestError(
+                    f"{manifest.source_file or manifest.name}: field 'scheduling.instance_kind': backend "
+                    f"{choice.backend.name!r} keeps its sequences in an engine of its own and runs only as "
+                    f"'thread' instances, got {manifest.scheduling.instance_kind!r}"
+                )
             scheduler = make_scheduler(manifest)
         return ServedModel(
             manifest,
@@ -187,10 +197,20 @@ class Server:
 
     def _receive_requests(self) -> None:
         # Caller holds the socket lock. Reads until ZMQ_EVENTS says nothing is left (or a burst).
+        max_frames = self.limits.max_tensors + 3  # identity, type, header, tensors
         for _ in range(_BURST):
-            frames = recv_ready(self.router)
-            if frames is None:
+            received = recv_message(self.router, max_frames)
+            if received is None:
                 return
+            frames, dropped = received
+            if dropped:
+                # The frames past the limit were read and dropped, never kept.
+                error = TooLargeError(
+                    f"message has {len(frames) + dropped - 1} frames; the limit is {max_frames - 1} "
+                    f"(type, header and {self.limits.max_tensors} tensors)"
+                )
+                self._reply_now(frames[0].bytes, {"id": None, "ok": False, "error": error.to_wire()})
+                continue
             self._handle(frames)
         self._wake()  # more is waiting: come straight back after a look at the rest
 
@@ -224,6 +244,8 @@ class Server:
             request_id = _request_id(header)
             getattr(self, "_on_" + kind)(route, request_id, header, frames[3:])
         except OutriderError as exc:
+            # Expected for hostile or broken input: one debug line, never a traceback.
+            log.debug("refused a request (%s): %.200s", exc.code, exc.message)
             self._reply_now(route, {"id": request_id, "ok": False, "error": exc.to_wire()})
         except Exception as exc:  # a bug must cost one request, never the loop
             log.exception("internal error while handling a request")
@@ -239,6 +261,9 @@ class Server:
         self._reply_now(route, {"id": request_id, "ok": True, "models": [m.describe() for m in self.models.values()]})
 
     def _on_infer(self, route: bytes, request_id: Any, header: dict, tensors: list) -> None:
+        model = self._model(header)
+        if getattr(model.choice.backend, "generates", False):
+            raise BadRequestError(f"model {model.name!r} generates text; send generate")
         self._submit("infer", route, request_id, header, tensors)
 
     def _on_generate(self, route: bytes, request_id: Any, header: dict, tensors: list) -> None:
@@ -248,7 +273,7 @@ class Server:
         self._submit("generate", route, request_id, header, tensors)
 
     def _on_cancel(self, route: bytes, request_id: Any, header: dict, tensors: list) -> None:
-        target = header.get("target")
+        target = _request_id(header, "target")
         request = self.inflight.get((route, target))
         # The engine sees `done` and drops the request (a queued one is skipped, a generating
         # one frees its cache at the next step).
@@ -267,15 +292,28 @@ class Server:
         return model
 
     def _submit(self, kind: str, route: bytes, request_id: Any, header: dict, frames: list) -> None:
+        # Everything here is O(number of tensors): shapes and frame lengths are checked against
+        # the protocol and the model's limits; the buffers are decoded by the instance that runs
+        # the request (PendingRequest.decode), never on this thread.
         if self.draining:
             raise UnavailableError("server is shutting down and takes no new requests")
         model = self._model(header)
         parameters = header.get("parameters", {})
         if not isinstance(parameters, dict):
             raise ProtocolError("'parameters' must be a map")
-        inputs = decode_tensors(header.get("inputs", []), frames, self.limits)
-        if kind == "infer":
-            check_inputs(model.manifest, inputs)
+        deadline_s = _timeout_seconds(parameters.get("timeout_ms"))
+        if kind == "generate":
+            # A generation reads its prompt from parameters; tensors would only be held in memory.
+            specs = header.get("inputs") or []
+            if specs or frames:
+                raise BadRequestError(
+                    f"generate takes its prompt in 'parameters' and no tensors; this request carries "
+                    f"{max(len(frames), len(specs) if isinstance(specs, list) else 1)}"
+                )
+            tensors = []
+        else:
+            tensors = parse_tensors(header.get("inputs", []), frames, self.limits)
+            check_request(model.manifest, tensors)
         key = (route, request_id)
         if key in self.inflight:
             raise BadRequestError(f"request id {request_id!r} is already in flight on this connection")
@@ -284,16 +322,16 @@ class Server:
             id=request_id,
             kind=kind,
             model=model.name,
-            inputs=inputs,
+            inputs={},
             parameters=parameters,
             send=self._send,
             on_done=self._forget,
+            tensors=tensors,
+            nbytes=sum(t.nbytes for t in tensors),
+            max_element_bytes=model.manifest.limits.max_element_bytes,
         )
-        timeout_ms = parameters.get("timeout_ms")
-        if timeout_ms is not None:
-            if isinstance(timeout_ms, bool) or not isinstance(timeout_ms, (int, float)) or timeout_ms <= 0:
-                raise BadRequestError(f"parameter 'timeout_ms' must be a positive number, got {timeout_ms!r}")
-            request.deadline = request.received + timeout_ms / 1000
+        if deadline_s is not None:
+            request.deadline = request.received + deadline_s
         self.inflight[key] = request
         try:
             model.submit(request)
@@ -401,11 +439,34 @@ class Server:
         return 0
 
 
-def _request_id(header: dict) -> Any:
-    request_id = header.get("id")
+def _request_id(header: dict, field: str = "id") -> Any:
+    """A request id (or a cancel's target): a string of 1-256 characters or a 64-bit integer."""
+    request_id = header.get(field)
     if isinstance(request_id, bool) or not (
         (isinstance(request_id, str) and 0 < len(request_id) <= _MAX_ID_LENGTH)
         or (isinstance(request_id, int) and -(2**63) <= request_id < 2**64)
     ):
-        raise ProtocolError(f"'id' must be a non-empty string of at most {_MAX_ID_LENGTH} characters or an integer")
+        got = type(request_id).__name__ if not isinstance(request_id, (str, int)) else (
+            f"a string of {len(request_id)} characters" if isinstance(request_id, str) else f"{request_id}")
+        raise ProtocolError(
+            f"{field!r} must be a non-empty string of at most {_MAX_ID_LENGTH} characters or an integer "
+            f"from -2**63 to 2**64-1, got {got}"
+        )
     return request_id
+
+
+def _timeout_seconds(timeout_ms: Any) -> Optional[float]:
+    """The `timeout_ms` parameter in seconds (None when absent); a finite number in (0, 24 h]."""
+    if timeout_ms is None:
+        return None
+    if (
+        isinstance(timeout_ms, bool)
+        or not isinstance(timeout_ms, (int, float))
+        or not (0 < timeout_ms <= MAX_TIMEOUT_MS)  # False for NaN too
+    ):
+        shown = repr(timeout_ms) if isinstance(timeout_ms, (int, float)) else type(timeout_ms).__name__
+        raise BadRequestError(
+            f"parameter 'timeout_ms' must be a positive number of milliseconds, at most {MAX_TIMEOUT_MS} "
+            f"(24 hours), got {shown[:40]}"
+        )
+    return timeout_ms / 1000

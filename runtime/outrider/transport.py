@@ -156,6 +156,27 @@ def recv_ready(sock: zmq.Socket) -> Optional[list]:
     return frames
 
 
+def recv_message(sock: zmq.Socket, max_frames: int) -> Optional[tuple[list, int]]:
+    """Like `recv_ready`, but keeps at most `max_frames` frames: (frames, how many more were dropped).
+
+    ZeroMQ delivers a multipart message only once every frame has arrived, so reading the rest
+    never blocks; dropping them keeps a message of a million empty frames from becoming a
+    million Python objects (it still costs one recv each).
+    """
+    if not sock.getsockopt(_EVENTS) & _POLLIN:
+        return None
+    frame = sock.recv(_NOBLOCK, copy=False)
+    frames = [frame]
+    dropped = 0
+    while frame.more:
+        frame = sock.recv(_NOBLOCK, copy=False)
+        if len(frames) < max_frames:
+            frames.append(frame)
+        else:
+            dropped += 1
+    return frames, dropped
+
+
 def recv_blocking(sock: zmq.Socket) -> Optional[list]:
     """Wait (up to the socket's ZMQ_RCVTIMEO) for a whole message; None on timeout.
 

@@ -92,8 +92,47 @@ class HangingBackend(Backend):
         return dict(inputs)
 
 
+class RowTimeBackend(Backend):
+    """Echo that sleeps `options.row_ms` per row of its first input: a call costs what its rows cost."""
+
+    name = "row-time"
+
+    def warmup(self) -> None:
+        pass
+
+    def execute(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        rows = max((a.shape[0] for a in inputs.values() if a.ndim), default=1)
+        time.sleep(rows * float(self.manifest.options.get("row_ms", 0.1)) / 1000)
+        return dict(inputs)
+
+
+class CountBackend(Backend):
+    """Answers how many elements each input had, as a one-row output (small replies for big requests)."""
+
+    name = "count"
+
+    def warmup(self) -> None:
+        pass
+
+    def execute(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {name: np.array([a.size], np.int64) for name, a in inputs.items()}
+
+
+class FakeGeneratorBackend(Backend):
+    """Says it generates text (so the server takes `generate` for it) and answers with no outputs."""
+
+    name = "fake-generator"
+    generates = True
+
+    def warmup(self) -> None:
+        pass
+
+    def execute(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {}
+
+
 @hookimpl
 def outrider_register_backends(register) -> None:
     for cls in (SlowWarmupBackend, FailingWarmupBackend, RaisingBackend, UnavailableBackend, CrashingBackend,
-                HangingBackend):
+                HangingBackend, RowTimeBackend, CountBackend, FakeGeneratorBackend):
         register(cls)
