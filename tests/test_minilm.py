@@ -97,3 +97,23 @@ class TestTorchConformance(TestOnnxRuntimeConformance):
     plugins = ["outrider_text", "outrider_torch"]
     backend = "torch"
     manifest = {**TestOnnxRuntimeConformance.manifest, "backend": "torch"}
+
+
+def test_long_text_is_cut_before_tokenizing_and_the_model_sees_the_same_tokens():
+    import time
+
+    from outrider.manifest import load_manifest
+    from outrider_text import SentenceEmbeddingTask
+
+    task = SentenceEmbeddingTask(load_manifest(MANIFESTS / "minilm.yaml"))
+    long = "The quick brown fox jumps over the lazy dog. Ünïcødé 中文 🚀 " * 20_000  # 1.2 MB of UTF-8
+    t0 = time.perf_counter()
+    feeds = task.preprocess({"text": np.array([long.encode()], dtype=object)})
+    elapsed = time.perf_counter() - t0
+    full = task.tokenizer.encode(long)  # tokenizing all of it: ~2 s here, and 1,300 overflow encodings
+    assert feeds["input_ids"][0].tolist() == full.ids
+    assert elapsed < 0.2, elapsed
+    # A cut through a multi-byte character drops that character; invalid UTF-8 before the cut is refused.
+    assert task._decode(0, ("x" + "é" * 20_000).encode()) == ("x" + "é" * 20_000)[: task.max_chars]
+    with pytest.raises(BadRequestError, match="not valid UTF-8"):
+        task._decode(0, b"ok \xff" + b"a" * 100_000)

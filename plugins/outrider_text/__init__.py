@@ -6,6 +6,12 @@ export), so every backend returns the final embedding and the server does no num
 Importing this plugin is cheap: `tokenizers` is loaded when a manifest asks for the task.
 
 Manifest options: `max_seq_length` (default: sentence_bert_config.json's, else the model's limit).
+
+Text is cut to `max_seq_length x 32` characters before it is tokenized: the model sees only the
+first `max_seq_length` tokens, and a BERT token covers about 4 characters of ordinary text, so
+the cut never changes what the model sees for text, while a megabyte of text is not tokenized
+(with its overflow kept by the tokenizer) only to be truncated. Input that spends more than 32
+characters per token (long runs of whitespace between words) can lose tokens to the cut.
 """
 
 from __future__ import annotations
@@ -26,6 +32,9 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 
+#: characters kept per token of max_seq_length, before tokenizing (see the module docstring)
+CHARS_PER_TOKEN = 32
+
 
 @hookimpl
 def outrider_register_tasks(register: Callable[[type], None]) -> None:
@@ -44,6 +53,7 @@ class SentenceEmbeddingTask(Task):
         super().__init__(manifest)
         model_dir = manifest.model_path()
         self.max_length = self._max_length(model_dir)
+        self.max_chars = self.max_length * CHARS_PER_TOKEN
         self.hidden_size = self._read_json(model_dir / "config.json").get("hidden_size", 384)
         self.tokenizer = self._load_tokenizer(model_dir)
 
@@ -112,11 +122,14 @@ class SentenceEmbeddingTask(Task):
         }
 
     def _decode(self, index: int, item: object) -> str:
+        """One element as text, cut to `max_chars` characters before anyone tokenizes it."""
+        limit = self.max_chars
         if isinstance(item, str):
-            return item
+            return item[:limit]
         if isinstance(item, (bytes, bytearray, memoryview)):
+            raw = bytes(item[: 4 * limit])  # UTF-8 spends at most 4 bytes a character
             try:
-                return bytes(item).decode("utf-8")
+                return _utf8_prefix(raw, cut=len(raw) < len(item))[:limit]
             except UnicodeDecodeError as exc:
                 raise BadRequestError(
                     f"input {self.input_name!r} element {index} is not valid UTF-8 "
@@ -140,3 +153,13 @@ class SentenceEmbeddingTask(Task):
         if embedding.dtype != np.float32:  # an fp16 engine must not change the wire contract
             embedding = embedding.astype(np.float32)
         return {self.output_name: embedding}
+
+
+def _utf8_prefix(raw: bytes, cut: bool) -> str:
+    """Decode UTF-8 strictly; when `raw` was cut from longer text, drop a character the cut split."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        if cut and exc.reason == "unexpected end of data" and exc.start >= len(raw) - 3:
+            return raw[: exc.start].decode("utf-8")
+        raise
