@@ -463,6 +463,54 @@ def test_smollm2_concurrent_generations_all_finish(smollm2):
     assert len(results) == 6 and all(r.token_ids for r in results)
 
 
+def test_smollm2_tiny_temperature_is_greedy_and_spares_a_concurrent_stream(smollm2):
+    """temperature 1e-300 once made softmax NaN and failed every sequence of the step; now it is greedy."""
+    prompt = "The capital of France is"
+    with smollm2.client(timeout=300) as a, smollm2.client(timeout=300) as b:
+        alone = a.generate("smollm2", prompt=CODE_PROMPT, max_tokens=32)
+        stream = a.generate("smollm2", prompt=CODE_PROMPT, max_tokens=32, stream=True)
+        chunks = [next(stream)]  # the greedy stream is decoding
+        tiny = b.generate("smollm2", prompt=prompt, max_tokens=8, temperature=1e-300)
+        chunks.extend(stream)
+        greedy = b.generate("smollm2", prompt=prompt, max_tokens=8)
+        for name, value, fragment in [("temperature", float("nan"), "between 0 and 100"),
+                                      ("temperature", float("inf"), "between 0 and 100"),
+                                      ("temperature", -1e-9, "between 0 and 100"),
+                                      ("top_p", float("nan"), "between 0 and 1"),
+                                      ("top_k", -1, "between 0 and"),
+                                      ("top_k", 1.5, "an integer")]:
+            with pytest.raises(BadRequestError, match=f"'{name}' must be .*{fragment}"):
+                b.generate("smollm2", prompt=prompt, max_tokens=4, **{name: value})
+    final = chunks[-1]
+    assert final.finish_reason == "length" and final.token_ids == alone.token_ids
+    assert "".join(c.text for c in chunks[:-1]) == final.text
+    assert tiny.token_ids == greedy.token_ids and tiny.finish_reason == greedy.finish_reason
+
+
+def test_smollm2_streams_characters_split_across_tokens_whole(smollm2):
+    """A CJK character or an emoji spans several byte-level tokens: no chunk shows half of one."""
+    prompts = ["日本の都市: 東京、大阪、京都、名古屋、横浜、", "Emoji list: 😀 😃 😄 😁 😆 😅 😂 🤣 😊 😇 🙂 🙃 😉"]
+    with smollm2.client(timeout=300) as client:
+        for prompt in prompts:
+            chunks = list(client.generate("smollm2", prompt=prompt, max_tokens=24, stream=True))
+            final, pieces = chunks[-1], chunks[:-1]
+            assert any(c.token_ids and not c.text for c in pieces), "no character was split: the test saw nothing"
+            assert any(ord(ch) > 0x2000 for ch in final.text), final.text
+            assert "".join(c.text for c in pieces) == final.text
+            assert all("\ufffd" not in c.text for c in chunks), [c.text for c in pieces]
+            assert sum(len(c.token_ids) for c in pieces) == len(final.token_ids)
+
+
+def test_smollm2_stops_at_end_of_sequence(smollm2):
+    with smollm2.client(timeout=300) as client:
+        result = client.generate("smollm2", messages=[{"role": "user", "content": "What is 2+2?"}], max_tokens=64)
+        streamed = list(client.generate("smollm2", messages=[{"role": "user", "content": "What is 2+2?"}],
+                                        max_tokens=64, stream=True))
+    assert result.finish_reason == "stop" and 0 < len(result.token_ids) < 64
+    assert "4" in result.text and "<|im_end|>" not in result.text  # the end token is not text
+    assert streamed[-1].finish_reason == "stop" and streamed[-1].token_ids == result.token_ids
+
+
 def test_cli_generate_streams(smollm2):
     result = subprocess.run([sys.executable, "-m", "outrider.cli", "generate", "smollm2", "The capital of France is",
                              "--connect", smollm2.address, "--max-tokens", "8", "--stats"],

@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from outrider.errors import ManifestError
 
 from outrider.generation.contract import SampledChildren
-from outrider.generation.sampling import target_distribution
+from outrider.generation.sampling import is_greedy, target_distribution
 from outrider.generation.verify import sampling_knobs
 
 from .config import OptionError, read_bool, read_float, read_int
@@ -343,7 +343,7 @@ class EagleDrafter:
         k = self.max_children
         params = getattr(view, "params", None)
         temperature, top_k, top_p = sampling_knobs(params if params is not None else {})
-        sampled = self.sample and temperature > 0
+        sampled = self.sample and not is_greedy(temperature)
         generator = getattr(view, "generator", None)
 
         def expand_fn(nodes: list) -> list:

@@ -6,6 +6,7 @@ speculative accept rule reproduces exactly the distribution plain decoding sampl
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -17,6 +18,16 @@ MAX_STOP_STRINGS = 8
 MAX_STOP_LENGTH = 64
 MAX_PROMPT_CHARS = 200_000
 MAX_MESSAGES = 256
+MAX_TEMPERATURE = 100.0
+MAX_TOP_K = 1 << 30
+# A temperature below this is greedy (as vLLM's _SAMPLING_EPS): logits / 1e-300 overflow to inf
+# and softmax turns them into NaN. It is also the floor `target_distribution` divides by.
+SAMPLING_EPS = 1e-5
+
+
+def is_greedy(temperature: float) -> bool:
+    """Whether a temperature means greedy decoding (0, or too small to sample from safely)."""
+    return temperature < SAMPLING_EPS
 
 
 @dataclass
@@ -32,30 +43,39 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return is_greedy(self.temperature)
 
 
 def _number(params: dict, name: str, default: Any, kind: type, low: float, high: float) -> Any:
     value = params.get(name, default)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not float(value).is_integer()):
-        raise BadRequestError(f"parameter {name!r} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
+    what = "an integer" if kind is int else "a number"
+    bounds = f"between {low:g} and {high:g}" if kind is float else f"between {low} and {high}"
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or not math.isfinite(value) or (kind is int and not float(value).is_integer())):
+        raise BadRequestError(f"parameter {name!r} must be {what} {bounds}, got {value!r}")
     if not low <= value <= high:
-        raise BadRequestError(f"parameter {name!r} must be between {low:g} and {high:g}, got {value!r}")
+        raise BadRequestError(f"parameter {name!r} must be {bounds}, got {value!r}")
     return kind(value)
 
 
 def parse_sampling(params: dict, max_tokens_limit: int) -> SamplingParams:
-    """Validate a generate request's parameters; errors name the parameter and the expected value."""
+    """Validate a generate request's parameters; errors name the parameter and the expected value.
+
+    Runs when the request is admitted, so a bad value fails that request alone. A temperature
+    below SAMPLING_EPS is stored as 0 (greedy): every later check of greediness agrees.
+    """
     out = SamplingParams(
         max_tokens=_number(params, "max_tokens", 128, int, 1, max_tokens_limit),
-        temperature=_number(params, "temperature", 0.0, float, 0.0, 100.0),
+        temperature=_number(params, "temperature", 0.0, float, 0.0, MAX_TEMPERATURE),
         top_p=_number(params, "top_p", 1.0, float, 0.0, 1.0),
-        top_k=_number(params, "top_k", 0, int, 0, 1 << 30),
+        top_k=_number(params, "top_k", 0, int, 0, MAX_TOP_K),
     )
     if out.top_p == 0.0:
-        raise BadRequestError("parameter 'top_p' must be > 0 (1.0 turns it off)")
+        raise BadRequestError("parameter 'top_p' must be > 0 and at most 1 (1.0 turns it off), got 0")
+    if is_greedy(out.temperature):
+        out.temperature = 0.0
     seed = params.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
         raise BadRequestError(f"parameter 'seed' must be a non-negative integer, got {seed!r}")
@@ -105,8 +125,13 @@ def target_distribution(logits: torch.Tensor, temperature: float, top_k: int = 0
     """Probabilities the target samples from at T > 0: softmax(logits / T), then top-k, then top-p.
 
     Ties at the top-k or top-p boundary are all kept, so the set does not depend on sort order.
+    The logits are scaled in fp32 by at least SAMPLING_EPS (softmax subtracts the maximum), so
+    finite logits always give a distribution; non-finite ones (a broken forward) raise
+    ValueError, which fails that sequence alone, rather than NaN reaching torch.multinomial.
     """
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    probs = torch.softmax(logits.float() / max(float(temperature), SAMPLING_EPS), dim=-1)
+    if not bool(torch.isfinite(probs.sum())):
+        raise ValueError("the model's logits are not finite (inf or NaN): cannot sample from them")
     vocab = probs.shape[-1]
     if top_k and top_k < vocab:
         kth = torch.topk(probs, top_k).values[..., -1:]

@@ -65,7 +65,7 @@ import numpy as np
 import torch
 
 from .contract import DraftTree
-from .sampling import target_distribution  # the one definition plain sampling uses too
+from .sampling import is_greedy, target_distribution  # the one definition plain sampling uses too
 
 from .contract import children_of, sampled_groups
 
@@ -120,7 +120,7 @@ def verify(tree: DraftTree, logits: torch.Tensor, params: Any, generator: Option
     if logits.dim() != 2 or logits.shape[0] != len(tree) + 1:
         raise ValueError(f"verify: expected logits of shape [1 + {len(tree)}, vocab], got {tuple(logits.shape)}")
     temperature, top_k, top_p = sampling_knobs(params)
-    if temperature <= 0:
+    if is_greedy(temperature):  # the same threshold plain decoding uses
         return verify_greedy(tree, logits)
     return verify_sampling(tree, logits, temperature, top_k, top_p, generator)
 
