@@ -41,10 +41,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     manifests = [load_manifest(path, args.set) for path in args.manifests]
     registry = create_registry(modules=args.plugin)
     curve = None
-    if args.curve_secret_key or args.curve_allow:
-        if not (args.curve_secret_key and args.curve_allow):
-            raise OutriderError("give both --curve-secret-key and --curve-allow", code="usage")
-        curve = CurveServerKeys(args.curve_secret_key, args.curve_allow)
+    if args.curve_secret_key or args.curve_allow or args.curve_allow_any:
+        if args.curve_allow == "*":
+            raise OutriderError(
+                "--curve-allow '*' would admit every client key; use --curve-allow-any instead if that is "
+                "what you mean (encryption without client authentication)", code="usage")
+        if not args.curve_secret_key or bool(args.curve_allow) == bool(args.curve_allow_any):
+            raise OutriderError(
+                "CURVE needs --curve-secret-key FILE and one of --curve-allow DIR (client public keys) "
+                "or --curve-allow-any", code="usage")
+        curve = CurveServerKeys(args.curve_secret_key, args.curve_allow, allow_any=args.curve_allow_any)
     limits = Limits(max_message_bytes=args.max_message_mb * 1024 * 1024)
     server = Server(manifests, registry, address=args.bind, limits=limits, curve=curve,
                     drain_timeout=args.drain_timeout, metrics_port=args.metrics_port)
@@ -201,6 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-message-mb", type=int, default=64, help="largest accepted request, in MiB")
     p.add_argument("--curve-secret-key", metavar="FILE", help="server secret key file; enables CURVE")
     p.add_argument("--curve-allow", metavar="DIR", help="folder of client public keys allowed to connect")
+    p.add_argument("--curve-allow-any", action="store_true",
+                   help="with CURVE, admit any client key (encrypted, but no client authentication; logs a warning)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("health", help="exit 0 exactly when the server is ready (a Kubernetes exec probe)")
@@ -242,7 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stats", action="store_true", help="print generation stats to stderr")
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("keygen", help="make a CURVE key pair (NAME.key, NAME.key_secret)")
+    p = sub.add_parser("keygen", help="make a CURVE key pair (NAME.key, NAME.key_secret 0600, in a 0700 directory)")
     p.add_argument("directory")
     p.add_argument("--name", default="server")
     p.set_defaults(func=cmd_keygen)

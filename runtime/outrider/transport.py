@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import ipaddress
+import logging
 import os
+import stat
 from dataclasses import dataclass
 from typing import Optional
 from urllib.parse import urlsplit
@@ -13,6 +15,8 @@ import zmq
 from .errors import OutriderError
 from .protocol import Limits
 
+log = logging.getLogger("outrider.transport")
+
 DEFAULT_ADDRESS = os.environ.get("OUTRIDER_ADDRESS", "tcp://127.0.0.1:5555")
 # Bounded queues: a slow or absent peer cannot make the server buffer without limit.
 SERVER_HWM = 10_000
@@ -21,10 +25,15 @@ CLIENT_HWM = 1_000
 
 @dataclass(frozen=True)
 class CurveServerKeys:
-    """Server key pair plus the folder of client public keys allowed to connect."""
+    """Server key pair plus the folder of client public keys allowed to connect.
+
+    `allow_any=True` (and no folder) admits every client key: traffic is encrypted, but anyone who
+    can reach the address and knows the server's public key may send requests.
+    """
 
     secret_key_file: str
-    allowed_clients_dir: str
+    allowed_clients_dir: Optional[str] = None
+    allow_any: bool = False
 
 
 @dataclass(frozen=True)
@@ -71,11 +80,11 @@ def server_socket(
     if address.startswith("tcp://["):
         sock.setsockopt(zmq.IPV6, 1)
     if curve is not None:
-        from zmq.auth import load_certificate
-
-        public, secret = load_certificate(curve.secret_key_file)
-        if secret is None:
-            raise OutriderError(f"{curve.secret_key_file} holds no secret key", code="bad_key")
+        try:
+            public, secret = load_secret_key(curve.secret_key_file)
+        except OutriderError:
+            sock.close(0)
+            raise
         sock.curve_secretkey = secret
         sock.curve_publickey = public
         sock.curve_server = True
@@ -91,10 +100,86 @@ def start_authenticator(ctx: zmq.Context, curve: CurveServerKeys):
     """ZAP handler that admits only the client public keys found in the allow folder."""
     from zmq.auth.thread import ThreadAuthenticator
 
+    location = _allow_location(curve)
     auth = ThreadAuthenticator(ctx)
     auth.start()
-    auth.configure_curve(domain="*", location=curve.allowed_clients_dir)
+    auth.configure_curve(domain="*", location=location)
     return auth
+
+
+def _allow_location(curve: CurveServerKeys) -> str:
+    """The allow folder, checked; or zmq's allow-any marker when (and only when) asked for by name."""
+    from zmq.auth import CURVE_ALLOW_ANY
+
+    folder = curve.allowed_clients_dir
+    if curve.allow_any:
+        if folder:
+            raise OutriderError("give either an allow folder of client keys or allow-any, not both", code="usage")
+        log.warning(
+            "CURVE: every client key is admitted (--curve-allow-any): traffic is encrypted, but anyone who can "
+            "reach this address and knows the server's public key can send requests"
+        )
+        return CURVE_ALLOW_ANY
+    if not folder:
+        raise OutriderError("CURVE needs a folder of allowed client public keys (--curve-allow DIR)", code="usage")
+    if folder == CURVE_ALLOW_ANY:
+        raise OutriderError(
+            "--curve-allow '*' would admit every client key; say --curve-allow-any (instead of --curve-allow) "
+            "if that is what you mean",
+            code="usage",
+        )
+    try:
+        info = os.stat(folder)
+    except OSError as exc:
+        raise OutriderError(f"allowed client keys folder {folder}: {exc.strerror}", code="bad_key") from None
+    if not stat.S_ISDIR(info.st_mode):
+        raise OutriderError(f"allowed client keys folder {folder} is not a directory", code="bad_key")
+    if info.st_mode & 0o022:
+        raise OutriderError(
+            f"allowed client keys folder {folder} has mode {stat.S_IMODE(info.st_mode):04o}: others can add keys to it; "
+            f"chmod go-w {folder}",
+            code="bad_key",
+        )
+    return folder
+
+
+def _check_private(path: str) -> None:
+    """A secret key file must be a regular file that neither group nor others can access (like ssh)."""
+    try:
+        info = os.stat(path)
+    except OSError as exc:
+        raise OutriderError(f"secret key file {path}: {exc.strerror}", code="bad_key") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise OutriderError(f"secret key file {path} is not a regular file", code="bad_key")
+    if info.st_mode & 0o077:
+        raise OutriderError(
+            f"secret key file {path} has mode {stat.S_IMODE(info.st_mode):04o}: group or others can access it, "
+            f"so it is refused; chmod 600 {path} (and keep it in a directory only its owner can read)",
+            code="bad_key",
+        )
+
+
+def load_secret_key(path: str) -> tuple[bytes, bytes]:
+    """(public, secret) from a CURVE certificate file that only its owner can read."""
+    from zmq.auth import load_certificate
+
+    _check_private(path)
+    try:
+        public, secret = load_certificate(path)
+    except (OSError, ValueError) as exc:
+        raise OutriderError(f"secret key file {path} is not a CURVE certificate: {exc}", code="bad_key") from None
+    if secret is None:
+        raise OutriderError(f"{path} holds no secret key (is it the public .key file?)", code="bad_key")
+    return public, secret
+
+
+def load_public_key(path: str) -> bytes:
+    from zmq.auth import load_certificate
+
+    try:
+        return load_certificate(path)[0]
+    except (OSError, ValueError) as exc:
+        raise OutriderError(f"public key file {path}: {exc}", code="bad_key") from None
 
 
 def client_socket(
@@ -108,10 +193,12 @@ def client_socket(
     if address.startswith("tcp://["):
         sock.setsockopt(zmq.IPV6, 1)
     if curve is not None:
-        from zmq.auth import load_certificate
-
-        server_public, _ = load_certificate(curve.server_public_key_file)
-        public, secret = load_certificate(curve.client_secret_key_file)
+        try:
+            server_public = load_public_key(curve.server_public_key_file)
+            public, secret = load_secret_key(curve.client_secret_key_file)
+        except OutriderError:
+            sock.close(0)
+            raise
         sock.curve_serverkey = server_public
         sock.curve_publickey = public
         sock.curve_secretkey = secret
@@ -120,11 +207,51 @@ def client_socket(
 
 
 def make_keys(directory: str, name: str) -> tuple[str, str]:
-    """Create NAME.key (public) and NAME.key_secret in `directory` (zmq.auth's format)."""
-    from zmq.auth import create_certificates
+    """Create NAME.key (public, 0644) and NAME.key_secret (0600) in `directory` (zmq.auth's format).
 
-    os.makedirs(directory, exist_ok=True)
-    return create_certificates(directory, name)
+    A new directory is made 0700; an existing one must not be open to group or others. Neither
+    file may exist already: a secret key is never overwritten.
+    """
+    import datetime
+
+    if not name or os.sep in name or name in (".", ".."):
+        raise OutriderError(f"key name {name!r} must be a plain file name", code="usage")
+    try:
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        info = os.stat(directory)
+    except OSError as exc:
+        raise OutriderError(f"cannot create key directory {directory}: {exc.strerror}", code="bad_key") from None
+    if info.st_mode & 0o077:
+        raise OutriderError(
+            f"key directory {directory} has mode {stat.S_IMODE(info.st_mode):04o}: group or others can look into it; "
+            f"give a new directory (it is made 0700) or chmod 700 {directory}",
+            code="bad_key",
+        )
+    public_key, secret_key = zmq.curve_keypair()
+    base = os.path.join(directory, name)
+    public_file, secret_file = base + ".key", base + ".key_secret"
+    now = datetime.datetime.now().isoformat(timespec="seconds")
+    curve = f'curve\n    public-key = "{public_key.decode()}"\n'
+    _write_new(secret_file, 0o600, f"#   ZeroMQ CURVE **Secret** Certificate, made by outrider keygen {now}\n"
+               "#   DO NOT PROVIDE THIS FILE TO OTHER USERS nor change its permissions.\n\nmetadata\n"
+               + curve + f'    secret-key = "{secret_key.decode()}"\n')
+    _write_new(public_file, 0o644, f"#   ZeroMQ CURVE Public Certificate, made by outrider keygen {now}\n"
+               "#   Copy it into the server's --curve-allow folder (client keys) or to clients (server key).\n\n"
+               "metadata\n" + curve)
+    return public_file, secret_file
+
+
+def _write_new(path: str, mode: int, text: str) -> None:
+    """Write a file that must not exist yet, created with `mode` (never wider, whatever the umask)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    except FileExistsError:
+        raise OutriderError(f"{path} already exists; remove it or choose another --name", code="bad_key") from None
+    except OSError as exc:
+        raise OutriderError(f"cannot write {path}: {exc.strerror}", code="bad_key") from None
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        os.fchmod(f.fileno(), mode)
+        f.write(text)
 
 
 # pyzmq's send_multipart/recv_multipart combine enum flags on every frame, and a NOBLOCK recv on
