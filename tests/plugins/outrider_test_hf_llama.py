@@ -7,6 +7,11 @@ drive it unchanged. That is the proof that the engine and speculation are not ti
 The KV cache here is deliberately naive: a slot remembers its committed token ids, and every
 forward recomputes the whole prefix with a 4-D attention mask (causal over the committed
 tokens, the draft tree's mask over the fed ones). Slow, but exactly the contract's semantics.
+
+For the isolation tests it can also misbehave on request: option `chat_template` replaces the
+chat template (jinja, with transformers' `raise_exception`; null: the model has none), a prompt
+holding "crash" makes the shared forward raise, and the drafter "exploding" raises in `start`
+or `extend` for prompts holding "boom start" or "boom extend".
 """
 
 from __future__ import annotations
@@ -26,11 +31,18 @@ from outrider.generation.contract import Chunk, ForwardOutput
 ALPHABET = "abcdefghijklmnopqrstuvwxyz .,!?-0123456789\n"
 
 
+DEFAULT_TEMPLATE = object()  # the built-in one: contents joined by newlines
+
+
 class CharTokenizer:
     """Token i <-> the i-th character of a small alphabet; no end-of-sequence token."""
 
     eos_token_ids: set[int] = set()
     bos_token_id = None
+
+    def __init__(self, chat_template: Any = DEFAULT_TEMPLATE) -> None:
+        self.chat_template = "builtin" if chat_template is DEFAULT_TEMPLATE else chat_template
+        self._template = None if chat_template is DEFAULT_TEMPLATE or not chat_template else _compile(chat_template)
 
     def encode(self, text: str) -> list[int]:
         unknown = sorted({c for c in text if c not in ALPHABET})
@@ -42,7 +54,24 @@ class CharTokenizer:
         return "".join(ALPHABET[i] for i in ids)
 
     def apply_chat_template(self, messages: list[dict]) -> str:
+        if not self.chat_template:
+            raise ValueError("this tokenizer has no chat template")  # as outrider_llm's ChatTokenizer
+        if self._template is not None:
+            return self._template.render(messages=messages, add_generation_prompt=True)
         return "\n".join(m["content"] for m in messages) + "\n"
+
+
+def _compile(source: str) -> Any:
+    """A chat template in a sandbox with `raise_exception`, as transformers renders them."""
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(source)
 
 
 class RecomputeCache:
@@ -88,6 +117,8 @@ class HFLlama:
         for chunk in chunks:
             committed = cache.tokens[chunk.slot]
             fed = chunk.tokens.tolist()
+            if "crash" in "".join(ALPHABET[i] for i in committed + fed):
+                raise RuntimeError("forward crashed on purpose (the prompt holds 'crash')")
             cache.fed[chunk.slot] = fed
             n, m = len(committed), len(fed)
             ids = torch.tensor([committed + fed])
@@ -138,7 +169,9 @@ class HFLlamaBackend(Backend):
     def load(self) -> None:
         from outrider.generation.engine import GenerationEngine
 
-        self.model, self.tokenizer = HFLlama(int(self.manifest.options.get("seed", 0))), CharTokenizer()
+        options = self.manifest.options
+        template = options["chat_template"] if "chat_template" in options else DEFAULT_TEMPLATE
+        self.model, self.tokenizer = HFLlama(int(options.get("seed", 0))), CharTokenizer(template)
         strategy = getattr(self.accelerators, "decode_strategy", None)
         if strategy is not None:
             strategy = strategy.for_instance()
@@ -152,8 +185,42 @@ class HFLlamaBackend(Backend):
     def execute(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         raise BadRequestError(f"model {self.manifest.name!r} generates text; send a generate request")
 
+    def health(self) -> dict[str, Any]:
+        engine = self.engine
+        return {"healthy": True, "active_sequences": len(engine.active), "waiting": len(engine.waiting),
+                "free_slots": len(engine.free_slots)}
+
+
+class ExplodingDrafter:
+    """Proposes nothing; raises in `start` or `extend` for a prompt holding "boom start" / "boom extend"."""
+
+    name = "exploding"
+
+    @staticmethod
+    def _prompt(seq: Any) -> str:
+        return "".join(ALPHABET[i] for i in seq.token_ids[:seq.prompt_length])
+
+    def start(self, seq: Any) -> None:
+        if "boom start" in self._prompt(seq):
+            raise RuntimeError("drafter start exploded on purpose")
+
+    def extend(self, seq: Any, new_tokens: list[int]) -> None:
+        if "boom extend" in self._prompt(seq):
+            raise RuntimeError("drafter extend exploded on purpose")
+
+    def propose(self, seq: Any, budget: int) -> Any:
+        from outrider.generation.contract import DraftTree
+
+        return DraftTree()
+
 
 @hookimpl
 def outrider_register_backends(register: Callable[[type], None]) -> None:
     """Register `hf-llama`."""
     register(HFLlamaBackend)
+
+
+@hookimpl
+def outrider_register_drafters(register: Callable[[str, Any], None]) -> None:
+    """Register the drafter `exploding`."""
+    register("exploding", lambda model, options: ExplodingDrafter())

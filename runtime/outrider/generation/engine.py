@@ -4,6 +4,13 @@ Each `step()` runs ONE forward pass for every active sequence together: new sequ
 prefilled, running ones feed their pending token plus a draft tree; the target's logits then
 decide (losslessly) which drafted tokens are kept, tokens stream back, and finished or
 cancelled sequences free their slot.
+
+Isolation: one request's failure costs that request only. Its parameters are checked when it
+is admitted; anything that raises while starting it (chat template, tokenizer, a drafter's
+`start`) or while handling it alone in a step (drafting, verifying, sampling, streaming) fails
+that request and frees its slot, and the step goes on for the others. Only an exception in the
+forward pass all sequences share cannot be pinned on one: it fails the sequences in that step,
+resets their slots, and the engine keeps serving (waiting requests stay queued).
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ class Sequence:
         self.speculate = speculate
         self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else torch.Generator().manual_seed(int(torch.randint(0, 2**62, (1,))))
         self.prefilled = False
+        self.released = False
         self.last_hidden: Optional[torch.Tensor] = None
         self.finish_reason: Optional[str] = None
         self.started = time.monotonic()
@@ -99,11 +107,32 @@ class GenerationEngine:
     def admit(self, requests: list[PendingRequest]) -> None:
         self.waiting.extend(requests)
 
-    def _start(self, request: PendingRequest) -> Optional[Sequence]:
+    def _start(self, request: PendingRequest) -> Sequence:
+        """A Sequence in a free slot for `request`, or raise (OutriderError: that request's answer)."""
+        if request.kind != "generate":
+            raise BadRequestError(f"model {request.model!r} generates text; send generate, not {request.kind}")
         params = parse_sampling(request.parameters, self.max_length)
         prompt, messages = parse_prompt(request.parameters)
-        text = self.tokenizer.apply_chat_template(messages) if messages is not None else prompt
-        prompt_ids = self.tokenizer.encode(text)
+        if messages is not None:
+            if not getattr(self.tokenizer, "chat_template", True):
+                raise BadRequestError(f"model {request.model!r} has no chat template; send 'prompt' instead of 'messages'")
+            try:
+                text = self.tokenizer.apply_chat_template(messages)
+            except OutriderError:
+                raise
+            except Exception as exc:  # e.g. the template's raise_exception: these messages do not fit it
+                raise BadRequestError(
+                    f"model {request.model!r} could not render 'messages' with its chat template: "
+                    f"{type(exc).__name__}: {exc}"
+                ) from None
+        else:
+            text = prompt
+        try:
+            prompt_ids = self.tokenizer.encode(text)
+        except OutriderError:
+            raise
+        except Exception as exc:
+            raise ExecutionError(f"tokenizing the prompt failed: {type(exc).__name__}: {exc}") from None
         if not prompt_ids:
             raise BadRequestError("the prompt is empty after tokenization")
         room = self.max_length - len(prompt_ids) - 1
@@ -113,11 +142,23 @@ class GenerationEngine:
             )
         params.max_tokens = min(params.max_tokens, room)
         speculate = self.strategy is not None and params.speculative is not False
-        seq = Sequence(request, self.free_slots.pop(), prompt_ids, params,
-                       IncrementalText(self.tokenizer.decode, params.stop), speculate)
-        self.cache.reset(seq.slot)
-        if speculate:
-            self.strategy.start(seq)
+        slot = self.free_slots.pop()
+        seq: Optional[Sequence] = None
+        try:
+            seq = Sequence(request, slot, prompt_ids, params, IncrementalText(self.tokenizer.decode, params.stop),
+                           speculate)
+            self.cache.reset(slot)
+            if speculate:
+                self.strategy.start(seq)
+        except Exception as exc:
+            if seq is not None:
+                self._release(seq)  # the slot goes back, drafters forget what they saw of it
+            else:
+                self.free_slots.append(slot)
+            if isinstance(exc, OutriderError):
+                raise
+            log.exception("model %s: request %r: starting its generation failed", request.model, request.id)
+            raise ExecutionError(f"starting this generation failed: {type(exc).__name__}: {exc}") from None
         return seq
 
     def warm_up(self, prompt_ids: list[int], max_tokens: int = 8, temperature: float = 0.0) -> list[int]:
@@ -140,7 +181,11 @@ class GenerationEngine:
     # -- one step ---------------------------------------------------------------------------
 
     def step(self) -> None:
-        """One forward pass for all active sequences (prefill for new ones)."""
+        """One forward pass for all active sequences (prefill for new ones).
+
+        Raises only when the shared forward fails; its sequences are then already answered
+        and their slots free (see `fail_active`).
+        """
         self._drop_cancelled()
         while self.waiting and self.free_slots:
             request = self.waiting.popleft()
@@ -148,74 +193,97 @@ class GenerationEngine:
                 continue
             try:
                 self.active.append(self._start(request))
-            except OutriderError as exc:
-                request.fail(exc)
+            except OutriderError as exc:  # _start has handed the slot back
+                self._fail_request(request, exc)
+            except Exception as exc:  # a bug in admission: still this request's alone
+                log.exception("model %s: admitting request %r failed", request.model, request.id)
+                self._fail_request(request, ExecutionError(
+                    f"starting this generation failed: {type(exc).__name__}: {exc}"))
         if not self.active:
             return
 
-        decoding = [s for s in self.active if s.prefilled]
         budget = self.strategy.batch_budget(len(self.active)) if self.strategy is not None else 0
-        chunks: list[Chunk] = []
-        trees: list[Optional[DraftTree]] = []
-        for seq in self.active:
-            length = self.cache.length(seq.slot)
-            if not seq.prefilled:
-                n = len(seq.token_ids)
-                chunks.append(Chunk(seq.slot, torch.tensor(seq.token_ids), torch.arange(n)))
-                trees.append(None)
-                continue
-            tree = DraftTree()
-            remaining = seq.params.max_tokens - len(seq.generated)
-            room = min(self.max_length - length - 1, remaining - 1)
-            if seq.speculate and budget > 0 and room > 0:
-                tree = self.strategy.propose(seq, min(budget, room))
-                tree = self.strategy.limit_depth(tree, room)
-            tokens = torch.tensor([seq.token_ids[-1], *tree.tokens])
-            positions = length + torch.tensor([0, *tree.depths()], dtype=torch.long)
-            chunks.append(Chunk(seq.slot, tokens, positions, tree.mask() if len(tree) else None))
-            trees.append(tree)
+        planned: list[tuple[Sequence, Chunk, Optional[DraftTree]]] = []
+        for seq in list(self.active):
+            try:
+                planned.append((seq, *self._plan(seq, budget)))
+            except Exception as exc:  # drafting for this sequence: its own failure
+                self._abort(seq, exc, "preparing its step")
+        if not planned:
+            return
+        decoding = sum(1 for _, _, tree in planned if tree is not None)
 
         # Logits only where they are read: a prefill's last token, every row of a tree.
         rows: list[int] = []
         offset = 0
-        for chunk, tree in zip(chunks, trees):
+        for _, chunk, tree in planned:
             n = len(chunk.tokens)
             rows.extend([offset + n - 1] if tree is None else range(offset, offset + n))
             offset += n
-        out = self.model.forward(self.cache, chunks, logit_rows=torch.tensor(rows))
+        try:
+            out = self.model.forward(self.cache, [chunk for _, chunk, _ in planned], logit_rows=torch.tensor(rows))
+        except Exception as exc:  # shared by every sequence of the step: none can be singled out
+            error = exc if isinstance(exc, OutriderError) else ExecutionError(
+                f"the forward pass shared by {len(planned)} sequence(s) failed: {type(exc).__name__}: {exc}")
+            self.fail_active(error)
+            raise
         offset = row = 0
-        for seq, chunk, tree in zip(list(self.active), chunks, trees):
+        for seq, chunk, tree in planned:
             n = len(chunk.tokens)
-            hidden = out.hidden[offset:offset + n]
             width = 1 if tree is None else n
+            hidden = out.hidden[offset:offset + n]
             logits = out.logits[row:row + width]
             offset += n
             row += width
-            seq.steps += 1
-            if tree is None:
-                self.cache.commit(seq.slot, list(range(n)))
-                seq.last_hidden = hidden[-1]
-                seq.prefilled = True
-                token = sample_token(logits[-1], seq.params, seq.generator)
-                seq.first_token_seconds = time.monotonic() - seq.started
-                self._emit(seq, [token])
-                continue
-            if len(tree):
-                verdict = self.strategy.verify(tree, logits, seq.params, seq.generator)
-                accepted, bonus = list(verdict.accepted), int(verdict.bonus)
-            else:
-                accepted, bonus = [], sample_token(logits[0], seq.params, seq.generator)
-            keep = [0] + [i + 1 for i in accepted]
-            self.cache.commit(seq.slot, keep)
-            seq.last_hidden = hidden[keep[-1]]
-            seq.draft_tokens += len(tree)
-            seq.accepted_tokens += len(accepted)
-            if seq.speculate:
-                self.strategy.record(seq, len(tree), len(accepted))
-            self._emit(seq, [tree.tokens[i] for i in accepted] + [bonus])
+            try:
+                self._advance(seq, chunk, tree, hidden, logits)
+            except Exception as exc:  # verifying, sampling or streaming this sequence
+                self._abort(seq, exc, "finishing its step")
         if decoding and self.stats is not None:
             self.stats.add("decode_steps", 1)
-            self.stats.add("decode_sequences", len(decoding))
+            self.stats.add("decode_sequences", decoding)
+
+    def _plan(self, seq: Sequence, budget: int) -> tuple[Chunk, Optional[DraftTree]]:
+        """What `seq` feeds this step: its prompt (tree None), or its pending token plus a draft tree."""
+        length = self.cache.length(seq.slot)
+        if not seq.prefilled:
+            n = len(seq.token_ids)
+            return Chunk(seq.slot, torch.tensor(seq.token_ids), torch.arange(n)), None
+        tree = DraftTree()
+        remaining = seq.params.max_tokens - len(seq.generated)
+        room = min(self.max_length - length - 1, remaining - 1)
+        if seq.speculate and budget > 0 and room > 0:
+            tree = self.strategy.propose(seq, min(budget, room))
+            tree = self.strategy.limit_depth(tree, room)
+        tokens = torch.tensor([seq.token_ids[-1], *tree.tokens])
+        positions = length + torch.tensor([0, *tree.depths()], dtype=torch.long)
+        return Chunk(seq.slot, tokens, positions, tree.mask() if len(tree) else None), tree
+
+    def _advance(self, seq: Sequence, chunk: Chunk, tree: Optional[DraftTree], hidden: torch.Tensor,
+                 logits: torch.Tensor) -> None:
+        """Keep what the target accepts of `seq`'s fed tokens and emit its new tokens."""
+        seq.steps += 1
+        if tree is None:
+            self.cache.commit(seq.slot, list(range(len(chunk.tokens))))
+            seq.last_hidden = hidden[-1]
+            seq.prefilled = True
+            token = sample_token(logits[-1], seq.params, seq.generator)
+            seq.first_token_seconds = time.monotonic() - seq.started
+            self._emit(seq, [token])
+            return
+        if len(tree):
+            verdict = self.strategy.verify(tree, logits, seq.params, seq.generator)
+            accepted, bonus = list(verdict.accepted), int(verdict.bonus)
+        else:
+            accepted, bonus = [], sample_token(logits[0], seq.params, seq.generator)
+        keep = [0] + [i + 1 for i in accepted]
+        self.cache.commit(seq.slot, keep)
+        seq.last_hidden = hidden[keep[-1]]
+        seq.draft_tokens += len(tree)
+        seq.accepted_tokens += len(accepted)
+        if seq.speculate:
+            self.strategy.record(seq, len(tree), len(accepted))
+        self._emit(seq, [tree.tokens[i] for i in accepted] + [bonus])
 
     def _emit(self, seq: Sequence, tokens: list[int]) -> None:
         new: list[int] = []
@@ -253,25 +321,61 @@ class GenerationEngine:
         self._release(seq)
 
     def _release(self, seq: Sequence) -> None:
-        self.active.remove(seq)
-        self.cache.reset(seq.slot)
+        """Free `seq`'s slot and drafter state, once, whatever fails on the way."""
+        if seq.released:
+            return
+        seq.released = True
+        if seq in self.active:
+            self.active.remove(seq)
+        try:
+            self.cache.reset(seq.slot)
+        except Exception:  # the next sequence in this slot resets it again before use
+            log.exception("resetting KV cache slot %d failed", seq.slot)
         self.free_slots.append(seq.slot)
         if seq.speculate:
-            self.strategy.finish(seq)
+            try:
+                self.strategy.finish(seq)
+            except Exception:
+                log.exception("the decode strategy failed to forget a sequence")
+
+    def _fail_request(self, request: PendingRequest, error: OutriderError) -> None:
+        if request.claim():
+            if self.stats is not None:
+                self.stats.failure(error.code)
+            request.fail(error, claimed=True)
+
+    def _abort(self, seq: Sequence, exc: Exception, stage: str) -> None:
+        """`seq` alone failed: answer its request with the error, free its slot."""
+        self._release(seq)
+        if seq.request is None:  # warm-up: a failure there must fail the load
+            raise exc
+        if isinstance(exc, OutriderError):
+            error = exc
+        else:
+            log.exception("model %s: request %r failed while %s", seq.request.model, seq.request.id, stage)
+            error = ExecutionError(f"generation failed while {stage}: {type(exc).__name__}: {exc}")
+        seq.finish_reason = seq.finish_reason or "error"
+        self._fail_request(seq.request, error)
 
     def _drop_cancelled(self) -> None:
         for seq in [s for s in self.active if s.cancelled]:
             seq.finish_reason = "cancelled"
             self._release(seq)  # the cache slot is free for the next request at once
 
-    def fail_all(self, error: OutriderError) -> None:
-        """Answer every request the engine holds (the instance is being replaced)."""
+    def fail_active(self, error: OutriderError) -> None:
+        """Answer every active sequence with `error` and free every slot (the cache starts clean).
+
+        For a failure no single sequence can be blamed for; waiting requests stay queued.
+        """
         for seq in list(self.active):
             if seq.request is not None:
-                seq.request.fail(error)
+                self._fail_request(seq.request, error)
             self._release(seq)
-        while self.waiting:
-            self.waiting.popleft().fail(error)
+        for slot in range(self.max_sequences):
+            try:
+                self.cache.reset(slot)
+            except Exception:
+                log.exception("resetting KV cache slot %d failed", slot)
 
 
 class GenerationScheduler(Scheduler):
@@ -291,11 +395,14 @@ class GenerationScheduler(Scheduler):
         instance.busy_since = time.monotonic()
         try:
             engine.step()
-        except OutriderError as exc:
-            engine.fail_all(exc)
-        except Exception as exc:  # answer everyone, keep the instance: the next step starts clean
-            log.exception("generation step failed")
-            engine.fail_all(ExecutionError(f"generation step failed: {type(exc).__name__}: {exc}"))
+        except Exception as exc:
+            # The shared forward failed: step() answered its sequences and freed their slots.
+            # Anything else that escaped is a bug here; either way answer what is active, keep
+            # the instance and the waiting requests, and start the next step clean.
+            if not isinstance(exc, OutriderError):
+                log.exception("generation step failed")
+            engine.fail_active(exc if isinstance(exc, OutriderError) else
+                               ExecutionError(f"generation step failed: {type(exc).__name__}: {exc}"))
         finally:
             instance.busy_since = None
             instance.current = []
