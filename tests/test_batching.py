@@ -248,3 +248,69 @@ def test_minilm_bad_text_fails_alone(server_factory, minilm_manifests):
         stats = client.health()["models"]["minilm"]["stats"]
         assert _batches(client, "minilm")["largest"] > 1
     assert stats["failures"] == {"bad_request": 1} and stats["successes"] == 22
+
+
+def _drive(batcher, queue, backend, turns: int) -> list[list]:
+    """Run `turns` batches as an instance would; returns the ids (and piece rows) of each batch."""
+    from outrider.model import DEFERRED
+
+    seen = []
+    for _ in range(turns):
+        batch = batcher.next_batch(queue)
+        seen.append([(r.id, getattr(r, "start", None)) for r in batch])
+        for request, result in zip(batch, batcher.execute(backend, batch)):
+            if result is not DEFERRED and request.claim():
+                (request.fail if isinstance(result, Exception) else request.reply)(result, claimed=True)
+    return seen
+
+
+def test_a_request_larger_than_a_batch_is_split_takes_turns_and_is_joined_in_order():
+    from outrider.model import RequestQueue
+
+    class Echo:
+        calls: list = []
+
+        def execute(self, inputs):
+            Echo.calls.append(len(inputs["x"]))
+            return {"x": inputs["x"] * 10}
+
+    replies = {}
+
+    def request(i, rows):
+        send = lambda r, kind, header, outputs: replies.__setitem__(r.id, (header, outputs))
+        return PendingRequest(b"", i, "infer", "m", {"x": np.arange(rows).reshape(rows, 1) + 100 * i}, {}, send)
+
+    batcher, queue = _batcher(max_batch_size=4), RequestQueue(100)
+    queue.put(request(0, 10))
+    queue.put(request(1, 1))  # arrived while the big one waited
+    turns = _drive(batcher, queue, Echo(), 5)
+    # The turn that cut the big request, then pieces and the small request alternate.
+    assert turns == [[(0, None)], [(0, 0)], [(1, None)], [(0, 4)], [(0, 8)]], turns
+    assert Echo.calls == [4, 1, 4, 2]
+    header, outputs = replies[0]
+    assert header["ok"] and outputs["x"].ravel().tolist() == [10 * i for i in range(10)]
+    assert replies[1][1]["x"].tolist() == [[1000]]
+
+
+def test_a_split_request_fails_once_when_a_piece_fails_or_its_outputs_cannot_be_joined():
+    from outrider.model import RequestQueue
+
+    class Summing:
+        def execute(self, inputs):
+            return {"total": np.array(inputs["x"].sum())}  # no batch dimension
+
+    class FailsOnSeven:
+        def execute(self, inputs):
+            if (inputs["x"] == 7).any():
+                raise ValueError("seven")
+            return dict(inputs)
+
+    for backend, code in ((Summing(), "too_large"), (FailsOnSeven(), "execution_error")):
+        sent = []
+        req = PendingRequest(b"", "big", "infer", "m", {"x": np.arange(10).reshape(10, 1)}, {},
+                             lambda r, kind, header, outputs: sent.append(header))
+        batcher, queue = _batcher(max_batch_size=4), RequestQueue(10)
+        queue.put(req)
+        _drive(batcher, queue, backend, 4)
+        assert len(sent) == 1 and sent[0]["error"]["code"] == code, sent
+        assert not batcher._splits  # nothing left to run

@@ -57,7 +57,7 @@ from outrider.errors import (
 )
 from outrider.accelerators import AcceleratorSpec
 from outrider.manifest import BatchingSpec, Manifest
-from outrider.model import DEFERRED, PendingRequest, RequestQueue, Scheduler
+from outrider.model import DEFERRED, InstanceCrashed, PendingRequest, RequestQueue, Scheduler
 
 __version__ = "0.1.0"
 
@@ -225,11 +225,17 @@ class DynamicBatcher(Scheduler):
             else:
                 live.append(index)
         sent = 0
-        for group in self.plan(batch, live):
-            for index, result in zip(group, self._run(backend, [batch[i] for i in group])):
-                request = batch[index]
-                results[index] = request.finish(result) if isinstance(request, _Piece) else result
-            sent = self._deliver_ready(batch, results, group, sent)
+        try:
+            for group in self.plan(batch, live):
+                for index, result in zip(group, self._run(backend, [batch[i] for i in group])):
+                    request = batch[index]
+                    results[index] = request.finish(result) if isinstance(request, _Piece) else result
+                sent = self._deliver_ready(batch, results, group, sent)
+        except InstanceCrashed as exc:
+            # The instance is gone: it must hear of it to be replaced, and it answers the rest of
+            # the batch with the crash; what finished before keeps its result.
+            exc.partial = results
+            raise
         return results
 
     def plan(self, batch: list[PendingRequest], indices: list[int]) -> list[list[int]]:
@@ -286,6 +292,8 @@ class DynamicBatcher(Scheduler):
         inputs = {n: np.concatenate([r.inputs[n] for r in requests]) for n in names}
         try:
             outputs = backend.execute(inputs)
+        except InstanceCrashed:
+            raise  # not a bad request: running each alone would only hit the dead instance again
         except Exception as exc:
             # Usually one bad element (text that is not UTF-8): find it by running each alone,
             # so only its request fails.
@@ -327,7 +335,9 @@ class _Split:
         self.rows = rows
         self.size = size
         self.offset = 0  # where the next piece starts
-        self._parts: dict[int, dict[str, np.ndarray]] = {}
+        # The joined outputs, allocated when the first piece returns and filled in place: holding
+        # every piece's outputs and then concatenating them would need twice the memory.
+        self._out: Optional[dict[str, np.ndarray]] = None
         self._finished_rows = 0
         self._lock = threading.Lock()
 
@@ -352,16 +362,24 @@ class _Split:
                 f"to join its pieces along; send at most {self.size} rows"
             )
         with self._lock:
-            self._parts[piece.start] = outputs
+            if self._out is None:
+                self._out = {n: np.empty((self.rows, *v.shape[1:]), v.dtype) for n, v in outputs.items()}
+            out = self._out
+            if set(outputs) != set(out) or any(
+                v.shape[1:] != out[n].shape[1:] or v.dtype != out[n].dtype for n, v in outputs.items()
+            ):
+                shapes = {n: (list(v.shape), str(v.dtype)) for n, v in outputs.items()}
+                return ExecutionError(
+                    f"model {self.request.model!r}: the pieces of a request of {self.rows} rows returned outputs "
+                    f"that do not join (this piece: {shapes}); send at most {self.size} rows"
+                )
+            for name, value in outputs.items():
+                out[name][piece.start:piece.stop] = value
             self._finished_rows += rows
             if self._finished_rows < self.rows:
                 return DEFERRED
-            parts = [self._parts[k] for k in sorted(self._parts)]
-            self._parts = {}
-        names = list(parts[0])
-        if any(list(p) != names for p in parts):
-            return ExecutionError(f"model {self.request.model!r}: pieces of one request returned different outputs")
-        return {n: np.concatenate([p[n] for p in parts]) for n in names}
+            self._out = None
+        return out
 
 
 class _Piece:
@@ -420,6 +438,8 @@ def _shared_rows(request: Any) -> Optional[int]:
 def _execute_alone(backend: Backend, request: PendingRequest) -> Any:
     try:
         return backend.execute(request.inputs)
+    except InstanceCrashed:
+        raise  # the instance's failure, not this request's: the instance must be replaced
     except OutriderError as exc:
         return exc
     except Exception as exc:
