@@ -20,6 +20,9 @@ from .protocol import DATATYPES
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
 _DEVICE = re.compile(r"^(cpu|auto|cuda(:\d+)?)$")
 ENV_PREFIX = "OUTRIDER_SET_"
+#: `scheduling.execute_timeout_ms` of process instances that set none: a worker that computes one
+#: batch for longer is taken for hung, killed and replaced (raise it for models that need longer)
+DEFAULT_PROCESS_EXECUTE_TIMEOUT_MS = 60_000
 _NESTED_FIELD = re.compile(r"^field '([^']+)': (.*)$", re.S)
 
 
@@ -116,7 +119,12 @@ class SchedulingSpec(_Strict):
                     "beyond it new requests are answered `overloaded`",
     )
     timeout_ms: Optional[float] = Field(None, gt=0, description="default per-request deadline")
-    execute_timeout_ms: Optional[float] = Field(None, gt=0)
+    execute_timeout_ms: Optional[float] = Field(
+        None, gt=0,
+        description="an execute running longer marks its instance hung: the batch is answered `timeout` and the "
+                    "instance replaced (a worker process is killed). Default: none for thread instances, "
+                    f"{DEFAULT_PROCESS_EXECUTE_TIMEOUT_MS} for process instances",
+    )
     instance_kind: Literal["thread", "process"] = "thread"
 
 

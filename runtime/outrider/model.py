@@ -3,6 +3,11 @@
 Instances are threads that each own one backend instance and pull work from the model's
 queue when free (nobody pushes onto a busy instance). ORT and PyTorch release the GIL
 while they compute, so threads overlap compute with the I/O loop.
+
+An instance serves only while it is ready, not abandoned, and its backend's own health()
+says healthy (checked every `Instance.HEALTH_INTERVAL_S`); the model is ready while one does.
+The supervisor (`ServedModel.supervise`, every 50 ms) notices a dead worker process, a hung
+execute and a dead instance thread, answers what they were running, and replaces them.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from .errors import (
     RequestTimeoutError,
     UnavailableError,
 )
-from .manifest import Manifest
+from .manifest import DEFAULT_PROCESS_EXECUTE_TIMEOUT_MS, Manifest
 from .protocol import TensorFrame
 from .stats import ModelStats
 
@@ -317,7 +322,22 @@ class RequestQueue:
 
 
 class InstanceCrashed(ExecutionError):
-    """The instance died (worker process exit) while executing; it will be replaced."""
+    """The instance died (its worker process exited, or was killed because it hung); it will be replaced.
+
+    Schedulers must let it propagate to the instance (never turn it into one request's result),
+    so that the instance is failed and replaced; the instance answers the batch. `delivered` is
+    False when the work never reached the worker (the reply code is then `unavailable`: retrying
+    is safe); a scheduler that had results for part of the batch before the crash puts them in
+    `partial` (one entry per request of the batch, None where there is none) so they still reply.
+    """
+
+    def __init__(self, message: str, code: Optional[str] = None, delivered: bool = True,
+                 reason: Optional[str] = None) -> None:
+        super().__init__(message, code)
+        self.delivered = delivered
+        #: what happened, without the model and instance (health shows it under the instance)
+        self.reason = reason or message
+        self.partial: Optional[list[Any]] = None
 
 
 class Instance(threading.Thread):
@@ -326,6 +346,9 @@ class Instance(threading.Thread):
     With `scheduling.instance_kind: process` the backend runs in a worker process behind a
     `WorkerBackend` proxy: a crash or hang there cannot take the server down.
     """
+
+    #: seconds between two checks of the backend's own health() (a worker: a round trip to it)
+    HEALTH_INTERVAL_S = 1.0
 
     def __init__(self, model: "ServedModel", index: int, device: str, generation: int = 0) -> None:
         super().__init__(name=f"outrider-{model.name}-{index}.{generation}", daemon=True)
@@ -339,20 +362,69 @@ class Instance(threading.Thread):
         self.busy_since: Optional[float] = None
         self.current: list[PendingRequest] = []
         self.abandoned = False  # set by the supervisor when execute hung; results are dropped
+        #: what the backend's own health() said last; an unhealthy instance takes no work
+        self.healthy = True
+        self.health_reason = ""
+        self._next_health_check = 0.0
         self._stopping = threading.Event()
+
+    @property
+    def serving(self) -> bool:
+        """Warmed up, not given up on, and healthy by its backend's own account: it takes work."""
+        return self.state == ModelState.READY and not self.abandoned and self.healthy
 
     def stop(self) -> None:
         self._stopping.set()
 
+    def check_health(self) -> None:
+        """Ask the backend for its own health (a worker: a round trip, killed if wedged).
+
+        Runs on this instance's thread, between batches, so it never waits behind one. A worker
+        that is gone or does not answer raises InstanceCrashed; an unhealthy report takes the
+        instance out of service until a later check says healthy again.
+        """
+        self._next_health_check = time.monotonic() + self.HEALTH_INTERVAL_S
+        backend = self.backend
+        if backend is None:
+            return
+        heartbeat = getattr(backend, "heartbeat", None)
+        try:
+            report = heartbeat() if heartbeat is not None else backend.health()
+        except InstanceCrashed:
+            raise
+        except Exception as exc:
+            report = {"healthy": False, "error": f"health() raised {type(exc).__name__}: {exc}"}
+        healthy = not (isinstance(report, dict) and report.get("healthy", True) is False)
+        reason = ""
+        if not healthy:
+            detail = report.get("reason") or report.get("error") or report.get("message")
+            reason = f"backend reports unhealthy{f': {detail}' if detail else ''}"
+        if (healthy, reason) != (self.healthy, self.health_reason):
+            self.healthy, self.health_reason = healthy, reason
+            if healthy:
+                log.info("model %s instance %d: backend healthy again", self.model.name, self.index)
+            else:
+                log.error("model %s instance %d: %s", self.model.name, self.index, reason)
+            self.model.instance_changed()
+
     def _fail(self, reason: str) -> None:
+        if self.state == ModelState.FAILED and self.reason:
+            return  # the supervisor got there first (dead worker, hung execute) and said why
         self.state, self.reason = ModelState.FAILED, reason
         log.error("model %s instance %d: %s", self.model.name, self.index, reason)
         self.model.instance_changed()
 
+    def _gone(self) -> Optional[str]:
+        """Why this instance can no longer run anything (worker process gone, failed), or None."""
+        if self.state != ModelState.READY or self.abandoned:
+            return self.reason or f"instance is {self.state}"
+        exited = getattr(self.backend, "exited", None)
+        return exited() if exited is not None else None
+
     def run(self) -> None:
         model = self.model
         try:
-            backend = model.make_backend(self.device)
+            backend = model.make_backend(self.device, self.index)
             self.backend = backend  # visible early so the supervisor can kill a worker process
             t0 = time.perf_counter()
             backend.load()
@@ -370,14 +442,21 @@ class Instance(threading.Thread):
         if self._stopping.is_set():
             self._unload()
             return
+        self._next_health_check = time.monotonic() + self.HEALTH_INTERVAL_S
         self.state = ModelState.READY
         model.instance_ready(self)
         model.instance_changed()
         try:
-            while not self._stopping.is_set() and not self.abandoned:
-                model.scheduler.serve(self, model.queue)
+            # Until stopped, or the supervisor gives up on it (hung, worker dead: state FAILED).
+            while not self._stopping.is_set() and not self.abandoned and self.state == ModelState.READY:
+                if self.healthy:
+                    model.scheduler.serve(self, model.queue)
+                else:
+                    self._stopping.wait(0.1)  # out of service: a free healthy instance takes the work
+                if time.monotonic() >= self._next_health_check and self.state == ModelState.READY:
+                    self.check_health()
         except InstanceCrashed as exc:
-            self._fail(exc.message)
+            self._fail(exc.reason)
         except Exception as exc:  # a bug in a scheduler: replace the instance, keep serving
             log.exception("model %s instance %d: loop failed", model.name, self.index)
             self._fail(f"{type(exc).__name__}: {exc}")
@@ -413,6 +492,13 @@ class Instance(threading.Thread):
 
     def _execute(self, batch: list[PendingRequest]) -> None:
         model = self.model
+        gone = self._gone()
+        if gone is not None:
+            # Taken from the queue after the worker died but before anyone noticed: nothing was
+            # sent, so the requests go back in front for another instance or the replacement.
+            for request in model.queue.put_back(batch):
+                request.fail(UnavailableError(f"model {model.name!r} instance {self.index}: {gone}"))
+            raise InstanceCrashed(f"model {model.name!r} instance {self.index}: {gone}", delivered=False, reason=gone)
         batch = self._decode(batch)
         if not batch:
             return
@@ -424,7 +510,8 @@ class Instance(threading.Thread):
             results = model.scheduler.execute(self.backend, batch)
         except InstanceCrashed as exc:
             crashed = exc
-            results = [exc] * len(batch)
+            partial = exc.partial if exc.partial is not None and len(exc.partial) == len(batch) else [None] * len(batch)
+            results = [exc if result is None else result for result in partial]
         except OutriderError as exc:
             results = [exc] * len(batch)
         except Exception as exc:  # one failing batch must not take the instance down
@@ -435,8 +522,7 @@ class Instance(threading.Thread):
             self.current = []
         compute = time.monotonic() - start
         if crashed is not None:  # health says so before the clients hear of it
-            self.state, self.reason = ModelState.FAILED, crashed.message
-            model.instance_changed()
+            self._fail(crashed.reason)
         if batch:
             model.stats.batch(len(batch), (start - r.received for r in batch), compute)
         for request, result in zip(batch, results):
@@ -516,11 +602,25 @@ class ServedModel:
         # Per slot: consecutive failures and when the next restart may happen.
         self._failures: dict[int, int] = {}
         self._restart_at: dict[int, float] = {}
+        self._unserved_since: Optional[float] = None
+
+    #: seconds queued requests wait for an instance while none can serve; then they are answered
+    #: `unavailable` (new requests are answered so at once): a replacement that keeps failing to
+    #: load must not hold them until their clients give up
+    UNSERVED_QUEUE_WAIT_S = 10.0
 
     @property
     def ready(self) -> bool:
-        """Ready while at least one warmed-up instance is healthy."""
-        return any(i.state == ModelState.READY and not i.abandoned for i in self.instances)
+        """Ready while at least one warmed-up instance is healthy (by its backend's own health too)."""
+        return any(i.serving for i in self.instances)
+
+    @property
+    def execute_timeout_ms(self) -> Optional[float]:
+        """`scheduling.execute_timeout_ms`, defaulting for worker processes (which can be killed)."""
+        scheduling = self.manifest.scheduling
+        if scheduling.execute_timeout_ms is not None:
+            return scheduling.execute_timeout_ms
+        return DEFAULT_PROCESS_EXECUTE_TIMEOUT_MS if scheduling.instance_kind == "process" else None
 
     def devices(self) -> list[str]:
         """Spread instances over GPUs when the device is 'cuda' and several exist."""
@@ -530,12 +630,12 @@ class ServedModel:
         count = _cuda_device_count()
         return [f"cuda:{i % max(count, 1)}" for i in range(self.manifest.instances)]
 
-    def make_backend(self, device: str) -> Backend:
+    def make_backend(self, device: str, index: int = 0) -> Backend:
         """A backend in this process, or a proxy to one in a worker process."""
         if self.manifest.scheduling.instance_kind == "process":
             from .worker import WorkerBackend
 
-            return WorkerBackend(self.manifest, device, self.plugin_modules)
+            return WorkerBackend(self.manifest, device, self.plugin_modules, index=index)
         backend = self.choice.backend(self.manifest, device, self.make_task())
         backend.accelerators = self.accelerators
         backend.stats = self.stats
@@ -552,8 +652,9 @@ class ServedModel:
         with self._lock:
             live = [i for i in self.instances if not i.abandoned]
             states = [i.state for i in live]
-            ready = states.count(ModelState.READY)
-            reasons = "; ".join(f"instance {i.index}: {i.reason}" for i in self.instances if i.reason)
+            ready = sum(i.serving for i in live)
+            reasons = "; ".join(f"instance {i.index}: {i.reason or i.health_reason}"
+                                for i in self.instances if i.reason or i.health_reason)
             if ready:
                 self._ever_ready = True
             if reasons:
@@ -585,26 +686,64 @@ class ServedModel:
         """Detect hung and dead instances, answer their requests, and replace them (with backoff)."""
         if self._stopped:
             return
-        timeout_ms = self.manifest.scheduling.execute_timeout_ms
+        timeout_ms = self.execute_timeout_ms
         for slot, inst in enumerate(list(self.instances)):
-            if timeout_ms and inst.busy_since is not None and now - inst.busy_since > timeout_ms / 1000:
+            exited = getattr(inst.backend, "exited", None) if inst.state == ModelState.READY else None
+            gone = exited() if exited is not None and not inst.abandoned else None
+            if gone is not None:  # idle or busy alike: no request needs to arrive for this to be seen
+                self._crashed(inst, gone)
+            elif timeout_ms and inst.busy_since is not None and now - inst.busy_since > timeout_ms / 1000:
                 self._abandon(inst, f"execute exceeded execute_timeout_ms={timeout_ms:g}")
             elif inst.state == ModelState.READY and not inst.is_alive():
                 inst.state, inst.reason = ModelState.FAILED, "instance thread exited"
+                self.instance_changed()
             if inst.state == ModelState.FAILED or inst.abandoned:
                 self._schedule_restart(slot, inst, now)
+        self._answer_unserved(now)
+
+    def _crashed(self, inst: Instance, how: str) -> None:
+        """A worker process died (the OOM killer, a segfault): say so, answer its batch, replace it."""
+        where = f"model {self.name!r} instance {inst.index}"
+        inst.state, inst.reason = ModelState.FAILED, how
+        log.error("%s: %s; replacing it", where, how)
+        self.instance_changed()  # before anyone hears of it, so health already says not ready
+        error = ExecutionError(f"{where}: {how} while running this request; the instance is being replaced")
+        for request in list(inst.current):
+            if request.claim():
+                self.stats.failure(error.code)
+                request.fail(error, claimed=True)
+
+    def _answer_unserved(self, now: float) -> None:
+        """Queued requests do not wait for ever on a model none of whose instances can serve."""
+        if self.ready or not len(self.queue):
+            self._unserved_since = None
+            return
+        if self._unserved_since is None:
+            self._unserved_since = now
+        elif now - self._unserved_since > self.UNSERVED_QUEUE_WAIT_S:
+            detail = f": {self.reason}" if self.reason else ""
+            error = UnavailableError(
+                f"model {self.name!r} has had no instance able to serve for {self.UNSERVED_QUEUE_WAIT_S:g}s{detail}"
+            )
+            for request in self.queue.take_more(len(self.queue)):
+                if request.claim():
+                    self.stats.failure(error.code)
+                    request.fail(error, claimed=True)
 
     def _abandon(self, inst: Instance, reason: str) -> None:
         inst.abandoned = True
         inst.state, inst.reason = ModelState.FAILED, reason
         log.error("model %s instance %d: %s", self.name, inst.index, reason)
         self.instance_changed()  # before anyone hears of it, so health already says degraded
-        error = ExecutionError(f"model {self.name!r} instance {inst.index}: {reason}; the instance is being replaced")
+        kill = getattr(inst.backend, "kill", None)
+        what = "its worker process was killed" if kill is not None else "its thread was abandoned"
+        error = RequestTimeoutError(
+            f"model {self.name!r} instance {inst.index}: {reason}; {what} and the instance is being replaced"
+        )
         for request in list(inst.current):
             if request.claim():
                 self.stats.failure(error.code)
                 request.fail(error, claimed=True)
-        kill = getattr(inst.backend, "kill", None)
         if kill is not None:  # a worker process can be killed; a thread can only be left behind
             kill()
 
@@ -633,9 +772,14 @@ class ServedModel:
         self._failures.pop(inst.index, None)
 
     def submit(self, request: PendingRequest) -> None:
-        """Queue a request or raise (not ready, overloaded)."""
+        """Queue a request or raise (not ready, overloaded, unavailable)."""
         if not self.ready:
             detail = f": {self.reason}" if self.reason else ""
+            if self._ever_ready and self.state == ModelState.DEGRADED:
+                # Was serving; every instance is down or unhealthy and being replaced: retry soon.
+                raise UnavailableError(
+                    f"model {self.name!r} has no instance able to serve right now{detail}; retry shortly"
+                )
             raise ModelNotReadyError(f"model {self.name!r} is {self.state}{detail}")
         if request.deadline is None and self.manifest.scheduling.timeout_ms:
             request.deadline = request.received + self.manifest.scheduling.timeout_ms / 1000
@@ -653,9 +797,9 @@ class ServedModel:
         instances = []
         for inst in self.instances:
             entry: dict[str, Any] = {"index": inst.index, "device": inst.device, "state": inst.state,
-                                     "generation": inst.generation}
-            if inst.reason:
-                entry["reason"] = inst.reason
+                                     "generation": inst.generation, "serving": inst.serving}
+            if inst.reason or inst.health_reason:
+                entry["reason"] = inst.reason or inst.health_reason
             if inst.backend is not None and inst.state == ModelState.READY:
                 try:
                     entry["backend"] = inst.backend.health()

@@ -368,6 +368,8 @@ class Server:
             status = "ready"
         elif any(m["state"] == "failed" for m in models.values()):
             status = "failed"
+        elif any(m["state"] == "degraded" for m in models.values()):
+            status = "degraded"  # was serving; no instance of some model can serve now (being replaced)
         else:
             status = "loading"
         return {

@@ -3,6 +3,12 @@
 A crash (even a segfault in native code) or a hang in the worker costs the requests of one
 batch, never the server: the supervisor kills a hung worker, and a dead one is replaced.
 The same msgpack + raw tensor frames as the public protocol; no pickle.
+
+Nothing here waits on the worker without also watching it: every send is non-blocking (a PAIR
+socket whose peer died would block a plain send forever), and every wait polls the socket
+together with the process's pidfd, so a worker that dies at any moment (idle, mid-batch,
+mid-reply) wakes the caller at once. Each call carries a sequence number that the worker echoes,
+so a late reply to an abandoned call is never taken for the answer to the next one.
 """
 
 from __future__ import annotations
@@ -11,10 +17,12 @@ import json
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from typing import Any, Optional
 
 import numpy as np
@@ -30,7 +38,24 @@ log = logging.getLogger("outrider.worker")
 WORKER_KINDS = frozenset({"load", "warmup", "execute", "health", "metadata", "unload"})
 _LIMITS = Limits(max_message_bytes=1 << 31, max_header_bytes=16 << 20, max_tensors=4096,
                  max_tensor_elements=1 << 31)
-_POLL_MS = 100
+_POLL_MS = 100  # how often a wait re-checks the process where no pidfd is available
+#: seconds a new worker has to start and connect (imports, plugin registration); load itself is unbounded
+CONNECT_TIMEOUT_S = 60.0
+#: seconds a worker has to answer a health check; one that does not is wedged and gets killed
+HEARTBEAT_TIMEOUT_S = 5.0
+#: seconds the worker waits for the server to take a reply before it gives up (the server is gone)
+_WORKER_SNDTIMEO_MS = 10_000
+
+
+def describe_exit(pid: int, code: int) -> str:
+    """'worker process 123 was killed by signal SIGKILL' / '... exited with code 3'."""
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"worker process {pid} was killed by signal {name}"
+    return f"worker process {pid} exited with code {code}"
 
 
 class WorkerBackend(Backend):
@@ -38,12 +63,18 @@ class WorkerBackend(Backend):
 
     name = "worker"
 
-    def __init__(self, manifest: Manifest, device: str, plugin_modules: list[str]) -> None:
+    def __init__(self, manifest: Manifest, device: str, plugin_modules: list[str], index: int = 0) -> None:
         super().__init__(manifest, device, None)
         self.plugin_modules = plugin_modules
+        self.index = index
         self.proc: Optional[subprocess.Popen] = None
         self._dir: Optional[str] = None
         self._sock: Optional[zmq.Socket] = None
+        self._pidfd: Optional[int] = None
+        self._recv_poller = zmq.Poller()
+        self._send_poller = zmq.Poller()
+        self._connected = False
+        self._seq = 0
         self._lock = threading.Lock()
         self._health: dict[str, Any] = {}
         self._metadata: dict[str, Any] = {}
@@ -61,6 +92,15 @@ class WorkerBackend(Backend):
             "plugins": self.plugin_modules,
         }
         self.proc = subprocess.Popen([sys.executable, "-m", "outrider.worker", address, json.dumps(spec)])
+        try:  # readable the moment the process exits: waits wake at once instead of at the next tick
+            self._pidfd = os.pidfd_open(self.proc.pid)
+        except (AttributeError, OSError):
+            self._pidfd = None
+        self._recv_poller.register(self._sock, zmq.POLLIN)
+        self._send_poller.register(self._sock, zmq.POLLOUT)
+        if self._pidfd is not None:
+            self._recv_poller.register(self._pidfd, zmq.POLLIN)
+            self._send_poller.register(self._pidfd, zmq.POLLIN)
         self._call("load")
         self._metadata = self._call("metadata")[0].get("metadata", {})
 
@@ -76,6 +116,23 @@ class WorkerBackend(Backend):
         alive = self.proc is not None and self.proc.poll() is None
         return {**self._health, "healthy": alive and self._health.get("healthy", True),
                 "worker_pid": self.proc.pid if self.proc else None}
+
+    def heartbeat(self, timeout: float = HEARTBEAT_TIMEOUT_S) -> dict[str, Any]:
+        """Ask the worker for its backend's health now (from the instance's thread, between batches).
+
+        A worker that does not answer within `timeout` is wedged: it is killed, and InstanceCrashed
+        says so. The answer is also what `health()` reports from then on.
+        """
+        self._health = self._call("health", timeout=timeout)[0].get("health", {})
+        return self.health()
+
+    def exited(self) -> Optional[str]:
+        """None while the worker process runs; once it is gone, how it ended (for messages and health)."""
+        proc = self.proc
+        if proc is None:
+            return None
+        code = proc.poll()
+        return None if code is None else describe_exit(proc.pid, code)
 
     def metadata(self) -> dict[str, Any]:
         return {**self._metadata, "instance_kind": "process"}
@@ -100,30 +157,99 @@ class WorkerBackend(Backend):
         finally:
             if self._sock is not None:
                 self._sock.close(0)
+            if self._pidfd is not None:
+                os.close(self._pidfd)
+                self._pidfd = None
             if self._dir:
                 shutil.rmtree(self._dir, ignore_errors=True)
 
-    def _call(self, kind: str, tensors: Optional[dict] = None, timeout: Optional[float] = None) -> tuple[dict, dict]:
+    def _where(self) -> str:
+        return f"model {self.manifest.name!r} instance {self.index}"
+
+    def _crashed(self, kind: str, delivered: bool) -> Exception:
+        """InstanceCrashed for a worker found dead: `unavailable` when this call never reached it."""
         from .model import InstanceCrashed
 
+        assert self.proc is not None
+        try:
+            code = self.proc.wait(1.0)  # the pidfd fired or poll() saw it: reaping is immediate
+        except subprocess.TimeoutExpired:
+            code = None
+        how = describe_exit(self.proc.pid, code) if code is not None else f"worker process {self.proc.pid} closed its socket"
+        if delivered:
+            reason = f"{how} during {kind}"
+            return InstanceCrashed(f"{self._where()}: {reason}; the instance is being replaced", reason=reason)
+        reason = f"{how} before {kind} reached it"
+        return InstanceCrashed(f"{self._where()}: {reason}; the instance is being replaced, retry",
+                               code="unavailable", delivered=False, reason=reason)
+
+    def _hung(self, kind: str, timeout: float) -> Exception:
+        from .model import InstanceCrashed
+
+        self.kill()
+        pid = self.proc.pid if self.proc else None
+        reason = f"worker process {pid} did not answer {kind} within {timeout:g}s and was killed"
+        return InstanceCrashed(f"{self._where()}: {reason}; the instance is being replaced", reason=reason)
+
+    def _wait(self, poller: zmq.Poller, deadline: Optional[float]) -> tuple[bool, bool]:
+        """Wait on `poller` up to the deadline: (socket ready, process gone)."""
+        assert self.proc is not None
+        # With a pidfd the poll wakes on exit by itself; the tick only bounds a missed wake-up.
+        wait_ms = 1000 if self._pidfd is not None else _POLL_MS
+        if deadline is not None:
+            wait_ms = max(0, min(wait_ms, int((deadline - time.monotonic()) * 1000) + 1))
+        events = dict(poller.poll(wait_ms))
+        ready = self._sock in events
+        gone = (self._pidfd is not None and self._pidfd in events) or self.proc.poll() is not None
+        return ready, gone
+
+    def _call(self, kind: str, tensors: Optional[dict] = None, timeout: Optional[float] = None) -> tuple[dict, dict]:
+        """One request to the worker and its reply; never blocks on a worker that is gone or wedged.
+
+        `timeout` bounds the whole call (the worker is killed past it); without one, the wait
+        ends when the worker answers or dies (the supervisor kills one that runs too long).
+        """
         assert self._sock is not None and self.proc is not None
         with self._lock:
-            self._sock.send_multipart(encode_message(kind, {"id": 0}, tensors), copy=False)
-            waited = 0.0
-            while not self._sock.poll(_POLL_MS):
-                code = self.proc.poll()
-                if code is not None:
-                    raise InstanceCrashed(
-                        f"worker process {self.proc.pid} of model {self.manifest.name!r} exited with code {code} during {kind}"
-                    )
-                waited += _POLL_MS / 1000
-                if timeout is not None and waited > timeout:
-                    raise ExecutionError(f"worker did not answer {kind} within {timeout:g}s")
-            frames = self._sock.recv_multipart(copy=False)
-        header = unpack_header(frames[1].buffer, _LIMITS)
+            if self.proc.poll() is not None:
+                raise self._crashed(kind, delivered=False)
+            self._seq += 1
+            seq = self._seq
+            frames = encode_message(kind, {"id": seq}, tensors)
+            start = time.monotonic()
+            deadline = None if timeout is None else start + timeout
+            # The first send waits for the new worker to connect; later ones find the peer there.
+            send_deadline = deadline if self._connected else start + min(timeout or CONNECT_TIMEOUT_S, CONNECT_TIMEOUT_S)
+            while True:
+                try:
+                    self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                    self._connected = True
+                    break
+                except zmq.Again:
+                    pass
+                ready, gone = self._wait(self._send_poller, send_deadline)
+                if gone and not ready:
+                    raise self._crashed(kind, delivered=False)
+                if send_deadline is not None and time.monotonic() > send_deadline:
+                    raise self._hung(kind, send_deadline - start)
+            while True:
+                ready, gone = self._wait(self._recv_poller, deadline)
+                if ready:
+                    try:
+                        reply = self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        continue
+                    header = unpack_header(reply[1].buffer, _LIMITS)
+                    if header.get("id") != seq:  # the late answer to a call that was given up on
+                        continue
+                    break
+                if gone:
+                    raise self._crashed(kind, delivered=True)
+                if deadline is not None and time.monotonic() > deadline:
+                    raise self._hung(kind, timeout)
         if not header.get("ok", False):
             raise error_from_wire(header.get("error") or {})
-        outputs = decode_tensors(header.get("outputs", []), frames[2:], _LIMITS)
+        outputs = decode_tensors(header.get("outputs", []), reply[2:], _LIMITS)
         return header, outputs
 
 
@@ -138,6 +264,7 @@ def _serve(address: str, spec: dict) -> int:
     backend.accelerators = registry.accelerators_for(manifest, choice.backend)
     sock = zmq.Context.instance().socket(zmq.PAIR)
     sock.setsockopt(zmq.LINGER, 1000)
+    sock.setsockopt(zmq.SNDTIMEO, _WORKER_SNDTIMEO_MS)  # a server that is gone must not hold us
     sock.connect(address)
     parent = os.getppid()
     while True:
@@ -151,6 +278,7 @@ def _serve(address: str, spec: dict) -> int:
         try:
             kind = parse_type_frame(frames[0], WORKER_KINDS)
             header = unpack_header(frames[1].buffer, _LIMITS)
+            reply["id"] = header.get("id", 0)  # echoed: the server matches replies to calls
             if kind == "load":
                 backend.load()
             elif kind == "warmup":
@@ -164,12 +292,15 @@ def _serve(address: str, spec: dict) -> int:
             elif kind == "unload":
                 backend.unload()
         except OutriderError as exc:
-            reply = {"id": 0, "ok": False, "error": exc.to_wire()}
+            reply = {"id": reply["id"], "ok": False, "error": exc.to_wire()}
             outputs = None
         except Exception as exc:
-            reply = {"id": 0, "ok": False, "error": ExecutionError(f"{type(exc).__name__}: {exc}").to_wire()}
+            reply = {"id": reply["id"], "ok": False, "error": ExecutionError(f"{type(exc).__name__}: {exc}").to_wire()}
             outputs = None
-        sock.send_multipart(encode_message("reply", reply, outputs, key="outputs"), copy=False)
+        try:
+            sock.send_multipart(encode_message("reply", reply, outputs, key="outputs"), copy=False)
+        except zmq.Again:
+            return 1  # nobody takes our replies any more: the server is gone or has given up on us
         if reply["ok"] and frames and bytes(frames[0].buffer).endswith(b"unload"):
             return 0
 
