@@ -12,20 +12,24 @@ the socket re-reads ZMQ_EVENTS afterwards and wakes the I/O thread if input is p
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import select
 import signal
 import threading
 import time
+from collections import deque
 from typing import Any, Callable, Optional
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from . import __version__
 from .backend import check_options, check_request
 from .errors import (
     BadRequestError,
+    CancelledError,
     InternalError,
     ManifestError,
     ModelNotFoundError,
@@ -55,6 +59,10 @@ _MAX_ID_LENGTH = 256
 #: the longest deadline a request may ask for (24 hours); longer is a mistake, not a deadline
 MAX_TIMEOUT_MS = 86_400_000
 _BURST = 256  # messages moved per socket per wake-up, so neither direction starves the other
+# Final replies that met a full pipe (a client that stopped reading) wait here to be retried,
+# this many at most and this long at most; chunks are not kept (the final reply carries all).
+_BACKLOG_MAX = 4096
+_BACKLOG_S = 30.0
 
 
 class Server:
@@ -93,6 +101,12 @@ class Server:
         self._socket_lock = threading.RLock()
         self._auth = None
         self.ctx: Optional[zmq.Context] = None
+        # Final replies waiting for room in a slow client's pipe: (give up at, route, frames).
+        self._backlog: deque[tuple[float, bytes, list[Any]]] = deque()
+        self._backlog_dropped, self._backlog_warned = 0, 0.0
+        # The connection (file descriptor) each route with requests in flight came in on, so a
+        # disconnect reported by the socket monitor can cancel that client's requests and streams.
+        self._route_fd: dict[bytes, int] = {}
 
     # -- set-up ---------------------------------------------------------------------------
 
@@ -133,6 +147,9 @@ class Server:
         if self.curve is not None:
             self._auth = start_authenticator(self.ctx, self.curve)
         self.router = server_socket(self.ctx, self.address, self.limits, self.curve)
+        # libzmq's ZMQ_ROUTER_NOTIFY is a draft option the released wheels lack; the monitor's
+        # DISCONNECTED event names the connection's descriptor, which each message carries too.
+        self._monitor = self.router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_read, False)
         os.set_blocking(self._wake_write, False)
@@ -194,6 +211,13 @@ class Server:
                 for model in self.models.values():
                     model.queue.expire(now)
                 next_sweep = now + 0.01
+            self._watch_departures()
+            if self._backlog:
+                with self._socket_lock:
+                    self._flush_backlog(now)
+        with self._socket_lock:
+            self.router.disable_monitor()
+        self._monitor.close(0)
 
     def _receive_requests(self) -> None:
         # Caller holds the socket lock. Reads until ZMQ_EVENTS says nothing is left (or a burst).
@@ -220,13 +244,62 @@ class Server:
         except BlockingIOError:
             pass  # the pipe is full, so the I/O thread is awake anyway
 
-    def _send_frames(self, frames: list[Any]) -> None:
-        # Caller holds the socket lock.
+    def _send_frames(self, frames: list[Any], final: bool = True) -> int:
+        """Send now, never block: 0, or the errno that stopped it (caller holds the socket lock).
+
+        EHOSTUNREACH: the client left, nothing to do. EAGAIN: it stopped reading and its pipe is
+        full; a final reply then waits in the backlog (retried by the I/O loop), a chunk is dropped.
+        """
         try:
             send_frames(self.router, frames, nonblock=True)
+            return 0
         except zmq.ZMQError as exc:
-            # EHOSTUNREACH: the client left; EAGAIN: it stopped reading and its queue is full.
-            log.debug("dropping reply to a client that cannot take it: %s", exc)
+            if exc.errno == zmq.EAGAIN and final:
+                if len(self._backlog) >= _BACKLOG_MAX:
+                    self._backlog.popleft()
+                    self._backlog_dropped += 1
+                    if time.monotonic() >= self._backlog_warned + 1.0:  # one line a second at most
+                        self._backlog_warned = time.monotonic()
+                        log.warning("reply backlog full (%d): %d final replies dropped so far, oldest first, "
+                                    "to clients that stopped reading", _BACKLOG_MAX, self._backlog_dropped)
+                self._backlog.append((time.monotonic() + _BACKLOG_S, frames[0], frames))
+            else:
+                log.debug("dropping a %s to a client that cannot take it: %s", "reply" if final else "chunk", exc)
+            return exc.errno
+
+    def _flush_backlog(self, now: float) -> None:
+        # Caller holds the socket lock. Oldest first; stop at the first that still finds no room.
+        while self._backlog:
+            give_up, route, frames = self._backlog[0]
+            try:
+                send_frames(self.router, frames, nonblock=True)
+            except zmq.ZMQError as exc:
+                if exc.errno == zmq.EAGAIN and now < give_up:
+                    return
+                log.warning("dropped a final reply after %.0fs: the client did not read it (%s)", _BACKLOG_S, exc)
+            self._backlog.popleft()
+
+    def _watch_departures(self) -> None:
+        """Cancel the requests and streams of clients whose connection closed."""
+        while True:
+            try:
+                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if event["event"] != zmq.EVENT_DISCONNECTED:
+                continue
+            fd = int(event["value"])
+            gone = {route for route, route_fd in self._route_fd.items() if route_fd == fd}
+            for route in gone:
+                del self._route_fd[route]
+            if not gone:
+                continue
+            departed = [r for (route, _), r in list(self.inflight.items()) if route in gone]
+            for request in departed:
+                if request.fail(CancelledError(f"request {request.id!r}: the client disconnected")):
+                    self.models[request.model].stats.failure("cancelled")
+            if departed:
+                log.info("a client disconnected: cancelled its %d request(s) in flight", len(departed))
 
     def _handle(self, frames: list[Any]) -> None:
         route = frames[0].bytes
@@ -242,6 +315,8 @@ class Server:
             kind = parse_type_frame(frames[1], REQUEST_KINDS)
             header = unpack_header(frames[2].buffer, self.limits)
             request_id = _request_id(header)
+            if kind in ("infer", "generate"):
+                self._note_connection(route, frames[1])
             getattr(self, "_on_" + kind)(route, request_id, header, frames[3:])
         except OutriderError as exc:
             # Expected for hostile or broken input: one debug line, never a traceback.
@@ -342,6 +417,20 @@ class Server:
     def _forget(self, request: PendingRequest) -> None:
         self.inflight.pop((request.route, request.id), None)
 
+    def _note_connection(self, route: bytes, frame: Any) -> None:
+        # The descriptor the message came in on (-1 or absent for inproc). I/O thread only.
+        try:
+            fd = frame.get(zmq.SRCFD)
+        except (zmq.ZMQError, AttributeError):
+            return
+        if fd >= 0:
+            self._route_fd[route] = fd
+        if len(self._route_fd) > 4 * max(64, len(self.inflight)):
+            # Routes with nothing in flight need no watching; their disconnects may never be seen
+            # (a client connected through a proxy), so prune rather than grow.
+            live = {key[0] for key in list(self.inflight)}
+            self._route_fd = {r: f for r, f in self._route_fd.items() if r in live or r == route}
+
     # -- replies ---------------------------------------------------------------------------
 
     def _reply_now(self, route: bytes, header: dict) -> None:
@@ -349,14 +438,37 @@ class Server:
         self._send_frames([route, *encode_message("reply", header)])
 
     def _send(self, request: PendingRequest, kind: str, header: dict, outputs: Optional[dict]) -> None:
-        """Send a reply or chunk from any thread (an instance, the supervisor, the I/O loop)."""
-        frames = [request.route, *encode_message(kind, header, outputs, key="outputs")]
+        """Send a reply or chunk from any thread (an instance, the supervisor, the I/O loop).
+
+        Never raises: a request that reached here was claimed (or is streaming), so the caller
+        moves on to the rest of its batch. A final reply that cannot be encoded becomes an error
+        reply; a chunk after the final reply is never sent.
+        """
+        final = kind == "reply"
+        try:
+            frames = [request.route, *encode_message(kind, header, outputs, key="outputs")]
+        except Exception as exc:  # a backend output or field msgpack cannot carry
+            log.error("model %s: could not encode the %s to request %r: %s: %s", request.model, kind,
+                      request.id, type(exc).__name__, exc)
+            if not final:
+                return  # the final reply still comes, and says what happened if it fails too
+            error = InternalError(f"the reply could not be encoded: {type(exc).__name__}: {exc}")
+            frames = [request.route, *encode_message("reply", {"id": request.id, "ok": False,
+                                                               "error": error.to_wire()})]
         with self._socket_lock:
-            self._send_frames(frames)
+            # The final reply is claimed before it is sent, and sent under this lock: a chunk
+            # that finds the request answered here would arrive after it, so it is dropped.
+            if not final and request.done:
+                return
+            status = self._send_frames(frames, final)
             # Sending may have consumed the ZMQ_FD edge that announced new input.
             pending = self.router.getsockopt(zmq.EVENTS) & zmq.POLLIN
         if pending:
             self._wake()
+        if status == errno.EHOSTUNREACH and not final:
+            # A stream whose client left: stop generating for nobody and free its slot.
+            if request.fail(CancelledError(f"request {request.id!r}: the client disconnected")):
+                self.models[request.model].stats.failure("cancelled")
 
     # -- health and shutdown ---------------------------------------------------------------
 
@@ -408,6 +520,7 @@ class Server:
         if self._io_thread is not None:
             self._io_thread.join(5.0)
         with self._socket_lock:
+            self._flush_backlog(time.monotonic())
             self.router.close()  # LINGER lets the last replies leave
         os.close(self._wake_read)
         os.close(self._wake_write)

@@ -131,8 +131,25 @@ class FakeGeneratorBackend(Backend):
         return {}
 
 
+class UnencodableBackend(Backend):
+    """Answers `y`, one BYTES element per row of `x`: b"ok", or a dict (which no reply can carry)
+    for rows whose first value is negative. Only the requests holding such a row cannot be encoded."""
+
+    name = "unencodable"
+
+    def warmup(self) -> None:
+        pass
+
+    def execute(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        x = inputs["x"]
+        y = np.empty(x.shape[0], dtype=object)
+        for i in range(x.shape[0]):
+            y[i] = {"not": "encodable"} if x[i, 0] < 0 else b"ok"
+        return {"y": y}
+
+
 @hookimpl
 def outrider_register_backends(register) -> None:
     for cls in (SlowWarmupBackend, FailingWarmupBackend, RaisingBackend, UnavailableBackend, CrashingBackend,
-                HangingBackend, RowTimeBackend, CountBackend, FakeGeneratorBackend):
+                HangingBackend, RowTimeBackend, CountBackend, FakeGeneratorBackend, UnencodableBackend):
         register(cls)
