@@ -390,6 +390,7 @@ warmup: {iterations: 0}
                     assert "SIGKILL" in reply["error"]["message"] or "no instance able to serve" in \
                         reply["error"]["message"], reply
             raw.close()
+        print(f"chaos: {kills} kills in {duration:g}s, replies by code: {codes}")
         assert kills >= 10
         assert codes.get("ok", 0) > 100, codes
 
