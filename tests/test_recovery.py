@@ -184,6 +184,25 @@ def test_killed_idle_worker_is_noticed_answered_and_replaced(server_factory):
     assert "was killed by signal SIGKILL" in server.log()
 
 
+def test_wedged_idle_worker_is_found_by_heartbeat_and_replaced(server_factory):
+    """A worker that is alive but answers nothing (SIGSTOP stands in for a deadlock) is found by
+    the instance's heartbeat, not by a request: killed, reported, replaced."""
+    server = server_factory([MANIFESTS / "echo.yaml"], ["outrider_echo"],
+                            args=["--set", "scheduling.instance_kind=process"])
+    with server.client(timeout=15) as client:
+        pid = _worker_pids(client, "echo")[0]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            health = _wait_for(client, "echo", lambda h: not h["ready"], 10.0, "not ready after the worker froze")
+            assert f"worker process {pid} did not answer health within 5s and was killed" in health["reason"], health
+            health = _wait_for(client, "echo", lambda h: h["ready"], 10.0, "ready again")
+        finally:
+            _kill(pid)
+        assert health["stats"]["instance_restarts"] == 1
+        assert _worker_pids(client, "echo")[0] != pid
+        assert client.infer("echo", _x(1))["x"][0] == 1
+
+
 def test_worker_killed_mid_batch_answers_each_request_once(server_factory, tmp_path):
     """The batcher must hand the crash to the instance: each request of the killed batch gets
     one error reply naming the instance and the signal; queued requests are served afterwards."""
