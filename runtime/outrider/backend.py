@@ -48,6 +48,15 @@ class Task:
         """Model results -> manifest outputs."""
         return outputs
 
+    def row_costs(self, inputs: dict[str, np.ndarray]) -> Optional[np.ndarray]:
+        """What each row of `inputs` costs in a call (tokens of a sentence), or None: rows cost alike.
+
+        Schedulers may order rows by it to put rows of similar cost in one call (every row of a
+        call is padded to the longest). Only the order matters; the unit is the task's own.
+        May raise the request's OutriderError (bad input), which then fails the request.
+        """
+        return None
+
 
 class Backend:
     """One instance of a model on one device.
@@ -62,6 +71,10 @@ class Backend:
     device_kinds: ClassVar[tuple[str, ...]] = ("cpu",)
     #: pydantic model of the manifest's `options` for this backend (None: any mapping), checked at start.
     options_model: ClassVar[Optional[type]] = None
+    #: True only for an `execute` that takes microseconds, never blocks and is thread-safe (echo):
+    #: the I/O thread then runs single requests itself while the queue is empty, saving the hand-off
+    #: to an instance thread. May be set per instance in `load()` (echo turns it off with a delay).
+    runs_inline: bool = False
 
     def __init__(self, manifest: Manifest, device: str, task: Optional[Task] = None) -> None:
         self.manifest = manifest
@@ -123,6 +136,10 @@ class Backend:
     def execute(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Compute outputs for one (possibly batched) set of inputs."""
         raise NotImplementedError
+
+    def row_costs(self, inputs: dict[str, np.ndarray]) -> Optional[np.ndarray]:
+        """A cost per row of a request's inputs, for grouping rows of similar cost (the task's by default)."""
+        return self.task.row_costs(inputs) if self.task is not None else None
 
     def health(self) -> dict[str, Any]:
         """{'healthy': bool, ...}: anything an operator should see (provider fallbacks, device)."""

@@ -784,11 +784,41 @@ class ServedModel:
         if request.deadline is None and self.manifest.scheduling.timeout_ms:
             request.deadline = request.received + self.manifest.scheduling.timeout_ms / 1000
         self.stats.request()
+        if self._run_inline(request):
+            return
         try:
             self.queue.put(request)
         except OutriderError as exc:
             self.stats.failure(exc.code)
             raise
+
+    def _run_inline(self, request: PendingRequest) -> bool:
+        """Run a request on the calling (I/O) thread when the model's backend says that is cheap
+        (`Backend.runs_inline`), the default one-request policy applies and nothing waits ahead of
+        it; False when it must be queued. Answers the request itself, success or failure."""
+        if self.queue or request.kind != "infer" or type(self.scheduler) is not Scheduler:
+            return False
+        instance = next((i for i in self.instances if i.serving and getattr(i.backend, "runs_inline", False)), None)
+        if instance is None or self.manifest.scheduling.instance_kind != "thread":
+            return False
+        start = time.monotonic()
+        try:
+            request.decode()
+            result: Any = instance.backend.execute(request.inputs)
+        except OutriderError as exc:
+            result = exc
+        except Exception as exc:
+            log.exception("model %s: inline execute failed", self.name)
+            result = ExecutionError(f"model {self.name!r}: {type(exc).__name__}: {exc}")
+        self.stats.batch(1, [start - request.received], time.monotonic() - start)
+        if request.claim():
+            if isinstance(result, OutriderError):
+                self.stats.failure(result.code)
+                request.fail(result, claimed=True)
+            else:
+                self.stats.success()
+                request.reply(result, claimed=True)
+        return True
 
     def queue_depth(self) -> int:
         return len(self.queue)

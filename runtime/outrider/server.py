@@ -97,7 +97,7 @@ class Server:
         self._io_stop = threading.Event()
         self._stop_requested = threading.Event()
         self._io_thread: Optional[threading.Thread] = None
-        # Reentrant: the I/O thread holds it while handling a request that may itself reply (cancel).
+        # Reentrant: a reply sent while handling a request (a cancel answering its target) nests.
         self._socket_lock = threading.RLock()
         self._auth = None
         self.ctx: Optional[zmq.Context] = None
@@ -149,7 +149,7 @@ class Server:
         self.router = server_socket(self.ctx, self.address, self.limits, self.curve)
         # libzmq's ZMQ_ROUTER_NOTIFY is a draft option the released wheels lack; the monitor's
         # DISCONNECTED event names the connection's descriptor, which each message carries too.
-        self._monitor = self.router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._monitor = self.router.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_ACCEPTED)
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_read, False)
         os.set_blocking(self._wake_write, False)
@@ -198,8 +198,15 @@ class Server:
         waiter.register(self._wake_read, select.POLLIN)
         next_sweep = 0.0
         while not self._io_stop.is_set():
+            # The lock is held only to read: handling (checks, queueing) runs without it, so an
+            # instance sending a reply never waits for the I/O thread to finish a burst.
+            self._watch_departures()  # before reading: see _watch_departures on reused descriptors
             with self._socket_lock:
-                self._receive_requests()
+                messages = self._receive_burst()
+            for frames, dropped in messages:
+                self._handle(frames, dropped)
+            if messages:
+                continue  # look again before sleeping: more may have come meanwhile
             for fd, _ in waiter.poll(20):  # ms: also the period of the deadline sweep
                 if fd == self._wake_read:
                     try:
@@ -211,7 +218,6 @@ class Server:
                 for model in self.models.values():
                     model.queue.expire(now)
                 next_sweep = now + 0.01
-            self._watch_departures()
             if self._backlog:
                 with self._socket_lock:
                     self._flush_backlog(now)
@@ -219,24 +225,17 @@ class Server:
             self.router.disable_monitor()
         self._monitor.close(0)
 
-    def _receive_requests(self) -> None:
-        # Caller holds the socket lock. Reads until ZMQ_EVENTS says nothing is left (or a burst).
+    def _receive_burst(self) -> list[tuple[list[Any], int]]:
+        """Up to _BURST waiting messages as (frames, frames dropped past the limit). Caller holds
+        the socket lock; reads until ZMQ_EVENTS says nothing is left."""
         max_frames = self.limits.max_tensors + 3  # identity, type, header, tensors
+        messages = []
         for _ in range(_BURST):
             received = recv_message(self.router, max_frames)
             if received is None:
-                return
-            frames, dropped = received
-            if dropped:
-                # The frames past the limit were read and dropped, never kept.
-                error = TooLargeError(
-                    f"message has {len(frames) + dropped - 1} frames; the limit is {max_frames - 1} "
-                    f"(type, header and {self.limits.max_tensors} tensors)"
-                )
-                self._reply_now(frames[0].bytes, {"id": None, "ok": False, "error": error.to_wire()})
-                continue
-            self._handle(frames)
-        self._wake()  # more is waiting: come straight back after a look at the rest
+                return messages
+            messages.append(received)
+        return messages
 
     def _wake(self) -> None:
         try:
@@ -280,15 +279,26 @@ class Server:
             self._backlog.popleft()
 
     def _watch_departures(self) -> None:
-        """Cancel the requests and streams of clients whose connection closed."""
-        while True:
+        """Cancel the requests and streams of clients whose connection closed.
+
+        Events name a descriptor, which the OS reuses: a DISCONNECTED(fd) followed in the same
+        look by ACCEPTED(fd) may have a new client's requests already noted under that fd, so it
+        is skipped (that client's streams still stop at their next chunk, which finds it gone).
+        Every event queued before a message was read is seen in the first look after it, so a
+        DISCONNECTED without a later ACCEPTED for the fd concerns only the old connection.
+        """
+        events = []
+        while self._monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # no exception raised per look
             try:
-                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+                events.append(recv_monitor_message(self._monitor, zmq.NOBLOCK))
             except zmq.Again:
-                return
+                break
+        for index, event in enumerate(events):
             if event["event"] != zmq.EVENT_DISCONNECTED:
                 continue
             fd = int(event["value"])
+            if any(e["event"] == zmq.EVENT_ACCEPTED and int(e["value"]) == fd for e in events[index + 1:]):
+                continue
             gone = {route for route, route_fd in self._route_fd.items() if route_fd == fd}
             for route in gone:
                 del self._route_fd[route]
@@ -301,9 +311,18 @@ class Server:
             if departed:
                 log.info("a client disconnected: cancelled its %d request(s) in flight", len(departed))
 
-    def _handle(self, frames: list[Any]) -> None:
+    def _handle(self, frames: list[Any], dropped: int = 0) -> None:
         route = frames[0].bytes
         request_id = None
+        if dropped:
+            # The frames past the limit were read and dropped, never kept.
+            max_frames = self.limits.max_tensors + 3
+            error = TooLargeError(
+                f"message has {len(frames) + dropped - 1} frames; the limit is {max_frames - 1} "
+                f"(type, header and {self.limits.max_tensors} tensors)"
+            )
+            self._reply_now(route, {"id": None, "ok": False, "error": error.to_wire()})
+            return
         try:
             if len(frames) < 3:
                 raise ProtocolError(
@@ -434,8 +453,10 @@ class Server:
     # -- replies ---------------------------------------------------------------------------
 
     def _reply_now(self, route: bytes, header: dict) -> None:
-        """Reply from the I/O thread, which holds the socket lock (health, decode errors)."""
-        self._send_frames([route, *encode_message("reply", header)])
+        """Reply from the I/O thread (health, refused requests)."""
+        frames = [route, *encode_message("reply", header)]
+        with self._socket_lock:
+            self._send_frames(frames)
 
     def _send(self, request: PendingRequest, kind: str, header: dict, outputs: Optional[dict]) -> None:
         """Send a reply or chunk from any thread (an instance, the supervisor, the I/O loop).
