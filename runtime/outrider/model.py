@@ -400,7 +400,8 @@ class Instance(threading.Thread):
             detail = report.get("reason") or report.get("error") or report.get("message")
             reason = f"backend reports unhealthy{f': {detail}' if detail else ''}"
         if (healthy, reason) != (self.healthy, self.health_reason):
-            self.healthy, self.health_reason = healthy, reason
+            # The reason first: whoever sees the instance out of service also sees why.
+            self.health_reason, self.healthy = reason, healthy
             if healthy:
                 log.info("model %s instance %d: backend healthy again", self.model.name, self.index)
             else:
@@ -410,7 +411,7 @@ class Instance(threading.Thread):
     def _fail(self, reason: str) -> None:
         if self.state == ModelState.FAILED and self.reason:
             return  # the supervisor got there first (dead worker, hung execute) and said why
-        self.state, self.reason = ModelState.FAILED, reason
+        self.reason, self.state = reason, ModelState.FAILED
         log.error("model %s instance %d: %s", self.model.name, self.index, reason)
         self.model.instance_changed()
 
@@ -695,7 +696,7 @@ class ServedModel:
             elif timeout_ms and inst.busy_since is not None and now - inst.busy_since > timeout_ms / 1000:
                 self._abandon(inst, f"execute exceeded execute_timeout_ms={timeout_ms:g}")
             elif inst.state == ModelState.READY and not inst.is_alive():
-                inst.state, inst.reason = ModelState.FAILED, "instance thread exited"
+                inst.reason, inst.state = "instance thread exited", ModelState.FAILED
                 self.instance_changed()
             if inst.state == ModelState.FAILED or inst.abandoned:
                 self._schedule_restart(slot, inst, now)
@@ -704,7 +705,7 @@ class ServedModel:
     def _crashed(self, inst: Instance, how: str) -> None:
         """A worker process died (the OOM killer, a segfault): say so, answer its batch, replace it."""
         where = f"model {self.name!r} instance {inst.index}"
-        inst.state, inst.reason = ModelState.FAILED, how
+        inst.reason, inst.state = how, ModelState.FAILED  # the reason first: health shows both or neither
         log.error("%s: %s; replacing it", where, how)
         self.instance_changed()  # before anyone hears of it, so health already says not ready
         error = ExecutionError(f"{where}: {how} while running this request; the instance is being replaced")
@@ -732,7 +733,7 @@ class ServedModel:
 
     def _abandon(self, inst: Instance, reason: str) -> None:
         inst.abandoned = True
-        inst.state, inst.reason = ModelState.FAILED, reason
+        inst.reason, inst.state = reason, ModelState.FAILED
         log.error("model %s instance %d: %s", self.name, inst.index, reason)
         self.instance_changed()  # before anyone hears of it, so health already says degraded
         kill = getattr(inst.backend, "kill", None)
@@ -838,17 +839,22 @@ class ServedModel:
                 if getattr(inst.backend, "artifact_reports", None):
                     entry["artifacts"] = inst.backend.artifact_reports
             instances.append(entry)
+        ready = self.ready
         out = {
             "state": self.state,
-            "ready": self.ready,
+            "ready": ready,
             "backend": self.choice.backend.name,
             "device": self.choice.device,
             "queue_depth": self.queue_depth(),
             "instances": instances,
             "stats": self.stats.snapshot(),
         }
-        if self.reason:
-            out["reason"] = self.reason
+        # `ready` is read live from the instances, the state a moment later (instance_changed):
+        # a model seen not ready always says why.
+        reason = self.reason or ("" if ready else "; ".join(
+            f"instance {e['index']}: {e['reason']}" for e in instances if e.get("reason")))
+        if reason:
+            out["reason"] = reason
         if self.choice.skipped:
             out["skipped_backends"] = self.choice.skipped
         return out
