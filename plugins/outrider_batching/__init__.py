@@ -6,9 +6,9 @@ Turned on by a manifest's `batching` section, with the knobs of Triton's dynamic
                          with more rows than this is split (below)
   max_queue_delay_ms     hard cap on how long the first request of a batch waits for company
   preferred_batch_sizes  dispatch at once when the batch reaches one of these sizes
-  preserve_ordering      replies of one batch leave in arrival order; false lets each
-                         sub-batch's replies leave as soon as it is done (when the core gives
-                         the batcher a `deliver` callback; otherwise all leave with the batch)
+
+(Triton's `preserve_ordering` is not offered: replies are matched to requests by id, and a
+manifest that sets it is refused at load.)
 
 A batch is dispatched as soon as it is full (or reaches a preferred size) or when its first
 request has waited `max_queue_delay_ms` since it arrived; requests that queued while the
@@ -101,9 +101,9 @@ class DynamicBatcher(Scheduler):
         self.max_batch_size = spec.max_batch_size
         self.max_queue_delay = spec.max_queue_delay_ms / 1000
         self.preferred = frozenset(spec.preferred_batch_sizes)
-        self.preserve_ordering = spec.preserve_ordering
         #: When the core sets this (`deliver(request, result)` sends a reply and counts it),
-        #: replies leave as each sub-batch completes instead of when the whole batch is done.
+        #: replies leave as each sub-batch completes (in batch order) instead of when the whole
+        #: batch is done. The server does not set it today.
         self.deliver: Optional[Callable[[PendingRequest, Any], None]] = None
         # Requests taken from the queue that did not fit the batch being formed: the queue has
         # no way to put them back in front, so they open the next batch.
@@ -314,11 +314,6 @@ class DynamicBatcher(Scheduler):
     def _deliver_ready(self, batch: list[PendingRequest], results: list[Any], group: list[int], sent: int) -> int:
         """Reply early through the core's `deliver`, when it has one; returns the ordered prefix sent."""
         if self.deliver is None:
-            return sent
-        if not self.preserve_ordering:
-            for index in group:
-                if results[index] is not DEFERRED:
-                    self.deliver(batch[index], results[index])
             return sent
         while sent < len(batch) and results[sent] is not None:
             if results[sent] is not DEFERRED:  # a piece of a split request: answered when all are done

@@ -85,7 +85,20 @@ class BatchingSpec(_Strict):
     max_batch_size: int = Field(32, ge=1, le=65536)
     max_queue_delay_ms: float = Field(2.0, ge=0, le=60000)
     preferred_batch_sizes: list[int] = Field(default_factory=list)
-    preserve_ordering: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _removed_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "preserve_ordering" in data:
+            # It never did anything in the server (the batcher's early-reply hook was never given
+            # a deliver callback), and holding a connection's replies in arrival order across
+            # instances would make every reply wait behind its slowest predecessor.
+            raise ValueError(
+                "field 'batching.preserve_ordering': was removed: replies are matched to requests by id, "
+                "never by order (docs/PROTOCOL.md), and the server never held replies back to keep an order; "
+                "delete the field (a client that needs order reads replies by id)"
+            )
+        return data
 
     @field_validator("preferred_batch_sizes")
     @classmethod
