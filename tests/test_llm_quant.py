@@ -290,3 +290,33 @@ def test_float_head_mode_leaves_the_tied_head_to_the_model_dtype() -> None:
     out = model.forward(cache, [Chunk(0, torch.tensor([1, 2, 3]), torch.arange(3))])
     expected = out.hidden.to(model.dtype).float() @ weights["model.embed_tokens.weight"].to(model.dtype).float().t()
     _close(out.logits, expected, 0.03)
+
+
+def test_scripted_int4_layer_stack_is_bit_identical_to_the_eager_forward() -> None:
+    """The TorchScript path for one chunk of packed-int4 layers (decode and tree verification)
+    must give exactly the eager forward's logits, hidden states and cache entries."""
+    _packed_or_skip("int4")
+    config, weights = _tiny()
+    quantized = quantize_state_dict(weights, "int4", head_mode="int8")
+    fast, eager = LlamaModel(config, quantized, kernel="int4pack"), LlamaModel(config, quantized, kernel="int4pack")
+    if fast._fast_layers is None:
+        pytest.skip("TorchScript is not available in this torch build")
+    eager._fast_layers = None
+    prompt = torch.tensor([5, 17, 3, 60, 22, 9, 41, 8, 12, 33])
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    steps = [
+        [Chunk(0, prompt, torch.arange(10))],  # prefill of one sequence: the fast path
+        [Chunk(0, torch.tensor([7]), torch.tensor([10]))],  # decode
+        [Chunk(0, torch.tensor([7, 8, 9, 10]), torch.tensor([11, 12, 12, 13]), tree)],  # draft tree
+        [Chunk(0, torch.tensor([4]), torch.tensor([12])), Chunk(1, prompt[:3], torch.arange(3))],  # two: eager
+    ]
+    caches = [fast.new_cache(2, 32), eager.new_cache(2, 32)]
+    for chunks in steps:
+        outs = [model.forward(cache, chunks) for model, cache in zip((fast, eager), caches)]
+        assert torch.equal(outs[0].logits, outs[1].logits)
+        assert torch.equal(outs[0].hidden, outs[1].hidden)
+        assert torch.equal(caches[0].kv, caches[1].kv)
+        for cache in caches:
+            for chunk in chunks:
+                cache.commit(chunk.slot, list(range(chunk.tokens.numel()))[:1] if chunk.tree_mask is not None
+                             else list(range(chunk.tokens.numel())))

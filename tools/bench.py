@@ -6,6 +6,8 @@
   python tools/bench.py batching    minilm with dynamic batching vs without, and ORT offline
   python tools/bench.py quantize    float vs quantized MiniLM and SmolLM2, with and without
                                     speculation, and llama.cpp when installed (tools/bench_quantize.py)
+  python tools/bench.py bulk        one infer of 1,024 and 256 mixed-length sentences through a server,
+                                    the engine alone and sentence-transformers (tools/bench_bulk.py)
   python tools/bench.py all         all of them
 
 Absolute numbers differ between machines; read the ratios.
@@ -401,7 +403,7 @@ def bench_batching(manifest: str, seconds: float, sets: list[str]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["overhead", "coldstart", "batching", "quantize", "all"])
+    parser.add_argument("what", choices=["overhead", "coldstart", "batching", "quantize", "bulk", "all"])
     parser.add_argument("-n", type=int, default=3000, help="round trips per row")
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--manifest", default=str(ROOT / "manifests/minilm.yaml"))
@@ -423,6 +425,11 @@ def main() -> None:
         bench_quantize.bench_minilm(rounds=5)
         bench_quantize.bench_llm(n_code=16, n_chat=8, tokens=96, threads=2)
         bench_quantize.bench_llm_memory(threads=2)
+    if args.what in ("bulk", "all"):
+        sys.path.insert(0, str(ROOT / "tools"))
+        import bench_bulk
+
+        bench_bulk.bench_bulk(args.manifest, [1024, 256], rounds=3, sets=args.set)
 
 
 if __name__ == "__main__":

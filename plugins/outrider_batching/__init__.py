@@ -28,11 +28,17 @@ cost of one more call (bucketing). One bad request fails alone: when a batched c
 each of its requests is run by itself.
 
 A request with more rows than `max_batch_size` (all its inputs sharing that first dimension) is
-split into pieces of `max_batch_size` rows, as text-embeddings-inference does. Pieces run one
-batch at a time, taking turns with the other requests that wait (a lone small request waits for
-at most one piece), and their outputs are joined in order into the request's one reply. A model
-whose outputs have no batch dimension to join along answers such a request `too_large`. Rows
-per request are bounded before that by the manifest's `limits.max_rows`.
+split into pieces of at most `max_batch_size` rows, as text-embeddings-inference does. Its rows
+are first ordered by what each costs, costliest first (the backend's `row_costs`: tokens per
+sentence for the text task; else bytes per row of BYTES inputs; numeric rows keep their order),
+and pieces are cut from that order where rows stop sharing a length (a piece ends before its
+padding passes 5% of it, or one call's cost), so each call pads to the longest row of rows alike
+instead of the longest of a random 32: 1,024 mixed sentences of 1-45 words (27k tokens) pad to
+28k token-rows in 39 calls instead of 99k in 32. Pieces run one batch at a time, taking turns
+with the other requests that wait (a lone small request waits for at most one piece), and each
+piece's outputs are written back to its rows' places in the request's one reply, so the caller
+gets them in its own order. A model whose outputs have no batch dimension to join along answers
+such a request `too_large`. Rows per request are bounded before that by `limits.max_rows`.
 """
 
 from __future__ import annotations
@@ -72,6 +78,15 @@ _ROW_COST = 8
 _MIN_SAVING = 0.15
 # Sorting and cutting are O(n^2) in the requests of one batch; beyond this, no bucketing.
 _MAX_BUCKETED = 256
+# Cutting a split request's rows, ordered longest first, into pieces (in tokens: the text task's
+# cost key; BYTES rows count 4 bytes a token): a piece stops taking rows once their padding would
+# pass 5% of its padded size, or one call's cost when that is more (all-MiniLM-L6-v2 on ORT CPU:
+# a call costs about as much as 20-25 more token-rows; padding cheaper than a call is worth it).
+# Cutting the sorted rows every 32 instead padded 256 mixed sentences (6,761 tokens) to 9,280
+# token-rows, as the 32 longest span 47-131 tokens; these cuts pad them to 7,187 in 19 calls,
+# and the ORT engine alone ran them 2x as fast (241 against 119 sentences/s, same run).
+_PIECE_WASTE = 0.05
+_PIECE_CALL_TOKENS = 24
 _IDLE_POLL_S = 0.25
 # A forming batch stops waiting once no request has arrived for this long: clients answering
 # their replies arrive about 0.1 ms apart here, so a longer silence means the burst is over and
@@ -164,9 +179,43 @@ class DynamicBatcher(Scheduler):
 
     # -- splitting requests larger than a batch -------------------------------------------
 
-    def _start_split(self, request: PendingRequest, rows: int) -> None:
+    def _start_split(self, request: PendingRequest, rows: int,
+                     plan: Optional[tuple[np.ndarray, list[int]]] = None) -> None:
         with self._splits_lock:
-            self._splits.append(_Split(request, rows, self.max_batch_size))
+            self._splits.append(_Split(request, rows, self.max_batch_size, *(plan or (None, None))))
+
+    def _row_plan(self, backend: Backend, request: PendingRequest, rows: int) -> Optional[tuple[np.ndarray, list[int]]]:
+        """How to cut a split request: its rows costliest first, and where each piece stops in that
+        order; None cuts it in its own order, `max_batch_size` rows a piece.
+
+        Raises the request's OutriderError when costing finds its input bad (not UTF-8).
+        """
+        costs, per_token = None, 1
+        row_costs = getattr(backend, "row_costs", None)  # in-process test doubles may lack it
+        if row_costs is not None:
+            try:
+                costs = row_costs(request.inputs)
+            except OutriderError:
+                raise
+            except Exception as exc:  # a broken cost key must not fail requests that would run
+                log.warning("model %s: row_costs failed (%s: %s); cutting the request in its own order",
+                            self.manifest.name, type(exc).__name__, exc)
+                return None
+        if costs is None:
+            costs, per_token = _byte_costs(request.inputs), 4  # about 4 bytes a token
+            if costs is None:
+                return None
+        costs = np.asarray(costs)
+        if costs.shape != (rows,) or not np.issubdtype(costs.dtype, np.number):
+            log.warning("model %s: row_costs gave %s for %d rows; cutting the request in its own order",
+                        self.manifest.name, costs.shape, rows)
+            return None
+        if costs.min() == costs.max():
+            return None  # nothing to group: pieces stay views of the request's own rows
+        # Costliest first (as sentence-transformers does): a backend's buffers reach their largest
+        # size once, on the first piece, instead of growing piece by piece.
+        order = np.argsort(-costs, kind="stable")
+        return order, _cut((costs[order] / per_token).tolist(), self.max_batch_size)
 
     def _take_piece(self) -> Optional["_Piece"]:
         """The next piece of the oldest split request (round-robin over several), or None."""
@@ -220,7 +269,12 @@ class DynamicBatcher(Scheduler):
             elif not isinstance(request, _Piece) and (_shared_rows(request) or 0) > self.max_batch_size:
                 # Too many rows for one call: its pieces come back through next_batch, taking
                 # turns with other requests, and the last one to finish replies for all.
-                self._start_split(request, _shared_rows(request))
+                try:
+                    plan = self._row_plan(backend, request, _shared_rows(request))
+                except OutriderError as exc:  # bad input found while costing it: fail it now
+                    results[index] = exc
+                    continue
+                self._start_split(request, _shared_rows(request), plan)
                 results[index] = DEFERRED
             else:
                 live.append(index)
@@ -325,11 +379,16 @@ class DynamicBatcher(Scheduler):
 class _Split:
     """A request with more rows than a batch: cut into pieces, their outputs joined in order."""
 
-    def __init__(self, request: PendingRequest, rows: int, size: int) -> None:
+    def __init__(self, request: PendingRequest, rows: int, size: int, order: Optional[np.ndarray] = None,
+                 stops: Optional[list[int]] = None) -> None:
         self.request = request
         self.rows = rows
         self.size = size
-        self.offset = 0  # where the next piece starts
+        #: the request's row indices in the order pieces are cut from (None: its own order)
+        self.order = order
+        #: where each piece stops in that order (None: every `size` rows)
+        self._stops = deque(stops) if stops is not None else None
+        self.offset = 0  # where the next piece starts, in that order
         # The joined outputs, allocated when the first piece returns and filled in place: holding
         # every piece's outputs and then concatenating them would need twice the memory.
         self._out: Optional[dict[str, np.ndarray]] = None
@@ -341,7 +400,8 @@ class _Split:
         return self.offset >= self.rows
 
     def next_piece(self) -> "_Piece":
-        start, stop = self.offset, min(self.offset + self.size, self.rows)
+        start = self.offset
+        stop = self._stops.popleft() if self._stops else min(start + self.size, self.rows)
         self.offset = stop
         return _Piece(self, start, stop)
 
@@ -368,8 +428,9 @@ class _Split:
                     f"model {self.request.model!r}: the pieces of a request of {self.rows} rows returned outputs "
                     f"that do not join (this piece: {shapes}); send at most {self.size} rows"
                 )
+            where = piece.index if piece.index is not None else slice(piece.start, piece.stop)
             for name, value in outputs.items():
-                out[name][piece.start:piece.stop] = value
+                out[name][where] = value  # back to the caller's order
             self._finished_rows += rows
             if self._finished_rows < self.rows:
                 return DEFERRED
@@ -378,7 +439,7 @@ class _Split:
 
 
 class _Piece:
-    """Rows [start, stop) of a split request, scheduled like a request of its own.
+    """Positions [start, stop) of a split request's row order, scheduled like a request of its own.
 
     Answering a piece answers its request: a piece that fails (or times out, or is abandoned with
     a hung instance) fails the whole request, and the last piece to finish replies with all rows.
@@ -390,7 +451,10 @@ class _Piece:
         parent = split.request
         self.split, self.start, self.stop = split, start, stop
         self.parent = parent
-        self.inputs = {name: array[start:stop] for name, array in parent.inputs.items()}
+        #: the request's rows this piece holds, when the split reordered them (else rows start:stop)
+        self.index = None if split.order is None else split.order[start:stop]
+        where = slice(start, stop) if self.index is None else self.index
+        self.inputs = {name: array[where] for name, array in parent.inputs.items()}
         self.route, self.id, self.kind, self.model = parent.route, parent.id, parent.kind, parent.model
         self.parameters = parent.parameters
         self.deadline = parent.deadline
@@ -451,6 +515,34 @@ def _split(outputs: Any, sizes: list[int]) -> Optional[list[dict[str, np.ndarray
         return None
     offsets = np.cumsum([0, *sizes])
     return [{n: v[offsets[k]:offsets[k + 1]] for n, v in outputs.items()} for k in range(len(sizes))]
+
+
+def _cut(costs: list[float], size: int) -> list[int]:
+    """Where each piece stops, for rows whose costs (tokens) come longest first; at most `size` a piece."""
+    stops: list[int] = []
+    start, n = 0, len(costs)
+    while start < n:
+        top, stop, padding = costs[start], start + 1, 0
+        while stop < n and stop - start < size:
+            more = padding + top - costs[stop]
+            if more > max(_PIECE_WASTE * (stop - start + 1) * top, _PIECE_CALL_TOKENS):
+                break
+            padding, stop = more, stop + 1
+        stops.append(stop)
+        start = stop
+    return stops
+
+
+def _byte_costs(inputs: dict[str, np.ndarray]) -> Optional[np.ndarray]:
+    """Bytes per row over a request's BYTES inputs; None when it has none (numeric rows cost alike)."""
+    costs = None
+    for array in inputs.values():
+        if array.dtype != object or array.ndim == 0:
+            continue
+        lengths = np.fromiter(map(_byte_length, array.ravel()), dtype=np.int64, count=array.size)
+        per_row = lengths.reshape(len(array), -1).sum(axis=1) if len(array) else lengths
+        costs = per_row if costs is None else costs + per_row
+    return costs
 
 
 def _byte_length(item: Any) -> int:

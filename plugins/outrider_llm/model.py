@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Optional
+from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -137,6 +137,70 @@ def release_free_memory() -> None:
         pass
 
 
+def _int4_chunk_layers(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor, slot: int, length: int,
+    mask: Optional[torch.Tensor], norms: List[torch.Tensor], packed: List[torch.Tensor], scales: List[torch.Tensor],
+    group_size: int, num_heads: int, num_kv_heads: int, head_dim: int, intermediate: int, eps: float,
+) -> torch.Tensor:
+    """Every layer for one chunk of n tokens of one slot, all linears int4-packed (bf16 activations).
+
+    The same operations, in the same order, as `LlamaModel.forward` with `_attend` for a single
+    chunk (so the outputs are bit-identical); compiled with TorchScript at load, which runs the
+    ~40 small operations per layer without the Python interpreter between them. Layer i's weights
+    are norms[2i:2i+2] and packed/scales[4i:4i+4] (qkv, o, gate_up, down); kv is the cache's
+    [layers, 2, slots, kv_heads, capacity, head_dim] tensor. x is updated in place.
+    """
+    n = x.shape[0]
+    d = head_dim
+    qk_heads = num_heads + num_kv_heads
+    group = num_heads // num_kv_heads
+    q_width = num_heads * d
+    hidden = [x.shape[1]]
+    for li in range(kv.shape[0]):
+        h = F.rms_norm(x, hidden, norms[2 * li], eps).to(torch.bfloat16)
+        qkv = torch.ops.aten._weight_int4pack_mm_for_cpu(h, packed[4 * li], group_size, scales[4 * li]).float()
+        qk = qkv[:, : qk_heads * d].view(n, qk_heads, d)
+        swapped = qk.view(n, qk_heads, 2, d // 2).flip(2).view(n, qk_heads, d)
+        torch.addcmul(qk * cos, swapped, sin, out=qk)
+        cell = kv[li, :, slot]  # [2, kv_heads, capacity, head_dim]
+        cell[:, :, length : length + n] = qkv[:, q_width:].view(n, 2, num_kv_heads, d).permute(1, 2, 0, 3)
+        keys, values = cell[0, :, : length + n], cell[1, :, : length + n]
+        q = qkv[:, :q_width].view(n, num_kv_heads, group, d).permute(1, 2, 0, 3).reshape(num_kv_heads, group * n, d)
+        if mask is None:
+            scores = torch.bmm(q, keys.transpose(1, 2))
+        else:
+            scores = torch.baddbmm(mask, q, keys.transpose(1, 2))
+        probs = torch.softmax(scores, dim=-1)
+        attn = torch.bmm(probs, values).view(num_kv_heads, group, n, d).permute(2, 0, 1, 3).reshape(n, q_width)
+        x.add_(torch.ops.aten._weight_int4pack_mm_for_cpu(attn.to(torch.bfloat16), packed[4 * li + 1], group_size,
+                                                          scales[4 * li + 1]))
+        h = F.rms_norm(x, hidden, norms[2 * li + 1], eps).to(torch.bfloat16)
+        gate_up = torch.ops.aten._weight_int4pack_mm_for_cpu(h, packed[4 * li + 2], group_size, scales[4 * li + 2])
+        act = F.silu(gate_up[:, :intermediate]).mul_(gate_up[:, intermediate:])
+        x.add_(torch.ops.aten._weight_int4pack_mm_for_cpu(act, packed[4 * li + 3], group_size, scales[4 * li + 3]))
+    return x
+
+
+_SCRIPTED: dict[str, object] = {}
+
+
+def _scripted_int4_layers():
+    """`_int4_chunk_layers` compiled by TorchScript once per process (None where that fails)."""
+    if "int4" not in _SCRIPTED:
+        try:
+            import warnings
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # TorchScript's deprecation notice: it still runs
+                _SCRIPTED["int4"] = torch.jit.script(_int4_chunk_layers)
+        except Exception as exc:  # TorchScript missing or changed: the eager path serves
+            import logging
+
+            logging.getLogger("outrider.llm").info("TorchScript layer stack unavailable (%s); eager forward", exc)
+            _SCRIPTED["int4"] = None
+    return _SCRIPTED["int4"]
+
+
 class _ChunkPlan:
     """One chunk attending on its own: rows start:end of the step, its slot and mask."""
 
@@ -208,6 +272,7 @@ class LlamaModel(torch.nn.Module):
             raise ValueError("num_heads must be a multiple of num_kv_heads")
         self._load(state_dict)
         self._rope_table(config.max_position_embeddings)
+        self._fast_layers = self._plan_fast_layers()
 
     # ---- weights -------------------------------------------------------------------------
 
@@ -270,6 +335,24 @@ class LlamaModel(torch.nn.Module):
         else:
             self.head_weight = own(get("lm_head.weight"))
             self.head = _Linear(self.head_weight, dt, onednn)
+
+    def _plan_fast_layers(self) -> Optional[tuple]:
+        """(scripted fn, norms, packed, scales, group) when every layer linear is a packed int4
+        kernel without a dense copy (the quantized SmolLM2 here), else None: eager only."""
+        from .linear import Int4Linear
+
+        linears = [k for layer in self.layers for k in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        if self.device.type != "cpu" or not linears or not all(
+            type(k) is Int4Linear and k.dense is None for k in linears
+        ):
+            return None
+        if len({k.group for k in linears}) != 1:
+            return None
+        fn = _scripted_int4_layers()
+        if fn is None:
+            return None
+        norms = [w for layer in self.layers for w in (layer.attn_norm, layer.mlp_norm)]
+        return fn, norms, [k.packed for k in linears], [k.scales_zeros for k in linears], linears[0].group
 
     def weight_bytes(self) -> int:
         """Bytes held by the matmul kernels (embeddings and norms not counted)."""
@@ -383,7 +466,13 @@ class LlamaModel(torch.nn.Module):
         # KV cache stay fp32 (bf16 bmm ran 2.5x slower than fp32 here, and fp32 keeps accuracy).
         low = self.dtype if self.dtype != torch.float32 else None
         x = self.embed_weight.index_select(0, tokens)
-        for li, layer in enumerate(self.layers):
+        fast = self._fast_layers if batch is None and len(plan) == 1 and not plan[0].use_sdpa else None
+        if fast is not None:
+            fn, norms, packed, scales, group_size = fast
+            c = plan[0]
+            fn(x, cos, sin, cache.kv, c.slot, c.length, c.mask, norms, packed, scales, group_size,
+               cfg.num_heads, cfg.num_kv_heads, d, inter, eps)
+        for li, layer in enumerate(self.layers if fast is None else ()):
             h = F.rms_norm(x, hidden_shape, layer.attn_norm, eps)
             qkv = layer.qkv(h if low is None else h.to(low))  # [T, (nh + 2 nkv) * d]: q | k | v
             if low is not None:
