@@ -78,6 +78,8 @@ def cmd_health(args: argparse.Namespace) -> int:
             if model.get("reason"):
                 line += f" - {model['reason']}"
             print(line)
+    if args.live:  # the loop answered: alive, whatever its models are doing
+        return 0
     return 0 if health.get("ready") else 1
 
 
@@ -215,6 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_client_options(p)
     p.set_defaults(timeout=2.0)
     p.add_argument("--json", action="store_true", help="print the full health document")
+    p.add_argument("--live", action="store_true",
+                   help="exit 0 whenever the server answers, ready or not (a liveness probe: loading, "
+                        "degraded and draining servers are alive)")
     p.set_defaults(func=cmd_health)
 
     p = sub.add_parser("plugins", help="list plugins, their hooks and whether they can run here")
