@@ -52,8 +52,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 "or --curve-allow-any", code="usage")
         curve = CurveServerKeys(args.curve_secret_key, args.curve_allow, allow_any=args.curve_allow_any)
     limits = Limits(max_message_bytes=args.max_message_mb * 1024 * 1024)
+    fronts = []
+    for spec in ([f"http={args.http}"] if args.http else []) + args.front:
+        name, sep, address = spec.partition("=")
+        if not sep or not name or not address:
+            raise OutriderError(f"--front {spec!r}: expected NAME=ADDRESS, e.g. http=127.0.0.1:8000", code="usage")
+        fronts.append((registry.front(name), address))
     server = Server(manifests, registry, address=args.bind, limits=limits, curve=curve,
-                    drain_timeout=args.drain_timeout, metrics_port=args.metrics_port)
+                    drain_timeout=args.drain_timeout, metrics_port=args.metrics_port, fronts=fronts)
     return server.serve_forever()
 
 
@@ -99,6 +105,9 @@ def cmd_plugins(args: argparse.Namespace) -> int:
             print(f"  backend {b['name']}: {status}")
         for t in p["tasks"]:
             print(f"  task {t}")
+        for f in p.get("fronts", []):
+            status = "available" if f["available"] else f"unavailable: {f['reason']}"
+            print(f"  front {f['name']}: {status}")
         for a in p["accelerators"]:
             print(f"  accelerator {a['name']}: {a['role']}, section '{a['section']}', backends {', '.join(a['backends'])}")
     return 0
@@ -205,6 +214,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plugin", action="append", default=[], metavar="MODULE",
                    help="also register this importable module as a plugin")
     p.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics on 127.0.0.1:PORT")
+    p.add_argument("--http", metavar="HOST:PORT",
+                   help="also serve HTTP here (Open Inference Protocol v2, OpenAI-compatible routes, /metrics); "
+                        "needs outrider[http]")
+    p.add_argument("--front", action="append", default=[], metavar="NAME=ADDRESS",
+                   help="also serve through the front-end plugin NAME (--http ADDR is --front http=ADDR)")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds SIGTERM waits for in-flight work")
     p.add_argument("--max-message-mb", type=int, default=64, help="largest accepted request, in MiB")
     p.add_argument("--curve-secret-key", metavar="FILE", help="server secret key file; enables CURVE")

@@ -73,3 +73,15 @@ def outrider_model_state_changed(model: str, state: str, reason: str) -> None:
 
     For monitoring plugins; must return quickly and never raise.
     """
+
+
+@hookspec
+def outrider_register_fronts(register: Callable[[type], None]) -> None:
+    """Register front-ends: `register(FrontClass)` once per class.
+
+    A front subclasses `outrider.front.Front`, has a unique `name` (what
+    `outrider serve --front NAME=ADDRESS` selects; `--http ADDRESS` selects `http`) and serves
+    another protocol from the same process as the ZeroMQ socket: it passes every request to
+    `Server.submit`, so queues, batching, limits, deadlines, cancellation and metrics are shared.
+    It must not import its framework at module level (`availability()` says what is missing).
+    """

@@ -102,6 +102,12 @@ class PendingRequest:
         }
         self.tensors = None
 
+    @property
+    def rows(self) -> int:
+        """The first dimension of the first input (1 for a scalar or a request without tensors)."""
+        shape = next(iter(self.shapes().values()), ())
+        return shape[0] if shape else 1
+
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """Input shapes by name, known before decoding (schedulers plan batches with them)."""
         if self.tensors is not None:
@@ -290,7 +296,7 @@ class RequestQueue:
         return [r for waiting in self._routes.values() for r in waiting]
 
     def expire(self, now: float) -> int:
-        """Answer queued requests whose deadline passed; returns how many."""
+        """Answer queued requests whose deadline passed; returns how many were answered."""
         expired = []
         with self._cond:
             if not any(r.deadline is not None and r.deadline <= now for r in self._all()):
@@ -305,9 +311,9 @@ class RequestQueue:
                 else:
                     del self._routes[route]
                     self._turns.remove(route)
-        for r in expired:
-            r.fail(RequestTimeoutError(f"request {r.id!r} timed out after waiting in the queue of model {r.model!r}"))
-        return len(expired)
+        # Cancelled ones still in line are skipped: count only the requests this answered.
+        return sum(r.fail(RequestTimeoutError(f"request {r.id!r} timed out after waiting in the queue of model {r.model!r}"))
+                   for r in expired)
 
     def close(self) -> list[PendingRequest]:
         """Stop taking work; return what was still queued so the caller can answer it."""
@@ -536,7 +542,7 @@ class Instance(threading.Thread):
                 model.stats.failure(result.code)
                 request.fail(result, claimed=True)
             else:
-                model.stats.success()
+                model.stats.success(rows=request.rows)
                 request.reply(result, claimed=True)
         if crashed is not None:
             raise crashed
@@ -785,6 +791,7 @@ class ServedModel:
         if request.deadline is None and self.manifest.scheduling.timeout_ms:
             request.deadline = request.received + self.manifest.scheduling.timeout_ms / 1000
         self.stats.request()
+        request._on_claim.append(self._answered)
         if self._run_inline(request):
             return
         try:
@@ -817,12 +824,21 @@ class ServedModel:
                 self.stats.failure(result.code)
                 request.fail(result, claimed=True)
             else:
-                self.stats.success()
+                self.stats.success(rows=request.rows)
                 request.reply(result, claimed=True)
         return True
 
+    def _answered(self, request: PendingRequest) -> None:
+        self.stats.observe("request_seconds", time.monotonic() - request.received)
+
     def queue_depth(self) -> int:
         return len(self.queue)
+
+    def running(self) -> int:
+        """Requests being executed now: generations holding a slot, or the batches instances run."""
+        if getattr(self.choice.backend, "generates", False):
+            return self.stats.running
+        return sum(len(i.current) for i in self.instances)
 
     def health(self) -> dict[str, Any]:
         instances = []

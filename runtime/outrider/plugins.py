@@ -16,6 +16,7 @@ from . import hookspecs
 from .accelerators import AcceleratorSet, AcceleratorSpec, select
 from .backend import Backend, BackendChoice, Task, choose_backend
 from .errors import ManifestError, OutriderError
+from .front import Front
 from .hookspecs import hookimpl
 from .manifest import Manifest
 
@@ -43,6 +44,8 @@ class PluginRegistry:
     #: accelerator specs by (role, name)
     accelerators: dict[tuple[str, str], AcceleratorSpec] = field(default_factory=dict)
     drafters: dict[str, Any] = field(default_factory=dict)
+    #: front-ends by name (`outrider serve --front NAME=ADDRESS`)
+    fronts: dict[str, type[Front]] = field(default_factory=dict)
     #: modules registered by name (not through entry points): worker processes register them too.
     modules: list[str] = field(default_factory=list)
     _owner: dict[str, str] = field(default_factory=dict)
@@ -53,10 +56,30 @@ class PluginRegistry:
         self.tasks.clear()
         self.accelerators.clear()
         self.drafters.clear()
+        self.fronts.clear()
         self.pm.hook.outrider_register_backends(register=self._register_backend)
         self.pm.hook.outrider_register_tasks(register=self._register_task)
         self.pm.hook.outrider_register_accelerators(register=self._register_accelerator)
         self.pm.hook.outrider_register_drafters(register=self._register_drafter)
+        self.pm.hook.outrider_register_fronts(register=self._register_front)
+
+    def _register_front(self, cls: type) -> None:
+        if not (isinstance(cls, type) and issubclass(cls, Front)) or not cls.name:
+            raise OutriderError(f"register_fronts: {cls!r} is not a Front subclass with a name")
+        self._claim(self.fronts, "front", cls.name, cls)
+
+    def front(self, name: str) -> type[Front]:
+        """The front class registered as `name`, available here, or an OutriderError saying why not."""
+        cls = self.fronts.get(name)
+        if cls is None:
+            raise OutriderError(
+                f"no plugin registers front {name!r} (known: {sorted(self.fronts) or 'none'}); the HTTP "
+                f"front is the plugin outrider_http: install 'outrider[http]', and load it (OUTRIDER_PLUGINS "
+                f"must allow 'http', or pass --plugin outrider_http)", code="usage")
+        available, why = cls.availability()
+        if not available:
+            raise OutriderError(f"front {name!r} cannot run here: {why}", code="usage")
+        return cls
 
     def _register_drafter(self, name: str, factory: Any) -> None:
         if not isinstance(name, str) or not name or not callable(factory):
@@ -147,6 +170,10 @@ class PluginRegistry:
                 "hooks": hooks,
                 "backends": backends,
                 "tasks": sorted(t for t, c in self.tasks.items() if c.__module__.split(".")[0] == _module_root(plugin)),
+                "fronts": [
+                    {"name": f, "available": c.availability()[0], "reason": c.availability()[1]}
+                    for f, c in sorted(self.fronts.items()) if c.__module__.split(".")[0] == _module_root(plugin)
+                ],
                 "accelerators": [
                     {"name": spec.name, "role": spec.role, "section": spec.section, "backends": list(spec.backends)}
                     for (_, _), spec in sorted(self.accelerators.items())

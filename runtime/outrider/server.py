@@ -13,6 +13,7 @@ the socket re-reads ZMQ_EVENTS afterwards and wakes the I/O thread if input is p
 from __future__ import annotations
 
 import errno
+import itertools
 import logging
 import os
 import select
@@ -20,7 +21,7 @@ import signal
 import threading
 import time
 from collections import deque
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -38,6 +39,7 @@ from .errors import (
     TooLargeError,
     UnavailableError,
 )
+from .front import Front
 from .manifest import Manifest
 from .model import PendingRequest, Scheduler, ServedModel, cancel_error
 from .plugins import PluginRegistry
@@ -77,6 +79,7 @@ class Server:
         curve: Optional[CurveServerKeys] = None,
         drain_timeout: float = 30.0,
         metrics_port: Optional[int] = None,
+        fronts: Sequence[tuple[type[Front], str]] = (),
     ) -> None:
         names = [m.name for m in manifests]
         duplicates = sorted({n for n in names if names.count(n) > 1})
@@ -88,6 +91,9 @@ class Server:
         self.curve = curve
         self.drain_timeout = drain_timeout
         self.metrics_port = metrics_port
+        #: other front-ends (class, address) started beside the ZeroMQ socket (`--http`)
+        self.front_specs = list(fronts)
+        self.fronts: list[Front] = []
         self.models: dict[str, ServedModel] = {}
         for manifest in manifests:
             self.models[manifest.name] = self._build_model(manifest)
@@ -107,6 +113,8 @@ class Server:
         # The connection (file descriptor) each route with requests in flight came in on, so a
         # disconnect reported by the socket monitor can cancel that client's requests and streams.
         self._route_fd: dict[bytes, int] = {}
+        # Ids of requests from other fronts (their `client` keys keep them apart from ZeroMQ's).
+        self._front_ids = itertools.count(1)
 
     # -- set-up ---------------------------------------------------------------------------
 
@@ -160,6 +168,10 @@ class Server:
 
             start_metrics_server(self.metrics_port, lambda: self.models)
             log.info("metrics on http://127.0.0.1:%d/metrics", self.metrics_port)
+        for cls, address in self.front_specs:  # listening before the models load, like the socket
+            front = cls(self, address)
+            front.start()
+            self.fronts.append(front)
         log.info("listening on %s (models loading: %s)", self.address, ", ".join(self.models))
         for model in self.models.values():
             model.start()
@@ -216,7 +228,9 @@ class Server:
             now = time.monotonic()
             if now >= next_sweep:
                 for model in self.models.values():
-                    model.queue.expire(now)
+                    expired = model.queue.expire(now)
+                    if expired:
+                        model.stats.failure("timeout", expired)
                 next_sweep = now + 0.01
             if self._backlog:
                 with self._socket_lock:
@@ -306,8 +320,7 @@ class Server:
                 continue
             departed = [r for (route, _), r in list(self.inflight.items()) if route in gone]
             for request in departed:
-                if request.fail(CancelledError(f"request {request.id!r}: the client disconnected")):
-                    self.models[request.model].stats.failure("cancelled")
+                self.cancel(request)
             if departed:
                 log.info("a client disconnected: cancelled its %d request(s) in flight", len(departed))
 
@@ -355,16 +368,12 @@ class Server:
         self._reply_now(route, {"id": request_id, "ok": True, "models": [m.describe() for m in self.models.values()]})
 
     def _on_infer(self, route: bytes, request_id: Any, header: dict, tensors: list) -> None:
-        model = self._model(header)
-        if getattr(model.choice.backend, "generates", False):
-            raise BadRequestError(f"model {model.name!r} generates text; send generate")
-        self._submit("infer", route, request_id, header, tensors)
+        self._enqueue("infer", route, request_id, header.get("model"), header.get("parameters", {}),
+                      header.get("inputs", []), tensors, self._send)
 
     def _on_generate(self, route: bytes, request_id: Any, header: dict, tensors: list) -> None:
-        model = self._model(header)
-        if not getattr(model.choice.backend, "generates", False):
-            raise BadRequestError(f"model {model.name!r} does not generate text; use infer")
-        self._submit("generate", route, request_id, header, tensors)
+        self._enqueue("generate", route, request_id, header.get("model"), header.get("parameters", {}),
+                      header.get("inputs") or [], tensors, self._send)
 
     def _on_cancel(self, route: bytes, request_id: Any, header: dict, tensors: list) -> None:
         target = _request_id(header, "target")
@@ -376,8 +385,7 @@ class Server:
             self.models[request.model].stats.failure("cancelled")
         self._reply_now(route, {"id": request_id, "ok": True, "cancelled": bool(cancelled)})
 
-    def _model(self, header: dict) -> ServedModel:
-        name = header.get("model")
+    def _model(self, name: Any) -> ServedModel:
         if not isinstance(name, str):
             raise ProtocolError("'model' must be a string naming a served model")
         model = self.models.get(name)
@@ -385,20 +393,61 @@ class Server:
             raise ModelNotFoundError(f"no model named {name[:128]!r}; served here: {sorted(self.models)}")
         return model
 
-    def _submit(self, kind: str, route: bytes, request_id: Any, header: dict, frames: list) -> None:
+    def submit(
+        self,
+        kind: str,
+        model: str,
+        parameters: Optional[dict] = None,
+        inputs: Sequence[dict] = (),
+        buffers: Sequence[Any] = (),
+        *,
+        client: bytes,
+        on_reply: Callable[[dict, Optional[dict]], None],
+        on_chunk: Optional[Callable[[dict], None]] = None,
+    ) -> PendingRequest:
+        """Queue one `infer` or `generate` request from an in-process front-end (HTTP, gRPC...).
+
+        The same path as a ZeroMQ request: `inputs` are OIP tensor descriptions and `buffers`
+        their raw bytes in the wire layout (PROTOCOL.md), checked against the same limits; the
+        request waits in the same queue (`client` names the connection, for fairness between
+        connections), is batched, timed out and counted the same. Raises the request's
+        OutriderError when it is refused at once (unknown model, bad input, overloaded, not ready);
+        otherwise `on_reply(header, outputs)` is called exactly once and `on_chunk(header)` for
+        each streamed chunk before it, from any thread (the caller's own included), so they must
+        only hand the result over (e.g. `loop.call_soon_threadsafe`). Returns the request, for
+        `cancel`.
+        """
+        request_id = next(self._front_ids)
+        relay = _Relay(on_reply, on_chunk)
+        return self._enqueue(kind, client, request_id, model, {} if parameters is None else parameters,
+                             list(inputs), list(buffers), relay.send)
+
+    def cancel(self, request: PendingRequest, why: str = "the client disconnected") -> bool:
+        """Answer `request` as cancelled (a queued one is dropped, a generation frees its slot at
+        its next step); False when it was already answered."""
+        if request.fail(CancelledError(f"request {request.id!r}: {why}")):
+            self.models[request.model].stats.failure("cancelled")
+            return True
+        return False
+
+    def _enqueue(self, kind: str, route: bytes, request_id: Any, model_name: Any, parameters: Any,
+                 specs: Any, frames: list, send: Callable[..., None]) -> PendingRequest:
         # Everything here is O(number of tensors): shapes and frame lengths are checked against
         # the protocol and the model's limits; the buffers are decoded by the instance that runs
         # the request (PendingRequest.decode), never on this thread.
+        model = self._model(model_name)
+        generates = getattr(model.choice.backend, "generates", False)
+        if kind == "infer" and generates:
+            raise BadRequestError(f"model {model.name!r} generates text; send generate")
+        if kind == "generate" and not generates:
+            raise BadRequestError(f"model {model.name!r} does not generate text; use infer")
         if self.draining:
             raise UnavailableError("server is shutting down and takes no new requests")
-        model = self._model(header)
-        parameters = header.get("parameters", {})
         if not isinstance(parameters, dict):
             raise ProtocolError("'parameters' must be a map")
         deadline_s = _timeout_seconds(parameters.get("timeout_ms"))
         if kind == "generate":
             # A generation reads its prompt from parameters; tensors would only be held in memory.
-            specs = header.get("inputs") or []
             if specs or frames:
                 raise BadRequestError(
                     f"generate takes its prompt in 'parameters' and no tensors; this request carries "
@@ -406,7 +455,7 @@ class Server:
                 )
             tensors = []
         else:
-            tensors = parse_tensors(header.get("inputs", []), frames, self.limits)
+            tensors = parse_tensors(specs, frames, self.limits)
             check_request(model.manifest, tensors)
         key = (route, request_id)
         if key in self.inflight:
@@ -418,7 +467,7 @@ class Server:
             model=model.name,
             inputs={},
             parameters=parameters,
-            send=self._send,
+            send=send,
             on_done=self._forget,
             tensors=tensors,
             nbytes=sum(t.nbytes for t in tensors),
@@ -432,6 +481,7 @@ class Server:
         except OutriderError:
             self.inflight.pop(key, None)
             raise
+        return request
 
     def _forget(self, request: PendingRequest) -> None:
         self.inflight.pop((request.route, request.id), None)
@@ -488,8 +538,7 @@ class Server:
             self._wake()
         if status == errno.EHOSTUNREACH and not final:
             # A stream whose client left: stop generating for nobody and free its slot.
-            if request.fail(CancelledError(f"request {request.id!r}: the client disconnected")):
-                self.models[request.model].stats.failure("cancelled")
+            self.cancel(request)
 
     # -- health and shutdown ---------------------------------------------------------------
 
@@ -537,6 +586,11 @@ class Server:
             request.fail(gone)
         for model in self.models.values():
             model.join(timeout=5.0)
+        for front in self.fronts:  # every request it passed on has had its final reply by now
+            try:
+                front.stop()
+            except Exception:
+                log.exception("front %s on %s: stopping failed", front.name, front.address)
         self._io_stop.set()
         if self._io_thread is not None:
             self._io_thread.join(5.0)
@@ -606,3 +660,23 @@ def _timeout_seconds(timeout_ms: Any) -> Optional[float]:
             f"(24 hours), got {shown[:40]}"
         )
     return timeout_ms / 1000
+
+
+class _Relay:
+    """Turns the core's `send(request, kind, header, outputs)` into a front's two callbacks."""
+
+    __slots__ = ("on_reply", "on_chunk")
+
+    def __init__(self, on_reply: Callable[[dict, Optional[dict]], None],
+                 on_chunk: Optional[Callable[[dict], None]]) -> None:
+        self.on_reply, self.on_chunk = on_reply, on_chunk
+
+    def send(self, request: PendingRequest, kind: str, header: dict, outputs: Optional[dict]) -> None:
+        # Never raises (the sender moves on to the rest of its batch), like Server._send.
+        try:
+            if kind == "reply":
+                self.on_reply(header, outputs)
+            elif self.on_chunk is not None and not request.done:
+                self.on_chunk(header)
+        except Exception:
+            log.exception("model %s: a front's %s callback for request %r failed", request.model, kind, request.id)

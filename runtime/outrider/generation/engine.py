@@ -52,6 +52,8 @@ class Sequence:
         self.finish_reason: Optional[str] = None
         self.started = time.monotonic()
         self.first_token_seconds: Optional[float] = None
+        self.first_emitted: Optional[float] = None  # when the first / latest tokens were emitted
+        self.last_emitted: Optional[float] = None
         self.steps = 0
         self.draft_tokens = 0
         self.accepted_tokens = 0
@@ -142,11 +144,15 @@ class GenerationEngine:
             )
         params.max_tokens = min(params.max_tokens, room)
         speculate = self.strategy is not None and params.speculative is not False
+        if self.stats is not None:
+            self.stats.observe("queue_seconds", time.monotonic() - request.received)
         slot = self.free_slots.pop()
         seq: Optional[Sequence] = None
         try:
             seq = Sequence(request, slot, prompt_ids, params, IncrementalText(self.tokenizer.decode, params.stop),
                            speculate)
+            if self.stats is not None:
+                self.stats.sequences(+1)  # given back in _release, whatever happens next
             self.cache.reset(slot)
             if speculate:
                 self.strategy.start(seq)
@@ -281,6 +287,8 @@ class GenerationEngine:
         seq.last_hidden = hidden[keep[-1]]
         seq.draft_tokens += len(tree)
         seq.accepted_tokens += len(accepted)
+        if len(tree) and self.stats is not None:
+            self.stats.add("speculative_steps", 1)
         if seq.speculate:
             self.strategy.record(seq, len(tree), len(accepted))
         self._emit(seq, [tree.tokens[i] for i in accepted] + [bonus])
@@ -302,6 +310,15 @@ class GenerationEngine:
         delta = seq.text.update(seq.generated, final=seq.finish_reason is not None)
         if seq.text.stopped:
             seq.finish_reason = "stop"
+        if seq.request is not None and new and self.stats is not None:
+            now = time.monotonic()
+            if seq.last_emitted is None:
+                self.stats.observe("first_token_seconds", now - seq.request.received)
+            else:
+                self.stats.observe("inter_token_seconds", now - seq.last_emitted)
+            seq.last_emitted = now
+            if seq.first_emitted is None:
+                seq.first_emitted = now
         if seq.request is not None and seq.params.stream and (delta or new):
             seq.request.chunk(text=delta, token_ids=new)
         if seq.finish_reason is not None:
@@ -310,6 +327,10 @@ class GenerationEngine:
     def _finish(self, seq: Sequence) -> None:
         stats = seq.stats()
         if self.stats is not None:
+            self.stats.add("prompt_tokens", stats["prompt_tokens"])
+            if stats["new_tokens"] > 1 and seq.first_emitted is not None:
+                self.stats.observe("per_output_token_seconds",
+                                   (time.monotonic() - seq.first_emitted) / (stats["new_tokens"] - 1))
             self.stats.add("generated_tokens", stats["new_tokens"])
             self.stats.add("draft_tokens", stats["draft_tokens"])
             self.stats.add("accepted_tokens", stats["accepted_tokens"])
@@ -325,6 +346,8 @@ class GenerationEngine:
         if seq.released:
             return
         seq.released = True
+        if seq.request is not None and self.stats is not None:
+            self.stats.sequences(-1)
         if seq in self.active:
             self.active.remove(seq)
         try:
