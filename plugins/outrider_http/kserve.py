@@ -1,0 +1,264 @@
+"""Open Inference Protocol v2 (KServe, Triton): health, metadata and infer, JSON or binary tensors.
+
+A request's tensors become the same (description, buffer) pairs a ZeroMQ message carries: JSON
+`data` is packed into the wire layout, binary tensor data (Triton's extension, which
+`tritonclient.http` sends by default) is used in place. Both are checked by the core against the
+same limits and decoded by the instance that runs the request.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from typing import Any, Optional
+
+import numpy as np
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from outrider import __version__
+from outrider.errors import BadRequestError, ModelNotFoundError, OutriderError, ProtocolError
+from outrider.protocol import DATATYPES, datatype_of, encode_bytes_tensor, numpy_dtype
+
+from .dispatch import ClientGone, Dispatcher, error_code, read_body, status_of
+
+log = logging.getLogger("outrider.http")
+
+HEADER_LENGTH = "inference-header-content-length"
+MODEL_VERSION = "1"  # a served model has one version
+
+
+def routes(dispatch: Dispatcher) -> list[Route]:
+    server = dispatch.server
+
+    def error(exc: BaseException) -> JSONResponse:
+        code, message = error_code(exc)
+        return JSONResponse({"error": message}, status_code=status_of(code))
+
+    def model_named(request: Request) -> Any:
+        name = request.path_params["name"]
+        model = server.models.get(name)
+        if model is None:
+            raise ModelNotFoundError(f"no model named {name[:128]!r}; served here: {sorted(server.models)}")
+        version = request.path_params.get("version")
+        if version is not None and version != MODEL_VERSION:
+            raise ModelNotFoundError(f"model {name!r} has only version {MODEL_VERSION}, not {version[:32]!r}")
+        return model
+
+    async def server_metadata(request: Request) -> Response:
+        return JSONResponse({"name": "outrider", "version": __version__, "extensions": ["binary_tensor_data"]})
+
+    async def live(request: Request) -> Response:
+        return JSONResponse({"live": True})
+
+    async def ready(request: Request) -> Response:
+        is_ready = server.ready
+        return JSONResponse({"ready": is_ready}, status_code=200 if is_ready else 503)
+
+    async def model_metadata(request: Request) -> Response:
+        try:
+            model = model_named(request)
+        except OutriderError as exc:
+            return error(exc)
+        described = model.describe()
+        return JSONResponse({
+            "name": model.name,
+            "versions": [MODEL_VERSION],
+            "platform": f"outrider_{described['backend']}",
+            "inputs": [_spec(t) for t in described["inputs"]],
+            "outputs": [_spec(t) for t in described["outputs"]],
+        })
+
+    async def model_ready(request: Request) -> Response:
+        try:
+            model = model_named(request)
+        except OutriderError as exc:
+            return error(exc)
+        return JSONResponse({"name": model.name, "ready": model.ready}, status_code=200 if model.ready else 503)
+
+    async def infer(request: Request) -> Response:
+        call = None
+        try:
+            model = model_named(request)
+            body = await read_body(request, server.limits.max_message_bytes)
+            document, inputs, buffers = parse_infer_request(body, request.headers.get(HEADER_LENGTH))
+            parameters = _parameters(document.get("parameters"))
+            call = dispatch.submit(request.scope, "infer", model.name, parameters, inputs, buffers)
+            header, outputs = await dispatch.final(call, request.receive)
+            if not header.get("ok"):
+                failure = header.get("error") or {}
+                return JSONResponse({"error": failure.get("message", "")}, status_code=status_of(failure.get("code", "")))
+            return infer_response(model.name, document, outputs or {})
+        except ClientGone:
+            return Response(status_code=499)
+        except OutriderError as exc:
+            return error(exc)
+        except Exception as exc:  # a bug here costs this request, answered 500
+            log.exception("HTTP infer for model %s failed", request.path_params.get("name"))
+            return error(exc)
+
+    paths = ["/v2/models/{name}", "/v2/models/{name}/versions/{version}"]
+    return [
+        Route("/v2", server_metadata),
+        Route("/v2/health/live", live),
+        Route("/v2/health/ready", ready),
+        *[Route(p, model_metadata) for p in paths],
+        *[Route(p + "/ready", model_ready) for p in paths],
+        *[Route(p + "/infer", infer, methods=["POST"]) for p in paths],
+    ]
+
+
+def _spec(tensor: dict) -> dict:
+    return {"name": tensor["name"], "datatype": tensor["datatype"], "shape": list(tensor["shape"])}
+
+
+def _parameters(given: Any) -> dict:
+    """The core's parameters from an OIP request's: Triton's `timeout` is in microseconds."""
+    if given is None:
+        return {}
+    if not isinstance(given, dict):
+        raise ProtocolError("'parameters' must be a JSON object")
+    out: dict[str, Any] = {}
+    if "timeout" in given:
+        timeout = given["timeout"]
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+            raise BadRequestError(f"parameter 'timeout' must be a number of microseconds, got {timeout!r:.40}")
+        out["timeout_ms"] = timeout / 1000
+    if "timeout_ms" in given:
+        out["timeout_ms"] = given["timeout_ms"]
+    return out
+
+
+def parse_infer_request(body: bytes, header_length: Optional[str]) -> tuple[dict, list[dict], list[Any]]:
+    """(the JSON document, tensor descriptions, buffers in the wire layout) of an infer request."""
+    view = memoryview(body)
+    if header_length is not None:
+        if not header_length.isdigit() or int(header_length) > len(body):
+            raise ProtocolError(f"Inference-Header-Content-Length {header_length[:20]!r} does not fit a body of "
+                                f"{len(body)} bytes")
+        split = int(header_length)
+        text, binary = view[:split], view[split:]
+    else:
+        text, binary = view, view[:0]
+    try:
+        document = json.loads(bytes(text))
+    except (ValueError, RecursionError) as exc:
+        raise ProtocolError(f"the request is not valid JSON: {exc}") from None
+    if not isinstance(document, dict):
+        raise ProtocolError("the request must be a JSON object")
+    specs = document.get("inputs")
+    if not isinstance(specs, list):
+        raise ProtocolError("'inputs' must be a list of tensors")
+    inputs, buffers, offset = [], [], 0
+    for index, spec in enumerate(specs):
+        if not isinstance(spec, dict):
+            raise ProtocolError(f"input #{index} must be a JSON object")
+        name, datatype, shape = spec.get("name"), spec.get("datatype"), spec.get("shape")
+        inputs.append({"name": name, "datatype": datatype, "shape": shape})
+        parameters = spec.get("parameters") or {}
+        size = parameters.get("binary_data_size") if isinstance(parameters, dict) else None
+        if size is not None:
+            if isinstance(size, bool) or not isinstance(size, int) or size < 0 or offset + size > len(binary):
+                raise ProtocolError(f"input {name!r}: binary_data_size {size!r:.40} does not fit the "
+                                    f"{len(binary) - offset} binary bytes left in the body")
+            buffers.append(binary[offset:offset + size])
+            offset += size
+        elif "data" in spec:
+            buffers.append(_pack_json(name, datatype, shape, spec["data"]))
+        else:
+            raise ProtocolError(f"input {name!r} has neither 'data' nor parameters.binary_data_size")
+    if offset != len(binary):
+        raise ProtocolError(f"the body carries {len(binary) - offset} binary bytes no input claims")
+    return document, inputs, buffers
+
+
+def _pack_json(name: Any, datatype: Any, shape: Any, data: Any) -> bytes:
+    """JSON `data` (flat or nested, row-major) as the tensor's bytes in the wire layout."""
+    if not isinstance(datatype, str) or datatype not in DATATYPES:
+        raise ProtocolError(f"input {name!r}: unknown datatype {datatype!r:.40}; expected one of {sorted(DATATYPES)}")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise ProtocolError(f"input {name!r}: shape must be a list of non-negative integers")
+    count = math.prod(shape)
+    if datatype == "BYTES":
+        items = _flatten(data)
+        if len(items) != count:
+            raise BadRequestError(f"input {name!r}: shape {shape} holds {count} elements, 'data' has {len(items)}")
+        if not all(isinstance(item, str) for item in items):
+            raise BadRequestError(f"input {name!r}: BYTES data in JSON must be strings")
+        return encode_bytes_tensor(np.array(items, dtype=object))
+    try:
+        array = np.asarray(data, dtype=numpy_dtype(datatype))
+    except (ValueError, TypeError, OverflowError) as exc:
+        raise BadRequestError(f"input {name!r}: 'data' is not {datatype} values: {exc}") from None
+    if array.size != count:
+        raise BadRequestError(f"input {name!r}: shape {shape} holds {count} elements, 'data' has {array.size}")
+    return array.tobytes()
+
+
+def _flatten(data: Any) -> list:
+    if not isinstance(data, list):
+        return [data]
+    out: list = []
+    stack = [iter(data)]
+    while stack:  # iterative: a hostile nesting depth costs no recursion
+        for item in stack[-1]:
+            if isinstance(item, list):
+                stack.append(iter(item))
+                break
+            out.append(item)
+        else:
+            stack.pop()
+    return out
+
+
+def infer_response(model: str, document: dict, outputs: dict[str, np.ndarray]) -> Response:
+    """The OIP response: JSON data, or binary data after the JSON header where asked for."""
+    parameters = document.get("parameters") if isinstance(document.get("parameters"), dict) else {}
+    binary_default = bool(parameters.get("binary_data_output", False))
+    requested = document.get("outputs")
+    if requested is None:
+        wanted = [(name, binary_default) for name in outputs]
+    else:
+        if not isinstance(requested, list) or not all(isinstance(r, dict) for r in requested):
+            raise ProtocolError("'outputs' must be a list of JSON objects")
+        wanted = []
+        for r in requested:
+            if r.get("name") not in outputs:
+                raise BadRequestError(f"model {model!r} has no output {r.get('name')!r:.64}; it returns {sorted(outputs)}")
+            options = r.get("parameters") if isinstance(r.get("parameters"), dict) else {}
+            wanted.append((r["name"], bool(options.get("binary_data", binary_default))))
+    described, chunks = [], []
+    for name, binary in wanted:
+        array = np.asarray(outputs[name])
+        datatype = datatype_of(array)
+        entry: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(array.shape)}
+        if binary:
+            raw = encode_bytes_tensor(array) if datatype == "BYTES" else np.ascontiguousarray(
+                array.astype(array.dtype.newbyteorder("<"), copy=False)).tobytes()
+            entry["parameters"] = {"binary_data_size": len(raw)}
+            chunks.append(raw)
+        else:
+            entry["data"] = _json_data(name, array, datatype)
+        described.append(entry)
+    reply: dict[str, Any] = {"model_name": model, "model_version": MODEL_VERSION, "outputs": described}
+    if "id" in document:
+        reply["id"] = document["id"]
+    head = json.dumps(reply, separators=(",", ":")).encode()
+    if not chunks:
+        return Response(head, media_type="application/json")
+    return Response(b"".join([head, *chunks]), media_type="application/octet-stream",
+                    headers={"Inference-Header-Content-Length": str(len(head))})
+
+
+def _json_data(name: str, array: np.ndarray, datatype: str) -> list:
+    flat = array.reshape(-1)
+    if datatype == "BYTES":
+        try:
+            return [x.decode("utf-8") if isinstance(x, bytes) else str(x) for x in flat.tolist()]
+        except UnicodeDecodeError:
+            raise BadRequestError(f"output {name!r} is not UTF-8 text; ask for it as binary data") from None
+    if datatype == "BF16":
+        flat = flat.astype(np.float32)
+    return flat.tolist()

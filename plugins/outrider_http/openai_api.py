@@ -1,0 +1,390 @@
+"""OpenAI-compatible routes: chat and text completions (plain and SSE), embeddings, models.
+
+Requests are validated by a schema; a parameter Outrider does not implement (n > 1, logprobs,
+tools, penalties...) is refused with a 400 naming it rather than silently ignored. Generation
+parameters are passed to the model's `generate` as they are, and the engine checks their ranges
+(a bad one is a 400 too: a stream waits for its first event before it answers, so a request the
+engine refuses never starts a 200 stream). Speculative decoding's figures are in
+`usage.speculative`, an extension field.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import time
+import uuid
+from typing import Any, AsyncIterator, Literal, Optional, Union
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, ValidationError
+from sse_starlette.sse import EventSourceResponse
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from outrider.errors import BadRequestError, ModelNotFoundError, OutriderError
+from outrider.protocol import encode_bytes_tensor
+
+from .dispatch import Call, ClientGone, Dispatcher, error_code, read_body, status_of
+
+log = logging.getLogger("outrider.http")
+
+
+class _Schema(BaseModel):
+    # Clients send fields this server has no use for (user, metadata, store...): they are kept
+    # aside and ignored, except those in UNSUPPORTED, refused when set to anything but the default.
+    model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(_Schema):
+    include_usage: bool = False
+
+
+class _Generation(_Schema):
+    model: str
+    max_tokens: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    n: Optional[int] = None
+    stream: Optional[bool] = False
+    stream_options: Optional[StreamOptions] = None
+    stop: Optional[Union[str, list[str]]] = None
+    seed: Optional[int] = None
+    # Extensions (as vLLM's): top_k, speculative (false turns speculative decoding off), timeout_ms.
+    top_k: Optional[int] = None
+    speculative: Optional[bool] = None
+    timeout_ms: Optional[float] = None
+
+
+class CompletionRequest(_Generation):
+    prompt: Union[str, list[str]]
+
+
+class TextPart(_Schema):
+    type: str
+    text: Optional[str] = None
+
+
+class ChatMessage(_Schema):
+    role: str
+    content: Optional[Union[str, list[TextPart]]] = None
+
+
+class ChatRequest(_Generation):
+    messages: list[ChatMessage]
+    max_completion_tokens: Optional[int] = None
+
+
+class EmbeddingRequest(_Schema):
+    model: str
+    input: Union[str, list[str]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Optional[int] = None
+
+
+# Fields refused unless absent or at their default (value that means "off").
+UNSUPPORTED = {
+    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
+    "suffix": (None, ""), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0), "logit_bias": (None, {}), "tools": (None, []),
+    "functions": (None, []), "audio": (None,), "prediction": (None,), "modalities": (None, ["text"]),
+}
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, code: str, param: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+
+    @classmethod
+    def of(cls, exc: BaseException, param: Optional[str] = None) -> "ApiError":
+        if isinstance(exc, ApiError):
+            return exc
+        code, message = error_code(exc)
+        return cls(status_of(code), message, code, param or _param_named(message))
+
+    def body(self) -> dict:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        headers = {"Retry-After": "1"} if self.code in ("overloaded", "unavailable") else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def _param_named(message: str) -> Optional[str]:
+    # The engine's messages name the parameter: "parameter 'top_p' must be ..."
+    if message.startswith("parameter '"):
+        return message.split("'", 2)[1]
+    return None
+
+
+def _bad(message: str, param: Optional[str] = None) -> ApiError:
+    return ApiError(400, message, "bad_request", param)
+
+
+async def _parse(request: Request, schema: type[BaseModel], limit: int) -> Any:
+    body = await read_body(request, limit)
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError) as exc:
+        raise _bad(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise _bad("the request body must be a JSON object")
+    try:
+        parsed = schema.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise _bad(f"{where}: {first['msg']}", str(first["loc"][0]) if first["loc"] else None) from None
+    for name, value in (parsed.model_extra or {}).items():
+        if name in UNSUPPORTED and value not in UNSUPPORTED[name]:
+            raise _bad(f"'{name}' is not supported by this server", name)
+    return parsed
+
+
+def routes(dispatch: Dispatcher) -> list[Route]:
+    server = dispatch.server
+    limit = server.limits.max_message_bytes
+
+    def model_named(name: str, generates: bool) -> Any:
+        model = server.models.get(name)
+        if model is None:
+            raise ApiError(404, f"The model '{name[:128]}' does not exist; served here: {sorted(server.models)}",
+                           "model_not_found", "model")
+        if bool(getattr(model.choice.backend, "generates", False)) != generates:
+            what = "does not generate text" if generates else "generates text; use /v1/completions or /v1/chat/completions"
+            raise _bad(f"model '{name}' {what}", "model")
+        return model
+
+    async def list_models(request: Request) -> Response:
+        created = int(server.started)
+        return JSONResponse({"object": "list", "data": [
+            {"id": name, "object": "model", "created": created, "owned_by": "outrider"} for name in server.models]})
+
+    async def get_model(request: Request) -> Response:
+        name = request.path_params["name"]
+        if name not in server.models:
+            return ApiError(404, f"The model '{name[:128]}' does not exist", "model_not_found", "model").response()
+        return JSONResponse({"id": name, "object": "model", "created": int(server.started), "owned_by": "outrider"})
+
+    async def completions(request: Request) -> Response:
+        return await _generate(request, chat=False)
+
+    async def chat_completions(request: Request) -> Response:
+        return await _generate(request, chat=True)
+
+    async def _generate(request: Request, chat: bool) -> Response:
+        call: Optional[Call] = None
+        try:
+            body = await _parse(request, ChatRequest if chat else CompletionRequest, limit)
+            model = model_named(body.model, generates=True)
+            parameters = _generation_parameters(body, chat)
+            stream = bool(body.stream)
+            call = dispatch.submit(request.scope, "generate", model.name, parameters, stream=stream)
+            reply = Reply(chat, body.model, bool(body.stream_options and body.stream_options.include_usage))
+            if not stream:
+                header, _ = await dispatch.final(call, request.receive)
+                if not header.get("ok"):
+                    raise _failure(header)
+                return JSONResponse(reply.whole(header))
+            # Wait for the first event before answering, so a request the engine refuses gets
+            # its 4xx instead of a 200 stream that ends in an error.
+            first = await dispatch.next(call, request.receive)
+            if first[0] == "reply" and not first[1].get("ok"):
+                raise _failure(first[1])
+            return EventSourceResponse(_events(dispatch, call, reply, first), sep="\n", ping=15)
+        except ClientGone:
+            return Response(status_code=499)
+        except Exception as exc:
+            if call is not None:
+                dispatch.cancel(call, "the HTTP request failed")
+            if not isinstance(exc, (ApiError, OutriderError)):
+                log.exception("HTTP %s failed", request.url.path)
+            return ApiError.of(exc).response()
+
+    async def embeddings(request: Request) -> Response:
+        try:
+            body = await _parse(request, EmbeddingRequest, limit)
+            model = model_named(body.model, generates=False)
+            text_input, vector_output = _embedding_contract(model)
+            texts = [body.input] if isinstance(body.input, str) else body.input
+            if not texts:
+                raise _bad("'input' must not be empty", "input")
+            buffer = encode_bytes_tensor(np.array(texts, dtype=object))
+            spec = {"name": text_input, "datatype": "BYTES", "shape": [len(texts)]}
+            call = dispatch.submit(request.scope, "infer", model.name, {}, [spec], [buffer])
+            header, outputs = await dispatch.final(call, request.receive)
+            if not header.get("ok"):
+                raise _failure(header)
+            vectors = np.asarray(outputs[vector_output], dtype="<f4")
+            if body.dimensions is not None and body.dimensions != vectors.shape[1]:
+                raise _bad(f"model '{model.name}' returns {vectors.shape[1]} dimensions; 'dimensions' "
+                           f"cannot change that", "dimensions")
+            if body.encoding_format == "base64":
+                data = [base64.b64encode(np.ascontiguousarray(v).tobytes()).decode("ascii") for v in vectors]
+            else:
+                data = vectors.tolist()
+            return JSONResponse({
+                "object": "list",
+                "data": [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(data)],
+                "model": model.name,
+                # The embedding task does not report token counts.
+                "usage": {"prompt_tokens": 0, "total_tokens": 0},
+            })
+        except ClientGone:
+            return Response(status_code=499)
+        except Exception as exc:
+            if not isinstance(exc, (ApiError, OutriderError)):
+                log.exception("HTTP %s failed", request.url.path)
+            return ApiError.of(exc).response()
+
+    return [
+        Route("/v1/models", list_models),
+        Route("/v1/models/{name:path}", get_model),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/embeddings", embeddings, methods=["POST"]),
+    ]
+
+
+def _failure(header: dict) -> ApiError:
+    failure = header.get("error") or {}
+    code, message = failure.get("code", "internal"), failure.get("message", "")
+    return ApiError(status_of(code), message, code, _param_named(message))
+
+
+def _embedding_contract(model: Any) -> tuple[str, str]:
+    """(text input, vector output) of a model that embeds text: one BYTES input, one 2-D FP32 output."""
+    m = model.manifest
+    if (len(m.inputs) == 1 and m.inputs[0].datatype == "BYTES" and len(m.outputs) == 1
+            and m.outputs[0].datatype == "FP32" and len(m.outputs[0].shape) == 2):
+        return m.inputs[0].name, m.outputs[0].name
+    raise _bad(f"model '{model.name}' does not embed text (it needs one BYTES input and one [N, D] FP32 output)",
+               "model")
+
+
+def _generation_parameters(body: Any, chat: bool) -> dict[str, Any]:
+    """The core's generate parameters from a completion request (ranges are the engine's to check)."""
+    if body.n not in (None, 1):
+        raise _bad("only n=1 is supported", "n")
+    parameters: dict[str, Any] = {}
+    if chat:
+        messages = []
+        for index, message in enumerate(body.messages):
+            content = message.content
+            if isinstance(content, list):
+                if any(part.type != "text" for part in content):
+                    raise _bad(f"messages[{index}].content: only text parts are supported", "messages")
+                content = "".join(part.text or "" for part in content)
+            messages.append({"role": message.role, "content": content or ""})
+        parameters["messages"] = messages
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    else:
+        prompt = body.prompt
+        if isinstance(prompt, list):
+            if len(prompt) != 1:
+                raise _bad("'prompt' must be one string (a list of several prompts is not supported)", "prompt")
+            prompt = prompt[0]
+        parameters["prompt"] = prompt
+        max_tokens = body.max_tokens
+    for name, value in (("max_tokens", max_tokens), ("temperature", body.temperature), ("top_p", body.top_p),
+                        ("top_k", body.top_k), ("seed", body.seed), ("speculative", body.speculative),
+                        ("timeout_ms", body.timeout_ms)):
+        if value is not None:
+            parameters[name] = value
+    if body.stop is not None:
+        parameters["stop"] = [body.stop] if isinstance(body.stop, str) else body.stop
+    if body.stream:
+        parameters["stream"] = True
+    return parameters
+
+
+class Reply:
+    """OpenAI's response objects for one generation: whole, or as stream chunks."""
+
+    def __init__(self, chat: bool, model: str, include_usage: bool) -> None:
+        self.chat, self.model, self.include_usage = chat, model, include_usage
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.object = "chat.completion" if chat else "text_completion"
+
+    def _base(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def whole(self, header: dict) -> dict[str, Any]:
+        reason = _finish_reason(header)
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": header.get("text", "")},
+                      "finish_reason": reason, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": header.get("text", ""), "finish_reason": reason, "logprobs": None}
+        return {**self._base(self.object), "choices": [choice], "usage": usage(header.get("stats") or {})}
+
+    def chunk(self, text: Optional[str], reason: Optional[str] = None, role: bool = False) -> dict[str, Any]:
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
+            if text:
+                delta["content"] = text
+            choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+            out = {**self._base("chat.completion.chunk"), "choices": [choice]}
+        else:
+            choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
+            out = {**self._base("text_completion"), "choices": [choice]}
+        if self.include_usage:
+            out["usage"] = None
+        return out
+
+    def usage_chunk(self, header: dict) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return {**self._base(obj), "choices": [], "usage": usage(header.get("stats") or {})}
+
+
+def usage(stats: dict) -> dict[str, Any]:
+    prompt, completion = int(stats.get("prompt_tokens", 0)), int(stats.get("new_tokens", 0))
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        # Extension: what speculative decoding did for this request.
+        "speculative": {key: stats.get(key, 0) for key in
+                        ("steps", "draft_tokens", "accepted_tokens", "mean_accepted_length")},
+    }
+
+
+def _finish_reason(header: dict) -> str:
+    return "length" if header.get("finish_reason") == "length" else "stop"
+
+
+def _data(obj: Any) -> dict[str, str]:
+    return {"data": json.dumps(obj, separators=(",", ":"), ensure_ascii=False)}
+
+
+async def _events(dispatch: Dispatcher, call: Call, reply: Reply,
+                  first: tuple[str, dict, Optional[dict]]) -> AsyncIterator[dict[str, str]]:
+    """The SSE stream; if the client goes away (the task is cancelled), so does the generation."""
+    try:
+        if reply.chat:
+            yield _data(reply.chunk(None, role=True))
+        item = first
+        while True:
+            kind, header, _ = item
+            if kind == "chunk":
+                if header.get("text"):
+                    yield _data(reply.chunk(header["text"]))
+            elif header.get("ok"):
+                yield _data(reply.chunk(None, _finish_reason(header)))
+                if reply.include_usage:
+                    yield _data(reply.usage_chunk(header))
+                break
+            else:  # failed mid-stream: the openai client raises on an event carrying "error"
+                yield _data(_failure(header).body())
+                break
+            item = await call.next()
+        yield {"data": "[DONE]"}
+    finally:
+        dispatch.cancel(call)  # a no-op once the final reply came
