@@ -2,8 +2,11 @@
 """Benchmarks that compare side by side, in one run, and print a table.
 
   python tools/bench.py overhead    echo model vs a raw pyzmq DEALER<->ROUTER echo (same payload)
-  python tools/bench.py coldstart   process start -> ready, for a manifest (cached artifacts)
-  python tools/bench.py batching    minilm with dynamic batching vs without, and ORT offline
+  python tools/bench.py coldstart   process start -> ready, for a manifest (cached artifacts);
+                                    --http HOST:PORT waits for HTTP GET /v2/health/ready instead
+  python tools/bench.py batching    minilm with dynamic batching vs without, and ORT offline;
+                                    --clients 1,2,4,8,16,32 sets the curve, --plot [DIR] draws it
+                                    (DIR/batching.png, default docs/; needs matplotlib: outrider[bench])
   python tools/bench.py quantize    float vs quantized MiniLM and SmolLM2, with and without
                                     speculation, and llama.cpp when installed (tools/bench_quantize.py)
   python tools/bench.py bulk        one infer of 1,024 and 256 mixed-length sentences through a server,
@@ -70,10 +73,11 @@ class _RawEcho:
         self.proc.wait()
 
 
-def _start_server(manifests: list[str], address: str, env_extra: dict | None = None) -> subprocess.Popen:
+def _start_server(manifests: list[str], address: str, env_extra: dict | None = None,
+                  args: list[str] | None = None) -> subprocess.Popen:
     env = dict(os.environ, **(env_extra or {}))
     return subprocess.Popen(
-        [sys.executable, "-m", "outrider.cli", "serve", *manifests, "--bind", address],
+        [sys.executable, "-m", "outrider.cli", "serve", *manifests, "--bind", address, *(args or [])],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, cwd=ROOT,
     )
 
@@ -91,6 +95,24 @@ def _wait_ready(address: str, timeout: float = 120.0) -> float:
                 pass
             time.sleep(0.005)
     raise RuntimeError(f"server on {address} not ready within {timeout}s")
+
+
+def _wait_http_ready(http: str, timeout: float = 120.0) -> float:
+    """Poll GET http://HOST:PORT/v2/health/ready until it answers 200 (what a Knative or KServe
+    readiness probe asks); the moment it did."""
+    import urllib.error
+    import urllib.request
+
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            with urllib.request.urlopen(f"http://{http}/v2/health/ready", timeout=0.5) as reply:
+                if reply.status == 200:
+                    return time.monotonic()
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.005)
+    raise RuntimeError(f"http://{http}/v2/health/ready not 200 within {timeout}s")
 
 
 def _interleaved(raw_addr: str, our_addr: str, n: int, payload: np.ndarray) -> tuple[list[float], list[float]]:
@@ -141,32 +163,41 @@ def bench_overhead(n: int) -> None:
               f"{ours[0] / raw[0]:>10.2f}x{ours[1] / raw[1]:>10.2f}x")
 
 
-def bench_coldstart(manifest: str, runs: int) -> None:
+def bench_coldstart(manifest: str, runs: int, http: str | None = None) -> None:
+    """Process start to ready: ZeroMQ `health` ready, or with `http` GET /v2/health/ready 200."""
     tmp = tempfile.mkdtemp(prefix="outrider-bench-")
     address = f"ipc://{tmp}/cold.sock"
+    args = ["--http", http] if http else []
+    plugins = {"OUTRIDER_PLUGINS": "echo,http"} if http else {"OUTRIDER_PLUGINS": "echo"}
+
+    def ready() -> float:
+        return _wait_http_ready(http) if http else _wait_ready(address)
+
     # First start fills the artifact cache (ONNX export); not counted.
-    proc = _start_server([manifest], address)
+    proc = _start_server([manifest], address, args=args)
     t_first0 = time.monotonic()
     _wait_ready(address, timeout=600)
+    if http:
+        _wait_http_ready(http)
     first = time.monotonic() - t_first0
     proc.terminate()
     proc.wait(30)
     times = []
     for _ in range(runs):
         t0 = time.monotonic()
-        proc = _start_server([manifest], address)
-        ready = _wait_ready(address)
-        times.append(ready - t0)
+        proc = _start_server([manifest], address, args=args)
+        times.append(ready() - t0)
         proc.terminate()
         proc.wait(30)
     echo = []
     for _ in range(runs):
         t0 = time.monotonic()
-        proc = _start_server([str(ROOT / "manifests/echo.yaml")], address, {"OUTRIDER_PLUGINS": "echo"})
-        echo.append(_wait_ready(address) - t0)
+        proc = _start_server([str(ROOT / "manifests/echo.yaml")], address, plugins, args=args)
+        echo.append(ready() - t0)
         proc.terminate()
         proc.wait(30)
-    print(f"\ncold start: process start -> health ready ({runs} runs, seconds)")
+    what = f"GET http://{http}/v2/health/ready 200" if http else "health ready"
+    print(f"\ncold start: process start -> {what} ({runs} runs, seconds)")
     print(f"{'manifest':<28}{'median':>8}{'min':>8}{'max':>8}")
     print(f"{Path(manifest).name + ' (first, fills cache)':<28}{first:>8.2f}{first:>8.2f}{first:>8.2f}")
     print(f"{Path(manifest).name + ' (cached)':<28}{np.median(times):>8.2f}{min(times):>8.2f}{max(times):>8.2f}")
@@ -276,6 +307,7 @@ def _server_rows(manifest: str, label: str, levels: list[int], seconds: float, s
             with _OtherLoad(proc.pid) as other:
                 latencies = _closed_loop(address, "minilm", clients, seconds, warmup=0.5)
             row = _row(f"{label} @{clients}", len(latencies), seconds, latencies)
+            row["clients"] = clients
             row["batch"] = _mean_batch(before, _batch_sizes(Client, address))
             row["other"] = other.share
             rows.append(row)
@@ -359,14 +391,15 @@ def _bucketing_rows(manifest, backend, rounds: int) -> list[tuple[str, float, fl
     return out
 
 
-def bench_batching(manifest: str, seconds: float, sets: list[str]) -> None:
+def bench_batching(manifest: str, seconds: float, sets: list[str], levels: list[int] | None = None,
+                   plot: Path | None = None) -> None:
     """minilm served with its batching section and without it, and ORT alone, in one run."""
     from outrider.manifest import load_manifest
 
     loaded = load_manifest(manifest, sets)
     if loaded.batching is None:
         raise SystemExit(f"{manifest} has no 'batching' section to compare against")
-    levels = [1, 8, 32]
+    levels = sorted({1, 32, *(levels or [8])})  # the ratios below read 1 and 32
 
     _, backend = _offline_backend(manifest, sets)  # also fills the ONNX cache before any server starts
     offline = _offline_rows(backend, [1, 32], seconds)
@@ -399,6 +432,17 @@ def bench_batching(manifest: str, seconds: float, sets: list[str]) -> None:
     print(f"{'lengths':<16}{'padded':>9}{'bucketed':>10}{'calls':>7}{'speed-up':>10}")
     for label, padded, bucketed, calls in buckets:
         print(f"{label:<16}{padded:>9.1f}{bucketed:>10.1f}{calls:>7}{padded / bucketed:>9.2f}x")
+    if plot is not None:
+        import bench_plot
+
+        load = os.getloadavg()[0]
+        caption = (f"{Path(manifest).name}, one short sentence per request, {seconds:g} s per point, "
+                   f"{os.cpu_count()} CPUs shared (load {load:.1f}); max_batch_size {b.max_batch_size}, "
+                   f"max_queue_delay_ms {b.max_queue_delay_ms:g}. $ python tools/bench.py batching "
+                   f"--clients {','.join(map(str, levels))} --seconds {seconds:g} --plot")
+        path = bench_plot.plot_batching({"batched": batched, "unbatched": unbatched}, offline,
+                                        plot / "batching.png", caption)
+        print(f"\nplot: {path}")
 
 
 def main() -> None:
@@ -411,13 +455,23 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a manifest field for every row, e.g. --set instances=2; batching.* "
                              "fields apply to the batched server only")
+    parser.add_argument("--clients", default="1,8,32", help="batching: closed-loop client counts (1 and 32 always)")
+    parser.add_argument("--plot", nargs="?", type=Path, const=ROOT / "docs", metavar="DIR",
+                        help="batching: write DIR/batching.png (default docs/; needs matplotlib)")
+    parser.add_argument("--http", metavar="HOST:PORT", help="coldstart: also serve HTTP and wait for its readiness")
     args = parser.parse_args()
+    if args.plot is not None:
+        sys.path.insert(0, str(ROOT / "tools"))
+        import bench_plot
+
+        bench_plot._pyplot()  # fail now, not after the benchmark, when matplotlib is missing
     if args.what in ("overhead", "all"):
         bench_overhead(args.n)
     if args.what in ("coldstart", "all"):
-        bench_coldstart(args.manifest, args.runs)
+        bench_coldstart(args.manifest, args.runs, args.http)
     if args.what in ("batching", "all"):
-        bench_batching(args.manifest, args.seconds, args.set)
+        bench_batching(args.manifest, args.seconds, args.set,
+                       [int(c) for c in args.clients.split(",") if c.strip()], args.plot)
     if args.what in ("quantize", "all"):
         sys.path.insert(0, str(ROOT / "tools"))
         import bench_quantize

@@ -3,7 +3,7 @@
 
   python tools/bench_spec.py [--prompts 8] [--chat 4] [--tokens 96] [--rounds 1]
                              [--dtype fp32|bf16] [--quantize int8|int4] [--rows main|all]
-                             [--temperatures 0,1] [--transformers]
+                             [--temperatures 0,1] [--transformers] [--plot [PNG]]
 
 Rows (engines built once, then reused): plain decoding in this runtime (speculative off), and
 speculative decoding with n-gram + the trained draft head, once with the head's top-k children
@@ -24,6 +24,9 @@ request first, untimed. Timings are wall clock per request, prefill included.
 Columns: tokens/s, speedup over plain, tokens per decode step (the first token comes from the
 prefill and is not counted), drafted nodes per step, and whether greedy output is identical to
 plain (it must be: `yes`).
+
+`--plot` also draws the tables as grouped bars, tokens/s with the speed-up over plain on each bar
+(default docs/speculation.png; needs matplotlib: pip install 'outrider[bench]').
 """
 
 from __future__ import annotations
@@ -213,7 +216,14 @@ def main() -> None:
     parser.add_argument("--rows", choices=("main", "all"), default="main")
     parser.add_argument("--temperatures", default="0,1", help="comma-separated, e.g. 0,1")
     parser.add_argument("--transformers", action="store_true", help="add transformers' generate as references")
+    parser.add_argument("--plot", nargs="?", type=Path, const=ROOT / "docs" / "speculation.png", metavar="PNG",
+                        help="also write the tables as a bar chart (default docs/speculation.png)")
     args = parser.parse_args()
+    if args.plot is not None:
+        sys.path.insert(0, str(ROOT / "tools"))
+        import bench_plot
+
+        bench_plot._pyplot()  # fail now, not after the benchmark, when matplotlib is missing
 
     import torch
 
@@ -251,6 +261,7 @@ def main() -> None:
     print(f"SmolLM2-135M-Instruct {label}, {args.threads} threads, {args.tokens} new tokens, one request at a time")
     print(f"machine: {machine()}, {os.cpu_count()} CPUs visible")
     print(f"rounds: {args.rounds}; rows interleaved per prompt (order rotated per prompt); seeds = prompt index")
+    plotted: list[dict] = []
     for set_name, prompts in sets:
         for row in rows:
             row.tally = {}
@@ -273,6 +284,15 @@ def main() -> None:
                 rate = tally.rate()
                 print(f"{row.name:<30}{rate:>10.1f}{rate / plain.rate():>8.2f}x{per_step:>13}{drafted:>14}{same:>11}")
             sys.stdout.flush()
+            plotted.append({"title": f"{set_name}, T={temperature:g}",
+                            "rows": [(row.name, row.tally[temperature].rate()) for row in rows]})
+    if args.plot is not None:
+        load = os.getloadavg()[0]
+        caption = (f"SmolLM2-135M-Instruct {label}, {args.threads} threads, {args.tokens} new tokens, "
+                   f"{args.prompts} HumanEval + {args.chat} chat prompts x {args.rounds} round(s), "
+                   f"load {load:.1f} on {os.cpu_count()} shared CPUs. $ python tools/bench_spec.py "
+                   f"{' '.join(sys.argv[1:])}")
+        print(f"\nplot: {bench_plot.plot_speculation(plotted, args.plot, caption)}")
 
 
 if __name__ == "__main__":
