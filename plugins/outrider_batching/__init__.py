@@ -470,6 +470,11 @@ class _Piece:
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return {name: tuple(array.shape) for name, array in self.inputs.items()}
 
+    @property
+    def rows(self) -> int:
+        """The request's rows: a piece that is answered (not DEFERRED) answers its whole request."""
+        return self.parent.rows
+
     def finish(self, result: Any) -> Any:
         """This piece's result as the scheduler should report it: an error, DEFERRED, or all rows."""
         if isinstance(result, OutriderError):
