@@ -130,3 +130,22 @@ def test_a_client_that_leaves_has_its_queued_requests_cancelled(server_factory, 
     with server.client() as client:
         stats = client.health()["models"]["slow"]["stats"]
     assert stats["failures"].get("cancelled", 0) >= 20, stats
+
+
+def test_a_scheduler_bug_still_answers_every_request_of_its_batch(server_factory, tmp_path):
+    """A batch policy that loses its results: each request gets one `internal` reply (not silence),
+    the instance is replaced, and the model serves again."""
+    manifest = write_manifest(tmp_path, "name: buggy\nbackend: echo\nbatching: {max_batch_size: 4}\n")
+    server = server_factory([manifest], ["outrider_echo", "outrider_test_bad_policy"])
+    sock = _dealer(server.address)
+    try:
+        for rid in range(3):
+            sock.send_multipart(encode_message("infer", {"id": rid, "model": "buggy"},
+                                               {"x": np.zeros((1, 2), np.float32)}))
+        replies = [h for _, h in _read(sock, 3.0)]
+    finally:
+        sock.close(0)
+    assert sorted(h["id"] for h in replies) == [0, 1, 2], replies
+    codes = {h["error"]["code"] for h in replies}
+    assert codes <= {"internal", "unavailable"} and "internal" in codes, replies
+    assert "scheduler returned 0 results for" in server.log()

@@ -25,6 +25,7 @@ from .backend import Backend, BackendChoice
 from .errors import (
     CancelledError,
     ExecutionError,
+    InternalError,
     ModelNotReadyError,
     OutriderError,
     OverloadedError,
@@ -498,6 +499,24 @@ class Instance(threading.Thread):
         return live
 
     def _execute(self, batch: list[PendingRequest]) -> None:
+        """Run one batch and answer every request in it exactly once, whatever goes wrong.
+
+        A bug on the way to or from the backend (not the backend's own exception, which fails
+        the batch's requests) still answers each unanswered request with `internal`, then lets
+        the loop replace this instance.
+        """
+        try:
+            self._run_batch(batch)
+        except Exception as exc:
+            if not isinstance(exc, InstanceCrashed):
+                error = InternalError(f"model {self.model.name!r}: {type(exc).__name__}: {exc}")
+                for request in batch:
+                    if request.claim():
+                        self.model.stats.failure(error.code)
+                        request.fail(error, claimed=True)
+            raise
+
+    def _run_batch(self, batch: list[PendingRequest]) -> None:
         model = self.model
         gone = self._gone()
         if gone is not None:
@@ -528,6 +547,8 @@ class Instance(threading.Thread):
             self.busy_since = None
             self.current = []
         compute = time.monotonic() - start
+        if len(results) != len(batch):  # a scheduler bug: _execute answers the batch `internal`
+            raise RuntimeError(f"the scheduler returned {len(results)} results for {len(batch)} requests")
         if crashed is not None:  # health says so before the clients hear of it
             self._fail(crashed.reason)
         if batch:
