@@ -36,6 +36,7 @@ CRDS = {
     ("serving.kserve.io/v1beta1", "InferenceService"): "inferenceservices.serving.kserve.io.json",
     ("serving.kserve.io/v1alpha1", "ServingRuntime"): "servingruntimes.serving.kserve.io.json",
     ("keda.sh/v1alpha1", "ScaledObject"): "scaledobjects.keda.sh.json",
+    ("ray.io/v1", "RayService"): "rayservices.ray.io.json",  # KubeRay v1.7.0 (deploy/ray, docs/RAY.md)
 }
 #: fields of a Knative RevisionSpec that are not PodSpec fields
 KNATIVE_REVISION_FIELDS = {"containerConcurrency", "timeoutSeconds", "responseStartTimeoutSeconds", "idleTimeoutSeconds"}
@@ -60,7 +61,7 @@ def _ids(items: list[tuple[str, Any]]) -> list[str]:
 def test_deploy_has_each_example() -> None:
     kinds = {(doc["apiVersion"], doc["kind"]) for _, doc in DOCUMENTS}
     assert ("apps/v1", "Deployment") in kinds  # sidecar, ZeroMQ + CURVE
-    assert set(CRDS) <= kinds  # KServe runtime + service, KEDA
+    assert set(CRDS) <= kinds  # KServe runtime + service, KEDA, KubeRay
     assert ("serving.knative.dev/v1", "Service") in kinds  # serverless
 
 
@@ -132,6 +133,9 @@ def test_strict_schemas_catch_a_misspelled_field() -> None:
     scaled = copy.deepcopy(docs["ScaledObject"])
     scaled["spec"]["maxReplicas"] = 3
     assert list(_crd_validator(CRDS[("keda.sh/v1alpha1", "ScaledObject")]).iter_errors(scaled))
+    rayservice = copy.deepcopy(docs["RayService"])
+    rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["maxReplica"] = 3
+    assert list(_crd_validator(CRDS[("ray.io/v1", "RayService")]).iter_errors(rayservice))
     deployment = copy.deepcopy(docs["Deployment"])
     deployment["spec"]["template"]["spec"]["containers"][0]["comand"] = ["x"]
     with pytest.raises(AssertionError):
@@ -160,6 +164,11 @@ def _pod_specs(doc: dict) -> Iterator[dict]:
         yield doc["spec"]
     elif kind == "InferenceService":
         yield doc["spec"]["predictor"]
+    elif kind == "RayService":
+        cluster = doc["spec"]["rayClusterConfig"]
+        yield cluster["headGroupSpec"]["template"]["spec"]
+        for group in cluster.get("workerGroupSpecs", []):
+            yield group["template"]["spec"]
 
 
 def _containers(doc: dict) -> Iterator[dict]:

@@ -24,14 +24,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
-from conftest import MANIFESTS, TEST_PLUGINS
+from conftest import MANIFESTS, ROOT, TEST_PLUGINS
 
 sys.path.insert(0, str(TEST_PLUGINS))  # in-process replicas register test plugins by module name
 
 ECHO = str(MANIFESTS / "echo.yaml")
 TINY = {"name": "tiny", "backend": "hf-llama", "options": {"seed": 3},
         "speculative": {"drafters": ["ngram"], "max_draft_tokens": 8}}
+RAYSERVICE = ROOT / "deploy" / "ray" / "rayservice.yaml"
 
 
 def test_importing_outrider_does_not_import_ray() -> None:
@@ -159,6 +161,26 @@ def test_builders_set_replicas_autoscaling_and_resources(orray) -> None:
     with pytest.raises(ValueError, match="needs manifests"):
         orray.build({})
     AutoscalingConfig(**orray.DEFAULT_AUTOSCALING)
+
+
+def test_rayservice_serve_config_builds_the_app(orray) -> None:
+    """deploy/ray/rayservice.yaml's serveConfigV2 is a valid Serve config whose import path and
+    arguments build this deployment (the RayService object is checked against KubeRay's CRD in
+    tests/test_deploy.py)."""
+    from ray.serve.schema import ServeDeploySchema
+
+    doc = yaml.safe_load(RAYSERVICE.read_text())
+    config = ServeDeploySchema(**yaml.safe_load(doc["spec"]["serveConfigV2"]))
+    (application,) = config.applications
+    module, _, attribute = application.import_path.partition(":")
+    assert (module, attribute) == ("outrider.integrations.ray", "build")
+    app = orray.build(application.args)
+    options = _options(app)
+    assert options["name"] == orray.DEPLOYMENT_NAME
+    assert options["autoscaling"]["target_ongoing_requests"] <= options["max_ongoing_requests"]
+    assert [d.name for d in application.deployments] == [orray.DEPLOYMENT_NAME]
+    for path in application.args["manifests"]:  # what the image in docs/RAY.md provides
+        assert path in ("/opt/outrider/models/minilm/manifest.yaml",) or path.startswith("/opt/outrider/manifests/")
 
 
 # -- a local Ray cluster -------------------------------------------------------------------------

@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
-"""Vendor the OpenAPI schemas of the KServe and KEDA custom resources that deploy/ uses.
+"""Vendor the OpenAPI schemas of the KServe, KEDA and KubeRay custom resources that deploy/ uses.
 
     python tools/vendor_crd_schemas.py --kserve PATH/TO/kserve --kserve-ref v0.20.0 \
-                                       --keda PATH/TO/keda --keda-ref v2.20.2
+                                       --keda PATH/TO/keda --keda-ref v2.20.2 \
+                                       --kuberay PATH/TO/kuberay --kuberay-ref v1.7.0
 
-Each PATH is a git clone of github.com/kserve/kserve or github.com/kedacore/keda; the CRD files
+Each PATH is a git clone of github.com/kserve/kserve, github.com/kedacore/keda or
+github.com/ray-project/kuberay (give any of them: only those are rewritten); the CRD files
 are read at the given tag with `git show`, so the result does not depend on the work tree. Only
 the schema of the served storage version is kept, and from the InferenceService only what a
 predictor needs (the `canary`, `explainer`, `transformer`, `predictor.workerSpec` and `status`
@@ -36,6 +38,9 @@ SOURCES = {
     ]),
     "keda": ("https://github.com/kedacore/keda", [
         ("config/crd/bases/keda.sh_scaledobjects.yaml", {"": ["status"]}),
+    ]),
+    "kuberay": ("https://github.com/ray-project/kuberay", [
+        ("ray-operator/config/crd/bases/ray.io_rayservices.yaml", {"": ["status"]}),
     ]),
 }
 
@@ -83,12 +88,17 @@ def vendor(name: str, repo: Path, ref: str) -> list[Path]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--kserve", type=Path, required=True, help="git clone of kserve/kserve")
+    parser.add_argument("--kserve", type=Path, help="git clone of kserve/kserve")
     parser.add_argument("--kserve-ref", default="v0.20.0")
-    parser.add_argument("--keda", type=Path, required=True, help="git clone of kedacore/keda")
+    parser.add_argument("--keda", type=Path, help="git clone of kedacore/keda")
     parser.add_argument("--keda-ref", default="v2.20.2")
+    parser.add_argument("--kuberay", type=Path, help="git clone of ray-project/kuberay")
+    parser.add_argument("--kuberay-ref", default="v1.7.0")
     args = parser.parse_args()
-    for name, repo, ref in (("kserve", args.kserve, args.kserve_ref), ("keda", args.keda, args.keda_ref)):
+    given = [(name, getattr(args, name), getattr(args, f"{name}_ref")) for name in SOURCES if getattr(args, name)]
+    if not given:
+        parser.error("give at least one of --kserve, --keda, --kuberay")
+    for name, repo, ref in given:
         for path in vendor(name, repo, ref):
             print(f"{path.relative_to(ROOT)}: {path.stat().st_size / 1024:.0f} KiB")
 
