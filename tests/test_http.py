@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
+import json
+import os
 import socket
 import subprocess
 import sys
@@ -370,6 +372,12 @@ def test_core_imports_no_http_stack_and_http_needs_its_plugin(tmp_path):
                               "--plugin", "outrider_echo", "--bind", f"ipc://{tmp_path}/s.sock",
                               "--http", "127.0.0.1:1"], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert refused.returncode == 2 and "no plugin registers front 'http'" in refused.stderr
+    # The built-in front loads through the entry-point group like any plugin, and says it can run here.
+    listed = subprocess.run([sys.executable, "-m", "outrider.cli", "plugins", "--json"], capture_output=True,
+                            text=True, timeout=60, cwd=ROOT, env={**os.environ, "OUTRIDER_PLUGINS": "http"})
+    [http] = json.loads(listed.stdout)
+    assert http["hooks"] == ["outrider_register_fronts"]
+    assert http["fronts"] == [{"name": "http", "available": True, "reason": ""}]
 
 
 # -- SmolLM2 ----------------------------------------------------------------------------------

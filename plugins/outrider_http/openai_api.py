@@ -90,6 +90,7 @@ UNSUPPORTED = {
     "suffix": (None, ""), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
     "repetition_penalty": (None, 1, 1.0), "logit_bias": (None, {}), "tools": (None, []),
     "functions": (None, []), "audio": (None,), "prediction": (None,), "modalities": (None, ["text"]),
+    "response_format": (None, {"type": "text"}),
 }
 
 
