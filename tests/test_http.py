@@ -361,6 +361,25 @@ def test_metrics_carry_outrider_triton_and_vllm_names(http_server):
     assert ("vllm:time_to_first_token_seconds_count", "minilm") not in samples  # only generating models
 
 
+def test_sigterm_drains_http_requests_too(server_factory, tmp_path):
+    slow = write_manifest(tmp_path, "name: slow\nbackend: echo\noptions: {delay_ms: 600}\n", "slow.yaml")
+    port = free_port()
+    server = server_factory([slow], ["outrider_echo", "outrider_http"], args=["--http", f"127.0.0.1:{port}"])
+    url = f"http://127.0.0.1:{port}/v2/models/slow/infer"
+    body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [1.5]}]}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool, httpx.Client(timeout=30) as http:
+        running = pool.submit(httpx.post, url, json=body, timeout=30)
+        time.sleep(0.2)  # executing now
+        server.proc.terminate()
+        time.sleep(0.1)
+        assert http.get(f"http://127.0.0.1:{port}/v2/health/ready").status_code == 503  # draining
+        refused = http.post(url, json=body)
+        assert refused.status_code == 503 and "shutting down" in refused.json()["error"]
+        answered = running.result()
+    assert answered.status_code == 200 and answered.json()["outputs"][0]["data"] == [1.5]
+    assert server.proc.wait(30) == 0
+
+
 # -- the core stays free of the HTTP stack ----------------------------------------------------
 
 
