@@ -265,6 +265,7 @@ def bench_bulk(manifest: str, sizes: list[int], rounds: int, sets: list[str]) ->
     if have_st:
         columns.append(("st:encode", "sentence-transformers 32"))
     rates: dict[tuple[str, int], list[float]] = {}
+    others: dict[tuple[str, int], list[float]] = {}
     small: dict[int, list[float]] = {n: [] for n in sizes}
     idle: list[float] = []
     server_out: dict[int, np.ndarray] = {}
@@ -278,7 +279,8 @@ def bench_bulk(manifest: str, sizes: list[int], rounds: int, sets: list[str]) ->
                     sentences = mixed_sentences(n)
                     turn = columns[round_ % len(columns):] + columns[:round_ % len(columns)]
                     for key, _ in turn:
-                        with cpu:
+                        row_cpu = _CpuShare(cpu.pids)
+                        with cpu, row_cpu:
                             if key == "server":
                                 seconds, server_out[n] = _bulk(client, sentences)
                             elif key == "server+small":
@@ -288,6 +290,7 @@ def bench_bulk(manifest: str, sizes: list[int], rounds: int, sets: list[str]) ->
                                 kind, mode = key.split(":")
                                 seconds = workers[kind].run(mode, n)
                         rates.setdefault((key, n), []).append(n / seconds)
+                        others.setdefault((key, n), []).append(row_cpu.share)
                     idle.extend(_idle_latency(client))
                 print(f"round {round_ + 1}/{rounds} done", file=sys.stderr, flush=True)
     finally:
@@ -297,24 +300,23 @@ def bench_bulk(manifest: str, sizes: list[int], rounds: int, sets: list[str]) ->
             worker.close()
     load_after = os.getloadavg()
 
-    print(f"\nbulk infer of N mixed-length sentences (1-45 words, German, emoji) to {Path(manifest).name}; "
-          f"{rounds} interleaved rounds; sentences/s, median (min-max)")
+    print(f"\nbulk infer of N mixed-length sentences (1-45 words, German, emoji) to {Path(manifest).name}, "
+          f"{rounds} interleaved rounds, sentences/s")
     print(f"machine: {os.cpu_count()} CPUs; load average {load_before[0]:.1f} before, {load_after[0]:.1f} after; "
           f"processes outside this benchmark used {cpu.share:.0%} of the CPU while it measured")
-    header = f"{'path':<28}" + "".join(f"{f'N={n}':>24}" for n in sizes)
-    if have_st:
-        header += "".join(f"{f'/ST N={n}':>11}" for n in sizes)
-    print(header)
-    for key, label in columns:
-        row = f"{label:<28}"
-        for n in sizes:
+    print("best: the least disturbed round; per-round /ST: the median over rounds of this row's rate over "
+          "sentence-transformers' in the same round; other CPU: median share other processes took during the row")
+    print(f"{'N':>5}  {'path':<28}{'best':>7}{'median':>8}{'min':>6}{'best/ST':>9}{'per-round/ST':>14}{'other CPU':>11}")
+    for n in sizes:
+        for key, label in columns:
             r = rates[(key, n)]
-            row += f"{f'{np.median(r):.0f} ({min(r):.0f}-{max(r):.0f})':>24}"
-        if have_st:
-            for n in sizes:  # per-round ratios, so load drift between rounds cancels
-                ratios = np.array(rates[(key, n)]) / np.array(rates[("st:encode", n)])
-                row += f"{np.median(ratios):>10.2f}x"
-        print(row)
+            row = f"{n:>5}  {label:<28}{max(r):>7.0f}{np.median(r):>8.0f}{min(r):>6.0f}"
+            if have_st:
+                st = rates[("st:encode", n)]
+                row += f"{max(r) / max(st):>8.2f}x{np.median(np.array(r) / np.array(st)):>13.2f}x"
+            else:
+                row += f"{'':>9}{'':>14}"
+            print(row + f"{np.median(others[(key, n)]):>11.0%}")
     idle_ms = np.array(idle) * 1e3
     print(f"\none short sentence from a second client, ms: idle server p50 {np.percentile(idle_ms, 50):.1f}")
     for n in sizes:
