@@ -36,7 +36,7 @@ def plot_batching(curves: dict[str, Sequence[dict]], offline: Iterable[dict], pa
     whose `other` (share of the machine's CPU other processes used meanwhile) is above 20% is
     drawn hollow: a neighbour disturbed that point."""
     plt = _pyplot()
-    from matplotlib.ticker import NullFormatter, ScalarFormatter
+    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.8))
     styles = {"batched": ("#1f77b4", "o"), "unbatched": ("#d62728", "s")}
@@ -61,13 +61,14 @@ def plot_batching(curves: dict[str, Sequence[dict]], offline: Iterable[dict], pa
         xs = sorted({r["clients"] for rows in curves.values() for r in rows})
         ax.set_xticks(xs, [str(x) for x in xs])
     right.set_yscale("log")
+    right.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
     right.yaxis.set_major_formatter(ScalarFormatter())
     right.yaxis.set_minor_formatter(NullFormatter())
     left.set_ylim(bottom=0)
     left.legend(loc="upper left", frameon=False)
     if any((r.get("other") or 0) > 0.2 for rows in curves.values() for r in rows):
-        right.text(0.02, 0.98, "hollow: other processes used > 20% of the CPU meanwhile", transform=right.transAxes,
-                   fontsize=7, color="#555555", va="top")
+        right.text(0.98, 0.02, "hollow: other processes used > 20% of the CPU meanwhile", transform=right.transAxes,
+                   fontsize=7, color="#555555", va="bottom", ha="right")
     left.set_title("throughput", fontsize=9)
     right.set_title("tail latency", fontsize=9)
     fig.tight_layout(rect=(0, 0.07, 1, 1))
