@@ -121,6 +121,30 @@ def test_replica_refuses_to_start_when_a_model_fails(orray) -> None:
         orray.OutriderReplica([ECHO], ["outrider_echo"], overrides=["instances=0"])
 
 
+@pytest.mark.timeout(60)
+def test_a_cancelled_call_cancels_its_request_in_the_replica(orray) -> None:
+    """Serve cancels a call whose caller left (response.cancel(), an HTTP client gone): the queued
+    request is answered `cancelled` in Outrider and never runs."""
+    replica = orray.OutriderReplica([{"name": "slow", "backend": "row-time", "options": {"row_ms": 1500}}],
+                                    ["outrider_test_backends"])
+    try:
+        async def calls():
+            running = asyncio.ensure_future(replica.infer("slow", {"x": np.ones(1, np.float32)}))
+            await asyncio.sleep(0.3)
+            queued = asyncio.ensure_future(replica.infer("slow", {"x": np.full(1, 2, np.float32)}))
+            await asyncio.sleep(0.3)
+            queued.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await queued
+            return await running
+
+        assert asyncio.run(calls())["x"].tolist() == [1.0]
+        stats = replica.health()["models"]["slow"]["stats"]
+        assert stats["failures"].get("cancelled") == 1 and stats["successes"] == 1, stats
+    finally:
+        replica._close(1.0)
+
+
 def _options(app) -> dict:
     deployment = app._bound_deployment  # Serve keeps the options on the bound deployment
     config = deployment._deployment_config
@@ -223,7 +247,10 @@ def cluster(orray, cache_dir):
 def echo_app(orray, cluster):
     from ray import serve
 
-    app = orray.deployment([ECHO], ["outrider_echo"], num_replicas=2, ray_actor_options={"num_cpus": 0.5})
+    # 2 ms of compute per request (an override, as `--set` would give): requests are in flight when a
+    # replica is killed, and the router sees queues to balance (an inline echo answers before it looks)
+    app = orray.deployment([ECHO], ["outrider_echo"], overrides=["options.delay_ms=2"], num_replicas=2,
+                           ray_actor_options={"num_cpus": 0.5})
     handle = serve.run(app, name="echo", route_prefix="/echo")
     yield handle, f"http://127.0.0.1:{cluster}/echo"
     serve.delete("echo")
@@ -264,6 +291,8 @@ def _served(handle, ids) -> dict:
 def test_requests_spread_over_both_replicas(orray, echo_app) -> None:
     import httpx
 
+    from outrider import ModelNotFoundError
+
     handle, url = echo_app
     replicas = _replicas(handle)
     assert len({r["pid"] for r in replicas.values()}) == 2, "two replicas, two actor processes"
@@ -276,6 +305,9 @@ def test_requests_spread_over_both_replicas(orray, echo_app) -> None:
     delta = {rid: after[rid] - before[rid] for rid in replicas}
     print(f"\nhandle infer per replica: {delta}")
     assert sum(delta.values()) == 60 and all(n > 0 for n in delta.values()), delta
+    with pytest.raises(ModelNotFoundError) as refused:  # Outrider's exceptions through Ray, code included
+        handle.infer.remote("nope", {"i": np.array([1])}).result(timeout_s=60)
+    assert refused.value.code == "model_not_found"
 
     # Serve's HTTP ingress: OIP v2 JSON, each answer names its replica
     def post(i: int) -> tuple[int, str]:
