@@ -247,9 +247,10 @@ def cluster(orray, cache_dir):
 def echo_app(orray, cluster):
     from ray import serve
 
-    # 2 ms of compute per request (an override, as `--set` would give): requests are in flight when a
-    # replica is killed, and the router sees queues to balance (an inline echo answers before it looks)
-    app = orray.deployment([ECHO], ["outrider_echo"], overrides=["options.delay_ms=2"], num_replicas=2,
+    # 10 ms of compute per request (an override, as `--set` would give): a replica killed under load
+    # holds requests (with 2 ms, 0-6 of them), and the router sees queues to balance (an inline echo
+    # answers before it looks: 59 of 60 requests went to one replica)
+    app = orray.deployment([ECHO], ["outrider_echo"], overrides=["options.delay_ms=10"], num_replicas=2,
                            ray_actor_options={"num_cpus": 0.5})
     handle = serve.run(app, name="echo", route_prefix="/echo")
     yield handle, f"http://127.0.0.1:{cluster}/echo"
