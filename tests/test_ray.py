@@ -16,6 +16,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import defaultdict
@@ -71,8 +72,14 @@ def test_replica_serves_its_models_in_process(orray) -> None:
     httpx = pytest.importorskip("httpx")
     from outrider import ModelNotFoundError, UnavailableError
 
+    exited = subprocess.Popen([sys.executable, "-c", "pass"])
+    exited.wait()  # a replica killed with SIGKILL leaves its socket directory behind: the next one sweeps it
+    stale = Path(tempfile.gettempdir()) / f"outrider-ray-{exited.pid}-killed"
+    stale.mkdir()
+    (stale / "outrider.sock").touch()
     replica = orray.OutriderReplica([ECHO], ["outrider_echo"])
     tmp = Path(replica.address[len("ipc://"):]).parent
+    assert not stale.exists()
     try:
         assert replica.address.startswith("ipc://") and tmp.is_dir()
         replica.check_health()  # ready: does not raise

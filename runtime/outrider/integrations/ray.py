@@ -149,7 +149,8 @@ class OutriderReplica:
         from ..server import Server
 
         global _REPLICA
-        self._dir = tempfile.mkdtemp(prefix="outrider-ray-")
+        _sweep_dead_replica_dirs()
+        self._dir = tempfile.mkdtemp(prefix=f"outrider-ray-{os.getpid()}-")
         self.address = address or f"ipc://{self._dir}/outrider.sock"
         self.drain_timeout_s = drain_timeout_s
         self.server: Any = None
@@ -584,6 +585,21 @@ def _replica_info(address: str) -> dict[str, Any]:
         info.update(actor_name=runtime.get_actor_name(), actor_id=runtime.get_actor_id(),
                     node_id=runtime.get_node_id())
     return info
+
+
+def _sweep_dead_replica_dirs() -> None:
+    """Remove this user's replica directories (`outrider-ray-PID-*`, a socket each) whose process is
+    gone: a replica that exits cleanly removes its own, one killed (ray.kill, the OOM killer) cannot."""
+    for path in Path(tempfile.gettempdir()).glob("outrider-ray-*-*"):
+        pid = path.name.split("-")[2]
+        try:
+            if not pid.isdigit() or path.stat().st_uid != os.getuid():
+                continue
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except OSError:  # alive under another user (EPERM), or gone meanwhile
+            continue
 
 
 def _reasons(health: dict) -> str:
