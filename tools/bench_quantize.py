@@ -14,7 +14,8 @@ fp32 plain, quantized plain, fp32 + speculation, quantized + speculation, interl
 Decode tokens/s = tokens after the first / time after the first (prefill excluded, as for
 llama.cpp); e2e tokens/s includes prefill. With `llama-cpp-python` installed (an optional
 benchmark dependency: `pip install llama-cpp-python`), llama.cpp runs the same GGUF and prompts
-with the same thread count, decode-only. Ratios are to fp32 plain of the same run; absolute
+with the same thread count, decode-only, in a worker asked right after Outrider's rows of each
+prompt (interleaved, so a busy machine slows both rows alike). Ratios are to fp32 plain of the same run; absolute
 numbers differ between machines. Server RSS is read from /proc (idle after load, and peak).
 """
 
@@ -30,6 +31,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "runtime"), str(ROOT / "plugins"), str(ROOT / "tools")]
@@ -184,6 +186,9 @@ def bench_llm(n_code: int, n_chat: int, tokens: int, threads: int, llama_cpp: bo
     from outrider import Client
 
     prompts = llm_prompts(n_code, n_chat)
+    cpp = LlamaCpp.start(tokens, threads) if llama_cpp else None
+    template = _chat_renderer() if cpp else None
+    reference: dict[str, list[float]] | None = {} if cpp else None
     server = Server([str(ROOT / "manifests/smollm2.yaml"), str(ROOT / "manifests/smollm2-int8.yaml")], threads)
     try:
         server.wait_ready()
@@ -192,7 +197,9 @@ def bench_llm(n_code: int, n_chat: int, tokens: int, threads: int, llama_cpp: bo
         mismatches = {"smollm2": 0, "smollm2-int8": 0}
         with Client(server.address, timeout=600) as client:
             for temperature in (0.0, 1.0):
-                for i, (kind, request) in enumerate(prompts):
+                # A bar on a terminal (stderr, gone when done), nothing in a log: disable=None.
+                for i, (kind, request) in enumerate(tqdm(prompts, desc=f"SmolLM2 T={temperature:g}", leave=False,
+                                                          disable=None)):
                     greedy_tokens: dict[str, list[int]] = {}
                     for label, model, speculative in CONFIGS:
                         result = client.generate(model, max_tokens=tokens, temperature=temperature, seed=1000 + i,
@@ -202,10 +209,16 @@ def bench_llm(n_code: int, n_chat: int, tokens: int, threads: int, llama_cpp: bo
                         if temperature == 0.0:
                             previous = greedy_tokens.setdefault(model, result.token_ids)
                             mismatches[model] += previous != result.token_ids
+                    if cpp is not None and temperature == 0.0:  # right after Outrider's rows for this prompt
+                        text = request["prompt"] if "prompt" in request else template(request["messages"])
+                        rate = cpp.decode_rate(text)
+                        if rate is not None:
+                            reference.setdefault(kind, []).append(rate)
         peak = rss_mb(server.proc.pid)[1]
     finally:
         server.stop()
-    reference = llama_cpp_rows(prompts, tokens, threads) if llama_cpp else None
+        if cpp is not None:
+            cpp.close()
     print(f"\nSmolLM2-135M through outrider serve: {n_code} HumanEval prompts (problems 100+), {n_chat} chat "
           f"prompts, max {tokens} tokens, {threads} threads; median over prompts")
     print(f"server RSS with both models loaded: idle {idle:.0f} MB, peak {peak:.0f} MB; greedy continuations "
@@ -246,25 +259,45 @@ def bench_llm_memory(threads: int) -> None:
         print(f"{manifest:<22}{idle:>12.0f}{peak:>12.0f}")
 
 
-def llama_cpp_rows(prompts: list[tuple[str, dict]], tokens: int, threads: int) -> dict[str, list[float]] | None:
-    """Greedy decode tokens/s of llama.cpp on the same GGUF and prompts (None when not installed).
+class LlamaCpp:
+    """llama.cpp on the same GGUF in a worker subprocess, asked one prompt at a time, so its row
+    is measured interleaved with Outrider's (machine load then hits both alike) and a build for
+    the wrong CPU (SIGILL) costs this row, not the table."""
 
-    Runs in a subprocess: a llama.cpp build for the wrong CPU dies of SIGILL, and that must cost
-    this row, not the table.
-    """
-    import importlib.util
-    import json
+    def __init__(self, tokens: int, threads: int) -> None:
+        self.proc = subprocess.Popen([sys.executable, __file__, "--llama-cpp-worker", str(tokens), str(threads or 2)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        if self.proc.stdout.readline().strip() != "ready":
+            self.close()
+            raise RuntimeError(f"llama.cpp worker failed: {self.proc.stderr.read()[-300:]}")
 
-    if importlib.util.find_spec("llama_cpp") is None:
-        return None
-    template = _chat_renderer()
-    texts = [(kind, r["prompt"] if "prompt" in r else template(r["messages"])) for kind, r in prompts]
-    proc = subprocess.run([sys.executable, __file__, "--llama-cpp-worker", str(tokens), str(threads or 2)],
-                          input=json.dumps(texts), capture_output=True, text=True, timeout=3600)
-    if proc.returncode != 0:
-        print(f"(llama.cpp failed with exit status {proc.returncode}: {proc.stderr.strip()[-300:]})")
-        return None
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    @classmethod
+    def start(cls, tokens: int, threads: int) -> "LlamaCpp | None":
+        import importlib.util
+
+        if importlib.util.find_spec("llama_cpp") is None:
+            return None
+        try:
+            return cls(tokens, threads)
+        except RuntimeError as exc:
+            print(f"({exc})")
+            return None
+
+    def decode_rate(self, text: str) -> float | None:
+        """Greedy decode tokens/s for `text` (None: nothing decoded, or the worker died)."""
+        import json
+
+        try:
+            self.proc.stdin.write(json.dumps(text) + "\n")
+            self.proc.stdin.flush()
+            return json.loads(self.proc.stdout.readline())
+        except (OSError, ValueError):
+            return None
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
 
 
 def _llama_cpp_worker(tokens: int, threads: int) -> None:
@@ -276,9 +309,9 @@ def _llama_cpp_worker(tokens: int, threads: int) -> None:
 
     llm = Llama(model_path=str(smollm2_gguf_path()), n_ctx=2048, n_threads=threads, n_threads_batch=threads,
                 verbose=False)
-    out: dict[str, list[float]] = {}
-    for kind, text in json.loads(sys.stdin.read()):
-        ids = llm.tokenize(text.encode(), add_bos=False, special=True)
+    print("ready", flush=True)
+    for line in sys.stdin:
+        ids = llm.tokenize(json.loads(line).encode(), add_bos=False, special=True)
         llm.reset()
         llm.eval(ids)
         token = llm.sample(top_k=1, temp=0.0)
@@ -289,9 +322,7 @@ def _llama_cpp_worker(tokens: int, threads: int) -> None:
             token = llm.sample(top_k=1, temp=0.0)
             generated += 1
         seconds = time.perf_counter() - start
-        if generated > 1:
-            out.setdefault(kind, []).append((generated - 1) / seconds)
-    print(json.dumps(out))
+        print(json.dumps((generated - 1) / seconds if generated > 1 else None), flush=True)
 
 
 def _chat_renderer():

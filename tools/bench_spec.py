@@ -41,6 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from tqdm import tqdm
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "runtime"), str(ROOT / "plugins")]
 
@@ -267,7 +269,8 @@ def main() -> None:
             row.tally = {}
         for temperature in temperatures:
             for round_ in range(args.rounds):
-                for i, params in enumerate(prompts):
+                bar = tqdm(prompts, desc=f"{set_name} T={temperature:g} round {round_ + 1}", leave=False, disable=None)
+                for i, params in enumerate(bar):
                     shift = (i + round_) % len(rows)
                     for row in rows[shift:] + rows[:shift]:
                         row.measure((i, round_), params, temperature)
