@@ -876,7 +876,8 @@ class ServedModel:
                 if getattr(inst.backend, "artifact_reports", None):
                     entry["artifacts"] = inst.backend.artifact_reports
             instances.append(entry)
-        ready = self.ready
+        # From the same snapshot as the entries: ready exactly when one of them says serving.
+        ready = any(e["serving"] for e in instances)
         out = {
             "state": self.state,
             "ready": ready,
