@@ -117,6 +117,19 @@ def echo_server(server_factory) -> ServerProcess:
     return server_factory([MANIFESTS / "echo.yaml"], ["outrider_echo"])
 
 
+def raw_dealer(address: str, **options):
+    """A bare DEALER socket (LINGER 0) for tests that speak the wire protocol frame by frame;
+    options are socket option names: raw_dealer(addr, RCVHWM=100)."""
+    import zmq
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    for name, value in options.items():
+        sock.setsockopt(getattr(zmq, name), value)
+    sock.connect(address)
+    return sock
+
+
 def write_manifest(tmp_path: Path, text: str, name: str = "m.yaml") -> Path:
     path = tmp_path / name
     path.write_text(text)

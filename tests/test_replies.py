@@ -8,21 +8,11 @@ import time
 
 import msgpack
 import numpy as np
-import pytest
 import yaml
 import zmq
 
-from conftest import write_manifest
+from conftest import raw_dealer as _dealer, write_manifest
 from outrider.protocol import encode_message
-
-
-def _dealer(address: str, **options) -> zmq.Socket:
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    for name, value in options.items():
-        sock.setsockopt(getattr(zmq, name), value)
-    sock.connect(address)
-    return sock
 
 
 def _read(sock: zmq.Socket, timeout_s: float) -> list[tuple[bytes, dict]]:

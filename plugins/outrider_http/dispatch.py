@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import threading
 from typing import Any, Optional, Sequence
 
 from outrider.errors import OutriderError, TooLargeError
+from outrider.front import AsyncCall
 
 #: HTTP status for each error code (KServe and OpenAI routes alike)
 STATUS = {
@@ -40,37 +40,8 @@ class ClientGone(Exception):
     """The HTTP client disconnected before its answer was ready; its request was cancelled."""
 
 
-class Call:
-    """One request in flight: its chunks and final reply, as they reach the event loop."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.items: asyncio.Queue[tuple[str, dict, Optional[dict]]] = asyncio.Queue()
-        self.request: Any = None
-        self.finished = False
-        self._loop_thread = threading.get_ident()  # created on the loop's thread
-
-    def _put(self, item: tuple[str, dict, Optional[dict]]) -> None:
-        if threading.get_ident() == self._loop_thread:  # answered inline, during submit
-            self.items.put_nowait(item)
-            return
-        try:
-            self.loop.call_soon_threadsafe(self.items.put_nowait, item)
-        except RuntimeError:  # the loop is closed: the front stopped, nobody waits for this
-            pass
-
-    def on_reply(self, header: dict, outputs: Optional[dict]) -> None:
-        self._put(("reply", header, outputs))
-
-    def on_chunk(self, header: dict) -> None:
-        self._put(("chunk", header, None))
-
-    async def next(self) -> tuple[str, dict, Optional[dict]]:
-        """The next chunk, or the final reply (after which nothing more comes)."""
-        item = await self.items.get()
-        if item[0] == "reply":
-            self.finished = True
-        return item
+# One request in flight: its chunks and final reply, as they reach the event loop.
+Call = AsyncCall
 
 
 class Dispatcher:

@@ -7,7 +7,9 @@ deadlines, cancellation and metrics with ZeroMQ clients; it never calls a backen
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+import asyncio
+import threading
+from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
 if TYPE_CHECKING:
     from .server import Server
@@ -40,3 +42,42 @@ class Front:
     def stop(self, timeout: float = 5.0) -> None:
         """Stop listening and close connections; called after in-flight requests were answered."""
         raise NotImplementedError
+
+
+class AsyncCall:
+    """One submitted request's chunks and final reply, handed over to an asyncio event loop.
+
+    Pass `on_reply` and `on_chunk` to `Server.submit`; `await next()` in the loop. The core
+    answers from its own threads (an instance, the supervisor, the I/O loop) or from the caller's
+    thread during `submit` (a backend that runs inline); either way the answer reaches the queue
+    on the loop's thread. Create it on the loop's thread.
+    """
+
+    def __init__(self, loop: Optional[asyncio.AbstractEventLoop] = None) -> None:
+        self.loop = loop or asyncio.get_running_loop()
+        self.items: asyncio.Queue[tuple[str, dict, Optional[dict]]] = asyncio.Queue()
+        self.request: Any = None
+        self.finished = False
+        self._loop_thread = threading.get_ident()
+
+    def _put(self, item: tuple[str, dict, Optional[dict]]) -> None:
+        if threading.get_ident() == self._loop_thread:  # answered inline, during submit
+            self.items.put_nowait(item)
+            return
+        try:
+            self.loop.call_soon_threadsafe(self.items.put_nowait, item)
+        except RuntimeError:  # the loop is closed: its front stopped, nobody waits for this
+            pass
+
+    def on_reply(self, header: dict, outputs: Optional[dict]) -> None:
+        self._put(("reply", header, outputs))
+
+    def on_chunk(self, header: dict) -> None:
+        self._put(("chunk", header, None))
+
+    async def next(self) -> tuple[str, dict, Optional[dict]]:
+        """The next chunk, or the final reply (after which nothing more comes)."""
+        item = await self.items.get()
+        if item[0] == "reply":
+            self.finished = True
+        return item

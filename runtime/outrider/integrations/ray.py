@@ -41,7 +41,6 @@ import logging
 import os
 import shutil
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Optional, Sequence, Union
@@ -59,6 +58,7 @@ except ImportError as exc:  # pragma: no cover - the message is the point
 
 from ..client import GenerateChunk, GenerateResult, _generate_parameters, _result
 from ..errors import OutriderError, UnavailableError, error_from_wire
+from ..front import AsyncCall
 from ..protocol import encode_tensors
 
 log = logging.getLogger("outrider.ray")
@@ -93,43 +93,6 @@ RETRYABLE: tuple[type[BaseException], ...] = tuple(cls for cls in (
 ) if cls is not None)
 
 _REPLICA: Optional["OutriderReplica"] = None  # the replica of this actor process, for the ASGI app builder
-
-
-class _Call:
-    """One submitted request: its chunks and final reply, handed over to the caller's event loop.
-
-    The core answers from its own threads (an instance, the supervisor, the I/O loop) or from the
-    caller's thread during `submit` (a backend that runs inline); each answer is put on the queue
-    from the event loop's thread.
-    """
-
-    def __init__(self) -> None:
-        self.loop = asyncio.get_running_loop()
-        self.thread = threading.get_ident()
-        self.items: asyncio.Queue[tuple[str, dict, Optional[dict]]] = asyncio.Queue()
-        self.request: Any = None
-        self.finished = False
-
-    def _put(self, item: tuple[str, dict, Optional[dict]]) -> None:
-        if threading.get_ident() == self.thread:
-            self.items.put_nowait(item)
-            return
-        try:
-            self.loop.call_soon_threadsafe(self.items.put_nowait, item)
-        except RuntimeError:  # the loop is closed: the replica is going away
-            pass
-
-    def on_reply(self, header: dict, outputs: Optional[dict]) -> None:
-        self._put(("reply", header, outputs))
-
-    def on_chunk(self, header: dict) -> None:
-        self._put(("chunk", header, None))
-
-    async def next(self) -> tuple[str, dict, Optional[dict]]:
-        item = await self.items.get()
-        if item[0] == "reply":
-            self.finished = True
-        return item
 
 
 class OutriderReplica:
@@ -251,15 +214,15 @@ class OutriderReplica:
     # -- internals ------------------------------------------------------------------------------
 
     def _submit(self, kind: str, model: str, parameters: dict, specs: Sequence[dict] = (),
-                buffers: Sequence[Any] = (), stream: bool = False, client: bytes = b"ray handle") -> _Call:
+                buffers: Sequence[Any] = (), stream: bool = False, client: bytes = b"ray handle") -> AsyncCall:
         # One client key for handle calls: the model's queue stays FIFO between them (Serve's router,
         # not a connection, decides who gets a replica); HTTP requests use one per connection.
-        call = _Call()
+        call = AsyncCall()
         call.request = self.server.submit(kind, model, parameters, specs, buffers, client=client,
                                           on_reply=call.on_reply, on_chunk=call.on_chunk if stream else None)
         return call
 
-    async def _final(self, call: _Call) -> tuple[dict, Optional[dict]]:
+    async def _final(self, call: AsyncCall) -> tuple[dict, Optional[dict]]:
         try:
             while True:
                 kind, header, outputs = await call.next()
@@ -270,7 +233,7 @@ class OutriderReplica:
         finally:
             self._cancel(call)
 
-    def _cancel(self, call: _Call) -> None:
+    def _cancel(self, call: AsyncCall) -> None:
         if not call.finished and call.request is not None:  # the caller went away (Serve cancelled us)
             self.server.cancel(call.request, "the Ray Serve caller cancelled the request")
 
