@@ -556,15 +556,7 @@ class Instance(threading.Thread):
         for request, result in zip(batch, results):
             if result is DEFERRED:
                 continue  # a stateful scheduler (generation) answers this request in a later step
-            if not request.claim():
-                continue  # cancelled, timed out or abandoned meanwhile
-            # Count before replying, so a client that asks for health next sees this request.
-            if isinstance(result, OutriderError):
-                model.stats.failure(result.code)
-                request.fail(result, claimed=True)
-            else:
-                model.stats.success(rows=request.rows)
-                request.reply(result, claimed=True)
+            model.answer(request, result)
         if crashed is not None:
             raise crashed
 
@@ -840,14 +832,21 @@ class ServedModel:
             log.exception("model %s: inline execute failed", self.name)
             result = ExecutionError(f"model {self.name!r}: {type(exc).__name__}: {exc}")
         self.stats.batch(1, [start - request.received], time.monotonic() - start)
-        if request.claim():
-            if isinstance(result, OutriderError):
-                self.stats.failure(result.code)
-                request.fail(result, claimed=True)
-            else:
-                self.stats.success(rows=request.rows)
-                request.reply(result, claimed=True)
+        self.answer(request, result)
         return True
+
+    def answer(self, request: PendingRequest, result: Any) -> None:
+        """Send `result` (outputs, or an OutriderError) as the request's final reply, counted first
+        so a client that asks for health next sees it; nothing if it was answered meanwhile
+        (cancelled, timed out, abandoned)."""
+        if not request.claim():
+            return
+        if isinstance(result, OutriderError):
+            self.stats.failure(result.code)
+            request.fail(result, claimed=True)
+        else:
+            self.stats.success(rows=request.rows)
+            request.reply(result, claimed=True)
 
     def _answered(self, request: PendingRequest) -> None:
         self.stats.observe("request_seconds", time.monotonic() - request.received)
