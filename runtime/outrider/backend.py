@@ -28,6 +28,8 @@ class BackendChoice:
     backend: type["Backend"]
     device: str
     skipped: list[str] = field(default_factory=list)
+    #: why this device (for `device: auto`: which GPU, or why none), shown in health
+    device_reason: str = ""
 
 
 class Task:
@@ -121,8 +123,26 @@ class Backend:
 
     @classmethod
     def resolve_device(cls, device: str) -> str:
-        """Turn 'auto' into a concrete device this backend will use."""
-        return "cpu" if device == "auto" else device
+        """Turn 'auto' into a concrete device: 'cuda' when the backend can use it and the device
+        inventory finds a GPU (no torch import), else 'cpu'."""
+        if device != "auto":
+            return device
+        if "cuda" in cls.device_kinds:
+            from .devices import inventory
+
+            if inventory().gpus:
+                return "cuda"
+        return "cpu"
+
+    @classmethod
+    def choose_device(cls, device: str) -> tuple[str, str]:
+        """(the device `resolve_device` picks, why): the why names the GPU, or why there is none."""
+        chosen = cls.resolve_device(device)
+        if device != "auto":
+            return chosen, f"{chosen}: as the manifest asks"
+        from .devices import explain, inventory
+
+        return chosen, explain(device, chosen, inventory(), cls.device_kinds)
 
     def load(self) -> None:
         """Load weights and build the session or module."""
@@ -298,10 +318,11 @@ def choose_backend(manifest: Manifest, backends: dict[str, type[Backend]]) -> Ba
         except Exception as exc:  # a broken probe must not hide the other candidates
             avail = Availability(False, f"availability check failed: {exc!r}")
         if avail.available:
-            device = cls.resolve_device(manifest.device)
+            device, why = cls.choose_device(manifest.device)
             for reason in skipped:
                 log.warning("model %s: skipped backend %s", manifest.name, reason)
-            return BackendChoice(cls, device, skipped)
+            log.info("model %s: backend %s on %s", manifest.name, name, why)
+            return BackendChoice(cls, device, skipped, why)
         skipped.append(f"{name}: {avail.reason}")
     raise BackendUnavailableError(
         f"{manifest.source_file or manifest.name}: no backend in {manifest.backend_preferences} can run here: "

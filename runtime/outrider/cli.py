@@ -84,9 +84,25 @@ def cmd_health(args: argparse.Namespace) -> int:
             if model.get("reason"):
                 line += f" - {model['reason']}"
             print(line)
+        for gpu in health.get("devices", []):
+            print(f"  {gpu['device']} {gpu['name']}: " + _gpu_line(gpu))
     if args.live:  # the loop answered: alive, whatever its models are doing
         return 0
     return 0 if health.get("ready") else 1
+
+
+def _gpu_line(gpu: dict) -> str:
+    """'4096/143771 MiB, 37% busy, 41 C' and the GPU's error, for what the source reported."""
+    parts = []
+    if gpu.get("memory_total_mib") is not None:
+        parts.append(f"{gpu.get('memory_used_mib')}/{gpu['memory_total_mib']} MiB")
+    if gpu.get("utilization_percent") is not None:
+        parts.append(f"{gpu['utilization_percent']:g}% busy")
+    if gpu.get("temperature_c") is not None:
+        parts.append(f"{gpu['temperature_c']:g} C")
+    if gpu.get("error"):
+        parts.append(f"ERROR: {gpu['error']}")
+    return ", ".join(parts) or "no figures"
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:

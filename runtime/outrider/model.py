@@ -22,6 +22,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from .backend import Backend, BackendChoice
+from .devices import Inventory, inventory, is_out_of_memory, out_of_memory_reason, place
 from .errors import (
     CancelledError,
     ExecutionError,
@@ -406,6 +407,10 @@ class Instance(threading.Thread):
         if not healthy:
             detail = report.get("reason") or report.get("error") or report.get("message")
             reason = f"backend reports unhealthy{f': {detail}' if detail else ''}"
+        gpu = inventory().gpu(self.device)  # a cached snapshot
+        if healthy and gpu is not None and gpu.error:
+            # A lost GPU or uncorrected ECC errors: results from it cannot be trusted.
+            healthy, reason = False, f"{gpu.device} ({gpu.name}) reports an error: {gpu.error}"
         if (healthy, reason) != (self.healthy, self.health_reason):
             # The reason first: whoever sees the instance out of service also sees why.
             self.health_reason, self.healthy = reason, healthy
@@ -440,7 +445,10 @@ class Instance(threading.Thread):
             backend.warmup()
             t2 = time.perf_counter()
         except Exception as exc:
-            self._fail(f"load or warmup failed: {type(exc).__name__}: {exc}")
+            if is_out_of_memory(exc):  # say so plainly: the fix is fewer instances or a smaller batch
+                self._fail(f"load or warmup failed: {out_of_memory_reason(self.device, exc, inventory())}")
+            else:
+                self._fail(f"load or warmup failed: {type(exc).__name__}: {exc}")
             self._unload()
             return
         model.stats.load_seconds = max(model.stats.load_seconds, t1 - t0)
@@ -642,13 +650,11 @@ class ServedModel:
             return scheduling.execute_timeout_ms
         return DEFAULT_PROCESS_EXECUTE_TIMEOUT_MS if scheduling.instance_kind == "process" else None
 
-    def devices(self) -> list[str]:
-        """Spread instances over GPUs when the device is 'cuda' and several exist."""
-        device = self.choice.device
-        if device != "cuda":
-            return [device] * self.manifest.instances
-        count = _cuda_device_count()
-        return [f"cuda:{i % max(count, 1)}" for i in range(self.manifest.instances)]
+    def devices(self, found: Optional["Inventory"] = None) -> list[str]:
+        """The device of each instance: 'cuda' spreads them over the GPUs the inventory lists."""
+        if self.choice.device != "cuda":
+            return [self.choice.device] * self.manifest.instances
+        return place(self.manifest.instances, "cuda", found if found is not None else inventory())
 
     def make_backend(self, device: str, index: int = 0) -> Backend:
         """A backend in this process, or a proxy to one in a worker process."""
@@ -882,6 +888,7 @@ class ServedModel:
             "ready": ready,
             "backend": self.choice.backend.name,
             "device": self.choice.device,
+            "device_reason": self.choice.device_reason,
             "queue_depth": self.queue_depth(),
             "instances": instances,
             "stats": self.stats.snapshot(),
@@ -936,15 +943,3 @@ class ServedModel:
 
 def cancel_error(request: PendingRequest) -> CancelledError:
     return CancelledError(f"request {request.id!r} was cancelled by the client")
-
-
-def _cuda_device_count() -> int:
-    import sys
-
-    torch = sys.modules.get("torch")  # the core never imports torch itself
-    if torch is not None:
-        try:
-            return int(torch.cuda.device_count())
-        except Exception:
-            return 1
-    return 1

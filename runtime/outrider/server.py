@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional, Sequence
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from . import __version__
+from . import __version__, devices
 from .backend import check_options, check_request
 from .errors import (
     BadRequestError,
@@ -173,6 +173,7 @@ class Server:
             front.start()
             self.fronts.append(front)
         log.info("listening on %s (models loading: %s)", self.address, ", ".join(self.models))
+        devices.inventory()  # probed once here, so a health request only ever reads the snapshot
         for model in self.models.values():
             model.start()
         self._supervisor = threading.Thread(target=self._supervise, name="outrider-supervisor", daemon=True)
@@ -554,10 +555,13 @@ class Server:
             status = "degraded"  # was serving; no instance of some model can serve now (being replaced)
         else:
             status = "loading"
+        found = devices.inventory()  # the snapshot taken at start, refreshed in the background
         return {
             "ready": status == "ready",
             "status": status,
             "models": models,
+            # Per GPU: memory, utilization, temperature, error (only where there are GPUs).
+            **({"devices": found.health(), "devices_source": found.source} if found.gpus else {}),
             "server": {
                 "version": __version__,
                 "pid": os.getpid(),
