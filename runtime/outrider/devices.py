@@ -475,7 +475,7 @@ def explain(asked: str, chosen: str, found: Inventory, kinds: Sequence[str] = ("
 
 _OOM_PATTERNS = re.compile(
     r"out of memory|CUDA_ERROR_OUT_OF_MEMORY|cudaErrorMemoryAllocation|Failed to allocate memory|"
-    r"BFCArena.*(?:Failed|Available memory)|OutOfMemoryError|Requested amount of GPU memory",
+    r"BFCArena.*(?:Failed|Available memory)|OutOfMemory|Requested amount of GPU memory",
     re.IGNORECASE)
 
 
