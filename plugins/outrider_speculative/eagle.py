@@ -240,21 +240,23 @@ def check_target(loaded: LoadedHead, model: Any) -> str:
 
 
 class _CompiledHead:
-    """The head's forward for drafting: prepacked linears (oneDNN when it works), no autograd."""
+    """The head's forward for drafting, on the target's device: its linears are the target's own
+    kind (`make_linear`: oneDNN-prepacked on CPU where that works, plain elsewhere), no autograd."""
 
     def __init__(self, head: DraftHead, lm_rows: torch.Tensor, model: Any, dtype: torch.dtype) -> None:
         cfg = head.config
         self.eps, self.shape, self.inter = cfg.rms_norm_eps, (cfg.hidden_size,), cfg.intermediate_size
         self.dtype = dtype
         self.low = dtype if dtype != torch.float32 else None
-        self.norm_hidden = head.norm_hidden.detach().float().clone()
-        self.norm_embed = head.norm_embed.detach().float().clone()
-        self.norm_out = head.norm_out.detach().float().clone()
+        device = torch.device(getattr(model, "device", "cpu"))
+        own = lambda p: p.detach().to(device, torch.float32).clone()  # noqa: E731
+        self.norm_hidden = own(head.norm_hidden)
+        self.norm_embed = own(head.norm_embed)
+        self.norm_out = own(head.norm_out)
         # The target's own linear (prepacked, in its format), reached through the contract.
         linear = lambda weight: model.make_linear(weight.detach().float(), dtype)  # noqa: E731
         self.fc = linear(head.fc.weight)
-        self.blocks = [(b.norm.detach().float().clone(), linear(b.gate_up.weight), linear(b.down.weight))
-                       for b in head.blocks]
+        self.blocks = [(own(b.norm), linear(b.gate_up.weight), linear(b.down.weight)) for b in head.blocks]
         self.lm = linear(lm_rows)
 
     def _mm(self, linear: Any, x: torch.Tensor) -> torch.Tensor:
@@ -289,7 +291,9 @@ class EagleDrafter:
         self.model = model
         self.sample = sample  # draw children from q when the request samples (see the module docstring)
         self.loaded = loaded
-        self.draft_vocab = loaded.draft_vocab
+        self.device = torch.device(getattr(model, "device", "cpu"))
+        # Indexed by top-k/multinomial results, which come back on the model's device.
+        self.draft_vocab = loaded.draft_vocab.to(self.device)
         self.max_depth = max_depth
         self.max_children = max_children
         self.prob_threshold = prob_threshold
@@ -302,7 +306,7 @@ class EagleDrafter:
 
     def warmup(self) -> None:
         """Run the head once per batch size it will see, so the first request pays no setup."""
-        h = torch.zeros(1, self.model.hidden_size)
+        h = torch.zeros(1, self.model.hidden_size, device=self.device)
         for n in sorted({1, self.max_children, self.frontier}):
             self.compiled(h.expand(n, -1).contiguous(), self.model.embed(torch.zeros(n, dtype=torch.long)))
 
@@ -328,7 +332,7 @@ class EagleDrafter:
                 out.append([])
                 continue
             drawn = torch.multinomial(row, count, replacement=False, generator=generator).tolist()
-            full = torch.zeros(vocab, dtype=row.dtype)
+            full = torch.zeros(vocab, dtype=row.dtype, device=row.device)
             full[self.draft_vocab] = row  # the exact weights the draws came from, in vocabulary ids
             tokens = self.draft_vocab[drawn].tolist()
             group = SampledChildren(q=full, draws=tokens, replacement=False)

@@ -240,6 +240,8 @@ def sample_children(
 ) -> SampledChildren:
     """Draw `count` candidates from q (with or without replacement) and record how, for the verifier."""
     weights = q.detach().double().clamp_min(0)
+    if generator is not None:  # draw where the generator lives (the request's: the model's device)
+        weights = weights.to(generator.device)
     count = min(count, int((weights > 0).sum())) if not replacement else count
     draws = torch.multinomial(weights, count, replacement=replacement, generator=generator).tolist() if count else []
     return SampledChildren(q=q, draws=[int(t) for t in draws], replacement=replacement)

@@ -36,7 +36,8 @@ class Sequence:
     """One generation in flight. Also the `SequenceView` drafters read."""
 
     def __init__(self, request: Optional[PendingRequest], slot: int, prompt_ids: list[int],
-                 params: SamplingParams, text: IncrementalText, speculate: bool) -> None:
+                 params: SamplingParams, text: IncrementalText, speculate: bool,
+                 device: "torch.device | str" = "cpu") -> None:
         self.request = request
         self.slot = slot
         self.token_ids: list[int] = list(prompt_ids)  # prompt + generated (+ the pending token)
@@ -45,7 +46,10 @@ class Sequence:
         self.params = params
         self.text = text
         self.speculate = speculate
-        self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else torch.Generator().manual_seed(int(torch.randint(0, 2**62, (1,))))
+        # On the model's device: the probabilities it samples from live there (a CPU generator
+        # cannot drive torch.multinomial over CUDA tensors).
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)))
+        self.generator = torch.Generator(device=device).manual_seed(seed)
         self.prefilled = False
         self.released = False
         self.last_hidden: Optional[torch.Tensor] = None
@@ -88,6 +92,7 @@ class GenerationEngine:
         self.max_sequences = max_sequences
         self.max_length = max_length
         self.cache = model.new_cache(max_sequences, max_length)
+        self.device = torch.device(getattr(model, "device", "cpu"))  # where sequences' generators live
         self.free_slots = list(range(max_sequences - 1, -1, -1))
         self.active: list[Sequence] = []
         self.waiting: deque[PendingRequest] = deque()
@@ -150,7 +155,7 @@ class GenerationEngine:
         seq: Optional[Sequence] = None
         try:
             seq = Sequence(request, slot, prompt_ids, params, IncrementalText(self.tokenizer.decode, params.stop),
-                           speculate)
+                           speculate, self.device)
             if self.stats is not None:
                 self.stats.sequences(+1)  # given back in _release, whatever happens next
             self.cache.reset(slot)
@@ -173,7 +178,7 @@ class GenerationEngine:
         try:
             params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=0)
             seq = Sequence(None, self.free_slots.pop(), prompt_ids, params,
-                           IncrementalText(self.tokenizer.decode, []), self.strategy is not None)
+                           IncrementalText(self.tokenizer.decode, []), self.strategy is not None, self.device)
             self.cache.reset(seq.slot)
             if seq.speculate:
                 self.strategy.start(seq)

@@ -163,4 +163,6 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: Option
     if params.greedy:
         return greedy_token(logits)
     probs = target_distribution(logits, params.temperature, params.top_k, params.top_p)
+    if generator is not None:  # draw where the generator lives (a no-op when both are on one device)
+        probs = probs.to(generator.device)
     return int(torch.multinomial(probs, 1, generator=generator))

@@ -82,13 +82,15 @@ def sampling_knobs(params: Any) -> tuple[float, int, float]:
 
 def uniform(generator: Optional[torch.Generator]) -> float:
     """One U[0, 1) draw from the request's generator."""
-    return float(torch.rand((), generator=generator, dtype=torch.float64))
+    device = generator.device if generator is not None else None  # a CUDA generator draws on CUDA
+    return float(torch.rand((), generator=generator, dtype=torch.float64, device=device))
 
 
 def sample_from(probs: torch.Tensor | np.ndarray, generator: Optional[torch.Generator]) -> int:
     """One token from (unnormalized) probabilities, drawn as plain sampling draws (torch.multinomial)."""
-    probs = torch.from_numpy(probs) if isinstance(probs, np.ndarray) else probs.cpu()
-    return int(torch.multinomial(probs, 1, generator=generator))
+    probs = torch.from_numpy(probs) if isinstance(probs, np.ndarray) else probs
+    return int(torch.multinomial(probs.to(generator.device if generator is not None else "cpu"), 1,
+                                 generator=generator))
 
 
 @dataclass
