@@ -5,8 +5,14 @@ Loads the GGUF once (dequantized weights are cached on disk), runs the compact f
 Speculative decoding comes from the `speculative` accelerator when the manifest turns it on.
 
 Manifest options (`LlmOptions`, validated at start): `max_sequences` (slots, default 8),
-`max_length` (context per slot, default 2048), `threads` (default: the cores this process may
-use), `dtype` (float32 | bfloat16 | auto: the matmul precision of unquantized weights).
+`max_length` (context per slot, default 2048), `threads` (CPU only; default: the cores this
+process may use; one count per process, see `outrider.torch_process`), `dtype` (float32 |
+bfloat16 | float16 | auto: the matmul precision of unquantized weights, and on CUDA of quantized
+ones too, which run dequantized there), `cuda_graphs` (default true: decode and verify steps on
+CUDA replay captured graphs, see `cuda_graphs.py`).
+
+On CUDA a sticky CUDA error (the context is unusable) makes `health()` unhealthy for good, and
+running out of GPU memory during warmup fails the load with that reason.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from outrider import hookimpl
 from outrider.backend import Availability, Backend, require_packages, torch_device
 from outrider.errors import BadRequestError
 from outrider.manifest import Manifest
+from outrider.torch_process import CudaHealth, is_out_of_memory, set_torch_threads
 
 __version__ = "0.1.0"
 
@@ -43,7 +50,8 @@ class LlmOptions(BaseModel):
     max_sequences: int = Field(8, ge=1, le=256)
     max_length: int = Field(2048, ge=16, le=131072)
     threads: Optional[int] = Field(None, ge=1, le=1024)
-    dtype: Literal["float32", "fp32", "bfloat16", "bf16", "auto"] = "float32"
+    dtype: Literal["float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "auto"] = "float32"
+    cuda_graphs: bool = True
 
 
 class LlmBackend(Backend):
@@ -79,8 +87,16 @@ class LlmBackend(Backend):
         from .loading import artifact_tokenizer, load_weights_artifact, model_from_artifact
 
         options = self.options
-        threads = options.threads or _physical_cores()
-        torch.set_num_threads(threads)
+        on_cuda = self.device.startswith("cuda")
+        self.cuda_health = CudaHealth(self.device) if on_cuda else None
+        if on_cuda and not torch.cuda.is_available():
+            from outrider.errors import ManifestError
+
+            raise ManifestError(f"{self.manifest.source_file or self.manifest.name}: field 'device': {self.device} "
+                                f"was asked for, but torch {torch.__version__} sees no CUDA GPU")
+        # CUDA work needs no intra-op threads; on CPU the first torch model of the process sets them.
+        threads = None if on_cuda else set_torch_threads(options.threads or _physical_cores(),
+                                                         f"model {self.manifest.name!r}")
         started = time.perf_counter()
         kernel = self._kernel()
         weights = load_weights_artifact(self.manifest.model_path())
@@ -92,11 +108,12 @@ class LlmBackend(Backend):
             build_model=lambda artifact: model_from_artifact(artifact, device=self.device, kernel=kernel)[0],
             tokenize=tokenizer.encode,
         )
-        # A quantized artifact says in which dtype it computes; `options.dtype` is for float weights.
-        dtype = None if self.manifest.quantize is not None else options.dtype
+        # A quantized artifact says in which dtype it computes on CPU; `options.dtype` is for float
+        # weights, and on CUDA for quantized ones too (they are dequantized to dense there).
+        dtype = None if self.manifest.quantize is not None and not on_cuda else options.dtype
         self.model, self.tokenizer = model_from_artifact(weights, dtype=dtype, device=self.device, kernel=kernel)
-        log.info("model %s: weights ready in %.2fs (%d threads)", self.manifest.name,
-                 time.perf_counter() - started, threads)
+        log.info("model %s: weights ready in %.2fs (%s)", self.manifest.name, time.perf_counter() - started,
+                 f"{threads} threads" if threads else f"{self.device}, {self.model.dtype}")
         strategy = getattr(self.accelerators, "decode_strategy", None)
         if strategy is not None:
             strategy = strategy.for_instance()  # drafter state is per engine, not per model
@@ -106,6 +123,8 @@ class LlmBackend(Backend):
         )
         if self.engine.strategy is not None:
             self.engine.strategy.attach(self.model, self.tokenizer)
+        if on_cuda and options.cuda_graphs:
+            self.model.use_cuda_graphs(self.engine.cache)
 
     def _kernel(self) -> str:
         """The quantized matmul kernel the manifest asks for (`quantize.kernel`, default auto)."""
@@ -115,18 +134,39 @@ class LlmBackend(Backend):
     def warmup(self) -> None:
         """Generate a few tokens through the whole engine (prefill, drafts, verification)."""
         prompt = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n"
-        for _ in range(max(1, self.manifest.warmup.iterations)):
-            self.engine.warm_up(self.tokenizer.encode(prompt), max_tokens=8)
+        try:
+            for _ in range(max(1, self.manifest.warmup.iterations)):
+                self.engine.warm_up(self.tokenizer.encode(prompt), max_tokens=8)
+        except Exception as exc:
+            if getattr(self, "cuda_health", None) is None:
+                raise
+            self.cuda_health.record(exc, "warmup")
+            if is_out_of_memory(exc):
+                from outrider.errors import ExecutionError
+
+                raise ExecutionError(f"model {self.manifest.name!r}: out of GPU memory on {self.device} during "
+                                     f"warmup: {str(exc).splitlines()[0]}") from exc
+            raise
 
     def execute(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         raise BadRequestError(f"model {self.manifest.name!r} generates text; send a generate request")
 
     def health(self) -> dict[str, Any]:
         engine = getattr(self, "engine", None)
+        cuda = getattr(self, "cuda_health", None)
+        if cuda is not None and cuda.fault is not None:  # whether or not the load finished
+            return {"device": self.device, **cuda.report()}
         if engine is None:
             return {"healthy": False, "reason": "not loaded"}
-        return {"healthy": True, "device": self.device, "active_sequences": len(engine.active),
-                "waiting": len(engine.waiting), "free_slots": len(engine.free_slots)}
+        out = {"healthy": True, "device": self.device, "active_sequences": len(engine.active),
+               "waiting": len(engine.waiting), "free_slots": len(engine.free_slots)}
+        if cuda is not None:
+            out["dtype"] = str(self.model.dtype).replace("torch.", "")
+            runner = getattr(self.model, "graph_runner", None)
+            if runner is not None:
+                out["cuda_graphs"] = runner.stats()
+            out.update(cuda.report())
+        return out
 
     def metadata(self) -> dict[str, Any]:
         engine = getattr(self, "engine", None)
@@ -134,7 +174,7 @@ class LlmBackend(Backend):
 
     def unload(self) -> None:
         self.engine = None
-        self.model = None
+        self.model = None  # graphs, static cache and weights go with it
 
 
 def _physical_cores() -> int:

@@ -5,6 +5,11 @@ most of an idle server's memory (1.7 GB RSS against llama.cpp's 200 MB). This on
 and grows, in both the slot and the length dimension, to what `reserve` is asked for (the
 engine reserves before every forward); when the last sequence leaves, the memory is returned.
 
+On CUDA the cache is static instead (`static=True`): every slot at full length, allocated once
+and never moved, because a captured CUDA graph reads and writes it by address. It has one spare
+position past `max_length`, where the padded rows of a graph step write their K/V (see
+`cuda_graphs.py`); no step ever attends to it.
+
 Layout [layers, 2 (K, V), slots, kv_heads, capacity, head_dim], as the forward expects: one copy
 per chunk and layer writes K and V together, and a layer's K (or V) over a range of slots is one
 strided view, so attention can run over several slots at once without copying.
@@ -25,14 +30,17 @@ class SlotKVCache:
     A forward writes its fed tokens tentatively at length .. length+n-1; `commit` keeps some.
     """
 
-    def __init__(self, config, num_slots: int, max_length: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, config, num_slots: int, max_length: int, dtype: torch.dtype, device: torch.device,
+                 static: bool = False) -> None:
         if num_slots < 1 or max_length < 1:
             raise ValueError(f"need num_slots >= 1 and max_length >= 1, got {num_slots}, {max_length}")
         self.num_slots = num_slots
         self.max_length = max_length
+        self.static = static
         self._shape = (config.num_layers, 2, config.num_kv_heads, config.head_dim)
         self._dtype, self._device = dtype, torch.device(device)
-        self.kv = self._empty(0, 0)
+        # Static: all slots, max_length + 1 positions (the last one is the padded rows' scratch).
+        self.kv = self._empty(num_slots, max_length + 1) if static else self._empty(0, 0)
         self._lengths = [0] * num_slots
         self._fed = [0] * num_slots  # tokens written tentatively by the last forward, not yet committed
         self._live: set[int] = set()  # slots holding a sequence (reserved since their last reset)
@@ -58,6 +66,8 @@ class SlotKVCache:
         if length > self.max_length:
             raise ValueError(f"slot {slot}: {length} positions exceed max_length {self.max_length}")
         self._live.add(slot)
+        if self.static:
+            return
         slots, capacity = self.kv.shape[2], self.kv.shape[4]
         if slot < slots and length <= capacity:
             return
@@ -98,5 +108,5 @@ class SlotKVCache:
         self._lengths[slot] = 0
         self._fed[slot] = 0
         self._live.discard(slot)
-        if not self._live and self.kv.numel():
+        if not self._live and self.kv.numel() and not self.static:
             self.kv = self._empty(0, 0)

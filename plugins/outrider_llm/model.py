@@ -19,8 +19,9 @@ fp32; top-1 agreement with fp32 0.988 on greedy continuations, ~1.3-1.5x faster 
 Linear weights may also come quantized (int4 group-wise or int8 per-channel, format and kernels in
 linear.py): they then run through torch's packed weight-only kernels with bf16 activations, chosen
 and checked at load by `linear.choose_kernel`; embeddings and norms stay fp32 in every mode.
-Runs under `torch.no_grad()`. Built for CPU; `device="cuda"` works through plain `F.linear` but
-was not tuned.
+Runs under `torch.no_grad()`. Built for CPU; on CUDA the linears are plain `F.linear` in fp16 or
+bf16 (quantized weights dequantized to dense), the KV cache is static, and decode and verify steps
+replay CUDA graphs (`cuda_graphs.py`, attached with `use_cuda_graphs`).
 """
 
 from __future__ import annotations
@@ -89,15 +90,20 @@ class LlamaConfig:
         return cls(**{k: v for k, v in data.items() if k in known})
 
 
-def resolve_dtype(dtype: "str | torch.dtype | None") -> torch.dtype:
-    """fp32 by default; "auto" picks bf16 where the CPU multiplies bf16 natively (AVX512-BF16/AMX)."""
+def resolve_dtype(dtype: "str | torch.dtype | None", device: "str | torch.device | None" = None) -> torch.dtype:
+    """fp32 by default; "auto" picks bf16 where the CPU multiplies bf16 natively (AVX512-BF16/AMX),
+    and on CUDA bf16 where the GPU has it, else fp16."""
     if dtype is None or dtype in ("fp32", "float32", torch.float32):
         return torch.float32
     if dtype in ("bf16", "bfloat16", torch.bfloat16):
         return torch.bfloat16
+    if dtype in ("fp16", "float16", torch.float16):
+        return torch.float16
     if dtype == "auto":
+        if device is not None and torch.device(device).type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
-    raise ValueError(f"dtype must be 'fp32', 'bf16' or 'auto', not {dtype!r}")
+    raise ValueError(f"dtype must be 'fp32', 'bf16', 'fp16' or 'auto', not {dtype!r}")
 
 
 def tune_malloc() -> bool:
@@ -256,18 +262,20 @@ class LlamaModel(torch.nn.Module):
             if self.device.type == "cpu":
                 self.kernel_plans[mode] = choose_kernel(mode, _kernel_for(mode, kernel), _group_size(state_dict))
             else:  # the packed kernels are CPU-only: dequantize
-                self.kernel_plans[mode] = KernelPlan(mode, "dense", resolve_dtype(dtype), reason="not a CPU")
+                self.kernel_plans[mode] = KernelPlan(mode, "dense", resolve_dtype(dtype, self.device),
+                                                     reason="not a CPU")
         if self.kernel_plans:
             # bf16 as soon as one kernel takes bf16: every projection's output is then cast back to
             # fp32 (a dense fp32 kernel converts its bf16 input itself).
             dtypes = {plan.dtype for plan in self.kernel_plans.values()}
             self.dtype = torch.bfloat16 if torch.bfloat16 in dtypes else dtypes.pop()
         else:
-            self.dtype = resolve_dtype(dtype)
+            self.dtype = resolve_dtype(dtype, self.device)
         if use_onednn is None:
             use_onednn = self.device.type == "cpu" and onednn_works(self.dtype)
         self.uses_onednn = bool(use_onednn)
         self.batch_attention = True  # let small chunks attend together when cheaper (see _plan)
+        self.graph_runner = None  # CUDA graphs for decode/verify steps (use_cuda_graphs)
         if config.num_heads % config.num_kv_heads:
             raise ValueError("num_heads must be a multiple of num_kv_heads")
         self._load(state_dict)
@@ -376,8 +384,21 @@ class LlamaModel(torch.nn.Module):
     # ---- CausalLM ------------------------------------------------------------------------
 
     def new_cache(self, num_slots: int, max_length: int) -> SlotKVCache:
-        """A KV cache for `num_slots` sequences of up to `max_length` tokens each."""
-        return SlotKVCache(self.config, num_slots, max_length, torch.float32, self.device)
+        """A KV cache for `num_slots` sequences of up to `max_length` tokens each (static on CUDA)."""
+        return SlotKVCache(self.config, num_slots, max_length, torch.float32, self.device,
+                           static=self.device.type == "cuda")
+
+    def use_cuda_graphs(self, cache: SlotKVCache, **options) -> "object":
+        """Replay CUDA graphs for the decode and verify steps that run on `cache` (a static cache).
+
+        Steps the graphs do not cover (prefill, chunks wider than the largest bucket) stay eager.
+        Returns the `CudaGraphRunner`; options go to it (`capture=False` runs the same padded
+        forward without graphs, on any device).
+        """
+        from .cuda_graphs import CudaGraphRunner
+
+        self.graph_runner = CudaGraphRunner(self, cache, **options)
+        return self.graph_runner
 
     def kv_bytes_per_slot(self, max_length: int) -> int:
         """Bytes one slot of `new_cache(..., max_length)` holds."""
@@ -442,6 +463,11 @@ class LlamaModel(torch.nn.Module):
         rows only, in that order (a prefill needs one row, a tree all of its rows). Hidden states
         always cover every token.
         """
+        runner = self.graph_runner
+        if runner is not None and runner.cache is cache:
+            out = runner.forward(chunks, only_last=only_last, logit_rows=logit_rows)
+            if out is not None:  # None: a step the graphs do not cover, run eagerly below
+                return out
         cfg = self.config
         plan, batch = self._plan(cache, chunks)
         spans = [(c.slot, c.end - c.start, c.end) for c in plan]
