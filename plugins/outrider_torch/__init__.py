@@ -88,6 +88,7 @@ class TorchBackend(Backend):
         # CUDA only: the instance's stream, pinned staging buffers (by name), and its health.
         self.stream: Any = None
         self._pinned: dict[str, "torch.Tensor"] = {}
+        self._phase = "execute"  # or "warmup": out of memory then leaves the instance not ready
         self.cuda_health: Optional[CudaHealth] = CudaHealth(device) if device.startswith("cuda") else None
 
     @classmethod
@@ -145,16 +146,11 @@ class TorchBackend(Backend):
 
     def warmup(self) -> None:
         """The manifest's warmup inputs; out of GPU memory here fails the load with that reason."""
+        self._phase = "warmup"
         try:
             super().warmup()
-        except Exception as exc:
-            if self.cuda_health is None:
-                raise
-            self.cuda_health.record(exc, "warmup")
-            if is_out_of_memory(exc):
-                raise ExecutionError(f"model {self.manifest.name!r}: out of GPU memory on {self.device} during "
-                                     f"warmup: {str(exc).splitlines()[0]}") from exc
-            raise
+        finally:
+            self._phase = "execute"
 
     # -- execute ------------------------------------------------------------------------------
 
@@ -208,10 +204,10 @@ class TorchBackend(Backend):
             self.stream.synchronize()
             return out.numpy().copy()
         except Exception as exc:
-            self.cuda_health.record(exc)
+            self.cuda_health.record(exc, self._phase)
             if is_out_of_memory(exc):
-                raise ExecutionError(f"model {self.manifest.name!r}: out of GPU memory on {self.device}: "
-                                     f"{str(exc).splitlines()[0]}") from None
+                raise ExecutionError(f"model {self.manifest.name!r}: out of GPU memory on {self.device} during "
+                                     f"{self._phase}: {str(exc).splitlines()[0]}") from None
             raise
 
     # -- health -------------------------------------------------------------------------------
