@@ -184,7 +184,7 @@ def padded_forward(model: Any, kv: torch.Tensor, ints: torch.Tensor, visible: to
     allowed = fed | (rel < 0)[:, None, :]
     mask = torch.zeros(S, W, span, device=dev).masked_fill_(~allowed, -math.inf)
     mask = mask.repeat(1, group, 1).unsqueeze(1)  # query rows are (group member, fed index)
-    write_slot = torch.arange(S, device=dev).repeat_interleave(W)
+    write_slot = torch.arange(S, device=dev)[:, None].expand(S, W).reshape(n)  # (repeat_interleave may sync)
 
     x = model.embed_weight.index_select(0, tokens)
     for li, layer in enumerate(model.layers):
