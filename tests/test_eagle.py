@@ -29,6 +29,7 @@ from outrider_speculative.eagle import (  # noqa: E402
     target_fingerprint,
 )
 from outrider_speculative.tree import check_tree  # noqa: E402
+from outrider_speculative.config import OptionError  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
@@ -163,6 +164,22 @@ def test_drafted_trees_are_valid_and_capped(tiny, tiny_head, budget, max_depth, 
         assert max(children.values()) <= max_children
         assert len({(p, t) for p, t in zip(tree.parents, tree.tokens)}) == len(tree), "duplicate sibling"
         assert all(0 <= t < VOCAB for t in tree.tokens)
+
+
+def test_int4_draft_head_drafts_what_the_float_head_drafts_mostly(tiny, tiny_head):
+    model, _ = tiny
+    float_drafter = make_eagle_drafter(model, {"weights": str(tiny_head), "prob_threshold": 0.0})
+    int4_drafter = make_eagle_drafter(model, {"weights": str(tiny_head), "prob_threshold": 0.0, "quantize": "int4"})
+    gen = torch.Generator().manual_seed(2)
+    same = 0
+    for trial in range(8):
+        tokens = torch.randint(0, VOCAB, (6 + trial,), generator=gen).tolist()
+        a, b = float_drafter.propose(_view(model, tokens), 8), int4_drafter.propose(_view(model, tokens), 8)
+        check_tree(b)
+        same += a.tokens[0] == b.tokens[0]
+    assert same >= 6  # rounding moves near-ties only; what is drafted is verified anyway
+    with pytest.raises(OptionError, match="quantize"):
+        make_eagle_drafter(model, {"weights": str(tiny_head), "quantize": "int8"})
 
 
 def test_root_children_are_the_heads_top_tokens(tiny, tiny_head):

@@ -320,3 +320,18 @@ def test_scripted_int4_layer_stack_is_bit_identical_to_the_eager_forward() -> No
             for chunk in chunks:
                 cache.commit(chunk.slot, list(range(chunk.tokens.numel()))[:1] if chunk.tree_mask is not None
                              else list(range(chunk.tokens.numel())))
+
+
+def test_make_linear_int4_for_drafters_is_close_and_refuses_other_formats() -> None:
+    model = LlamaModel(tiny_llama_config(), random_llama_weights(tiny_llama_config()))
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(256, 128, generator=gen) * 0.05
+    x = torch.randn(5, 128, generator=gen)
+    reference = x @ weight.t()
+    for rows in (1, 5):  # one row: the packed kernel; five: possibly the dense bf16 copy
+        out = model.make_linear(weight, quantize="int4")(x[:rows]).float()
+        assert out.shape == (rows, 256)
+        # int4 rounding: a few percent of the output scale, never more
+        assert (out - reference[:rows]).abs().max() <= 0.1 * reference.abs().max()
+    with pytest.raises(ValueError, match="quantize"):
+        model.make_linear(weight, quantize="int8")

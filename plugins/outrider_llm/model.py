@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -417,8 +417,32 @@ class LlamaModel(torch.nn.Module):
             return self.embed(tokens)
         return self.head_weight.index_select(0, tokens)
 
-    def make_linear(self, weight: torch.Tensor, dtype: Optional[torch.dtype] = None) -> "_Linear":
-        """y = x @ weight.T in this model's compute format (prepacked when oneDNN works here)."""
+    def make_linear(self, weight: torch.Tensor, dtype: Optional[torch.dtype] = None,
+                    quantize: Optional[str] = None) -> Callable[[torch.Tensor], torch.Tensor]:
+        """y = x @ weight.T in this model's compute format (prepacked when oneDNN works here).
+
+        `quantize="int4"`: group-wise int4 (round to nearest, groups of 32) when the packed int4
+        kernel is the fastest here (output bf16), else as without it. For a drafter's weights:
+        a draft head's three matmuls per drafted token cost more in bf16 than the rest of drafting.
+        """
+        if quantize not in (None, "int4"):
+            raise ValueError(f"make_linear: quantize must be None or 'int4', got {quantize!r}")
+        if quantize == "int4" and self.device.type == "cpu" and weight.shape[1] % 32 == 0:
+            plan = choose_kernel("int4", "auto", 32)
+            if plan.kernel == "int4pack":
+                from outrider.generation.weights import quantize_int4
+
+                from .linear import Int4Linear, _dense_crossover, dense_linear
+
+                # The packed kernel's cost grows with rows, dense bf16's barely: a drafter
+                # expanding many nodes at once gets a dense bf16 copy from the crossover on
+                # (the head is small: +2 bytes per weight).
+                dense = dense_linear(weight, torch.bfloat16) if cpu_has_native_bf16() else None
+                try:
+                    return Int4Linear(QuantTensor("int4", **quantize_int4(weight.float(), 32)), dense,
+                                      _dense_crossover("int4", 32))
+                except RuntimeError:  # a shape the packed kernel refuses
+                    pass
         dtype = self.dtype if dtype is None else dtype
         onednn = self.uses_onednn if dtype == self.dtype else (self.device.type == "cpu" and onednn_works(dtype))
         return _Linear(weight.to(self.device, torch.float32), dtype, onednn)

@@ -25,7 +25,7 @@ import torch
 from outrider.artifacts import Artifact
 from outrider.errors import ManifestError, QualityGateError
 from outrider.generation.contract import Chunk
-from outrider.generation.weights import pack_int4
+from outrider.generation.weights import quantize_int4
 from outrider.hardware import cpu_has_bf16_instructions
 
 log = logging.getLogger("outrider.quantize")
@@ -110,19 +110,6 @@ kept the other for later, although she already knew she would not manage to keep
 def is_linear_weight(name: str, tensor: torch.Tensor) -> bool:
     """A 2-D `.weight` other than the input embeddings: a projection or the LM head."""
     return name.endswith(".weight") and tensor.dim() == 2 and name != EMBEDDINGS
-
-
-def quantize_int4(weight: torch.Tensor, group_size: int = 32) -> dict[str, torch.Tensor]:
-    """Round-to-nearest group-wise asymmetric int4 of an fp32 [out, in] weight: {q, scale, zero}."""
-    out_features, in_features = weight.shape
-    if in_features % group_size or group_size % 2:
-        raise ValueError(f"int4: in-features {in_features} must be a multiple of an even group_size {group_size}")
-    groups = weight.float().reshape(out_features, in_features // group_size, group_size)
-    low, high = groups.amin(dim=2), groups.amax(dim=2)
-    scale = (high - low) / 15
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # a constant group: q = 0 gives `low`
-    q = torch.round((groups - low[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.uint8)
-    return {"q": pack_int4(q.reshape(out_features, in_features)), "scale": scale, "zero": low + 8 * scale}
 
 
 def int4_from_q4_1(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -243,7 +243,8 @@ class _CompiledHead:
     """The head's forward for drafting, on the target's device: its linears are the target's own
     kind (`make_linear`: oneDNN-prepacked on CPU where that works, plain elsewhere), no autograd."""
 
-    def __init__(self, head: DraftHead, lm_rows: torch.Tensor, model: Any, dtype: torch.dtype) -> None:
+    def __init__(self, head: DraftHead, lm_rows: torch.Tensor, model: Any, dtype: torch.dtype,
+                 quantize: Optional[str] = None) -> None:
         cfg = head.config
         self.eps, self.shape, self.inter = cfg.rms_norm_eps, (cfg.hidden_size,), cfg.intermediate_size
         self.dtype = dtype
@@ -254,7 +255,10 @@ class _CompiledHead:
         self.norm_embed = own(head.norm_embed)
         self.norm_out = own(head.norm_out)
         # The target's own linear (prepacked, in its format), reached through the contract.
-        linear = lambda weight: model.make_linear(weight.detach().float(), dtype)  # noqa: E731
+        # quantize="int4": the model's packed int4 kernel where it is the fastest (drafts are
+        # verified, so rounding costs at most some acceptance, never correctness).
+        extra = {"quantize": quantize} if quantize else {}
+        linear = lambda weight: model.make_linear(weight.detach().float(), dtype, **extra)  # noqa: E731
         self.fc = linear(head.fc.weight)
         self.blocks = [(own(b.norm), linear(b.gate_up.weight), linear(b.down.weight)) for b in head.blocks]
         self.lm = linear(lm_rows)
@@ -287,7 +291,7 @@ class EagleDrafter:
 
     def __init__(self, model: Any, loaded: LoadedHead, max_depth: int = 8, max_children: int = 4,
                  prob_threshold: float = 0.05, frontier: int = 8, dtype: Optional[torch.dtype] = None,
-                 sample: bool = True) -> None:
+                 sample: bool = True, quantize: Optional[str] = None) -> None:
         self.model = model
         self.sample = sample  # draw children from q when the request samples (see the module docstring)
         self.loaded = loaded
@@ -300,7 +304,7 @@ class EagleDrafter:
         self.frontier = frontier
         if dtype is None:
             dtype = getattr(model, "dtype", torch.float32)
-        self.compiled = _CompiledHead(loaded.head, lm_rows_for(model, loaded.draft_vocab), model, dtype)
+        self.compiled = _CompiledHead(loaded.head, lm_rows_for(model, loaded.draft_vocab), model, dtype, quantize)
         self.calls = 0  # head forwards (expand calls), for benchmarks
         self._lock = threading.Lock()  # instance threads may share one drafter
 
@@ -370,7 +374,7 @@ class EagleDrafter:
                                       root_state=root, batched=True, frontier=self.frontier)
 
 
-OPTIONS = ("weights", "max_depth", "max_children", "prob_threshold", "frontier", "dtype", "sample")
+OPTIONS = ("weights", "max_depth", "max_children", "prob_threshold", "frontier", "dtype", "sample", "quantize")
 
 
 def make_eagle_drafter(model: Any, options: Optional[Mapping[str, Any]] = None) -> EagleDrafter:
@@ -388,6 +392,9 @@ def make_eagle_drafter(model: Any, options: Optional[Mapping[str, Any]] = None) 
     dtypes = {"model": None, "fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
     if dtype_name not in dtypes:
         raise OptionError("dtype", f"expected one of {list(dtypes)} (got {dtype_name!r})")
+    quantize = options.get("quantize", "none")
+    if quantize not in ("none", "int4"):
+        raise OptionError("quantize", f"expected 'none' or 'int4' (got {quantize!r})")
     max_depth = read_int(options, "max_depth", 8, 1, 256)
     max_children = read_int(options, "max_children", 4, 1, 64)
     prob_threshold = read_float(options, "prob_threshold", 0.05, 0.0, 1.0)
@@ -395,6 +402,7 @@ def make_eagle_drafter(model: Any, options: Optional[Mapping[str, Any]] = None) 
     sample = read_bool(options, "sample", True)
     loaded = load_head(Path(weights).expanduser())
     check_target(loaded, model)
-    drafter = EagleDrafter(model, loaded, max_depth, max_children, prob_threshold, frontier, dtypes[dtype_name], sample)
+    drafter = EagleDrafter(model, loaded, max_depth, max_children, prob_threshold, frontier, dtypes[dtype_name], sample,
+                           None if quantize == "none" else quantize)
     drafter.warmup()
     return drafter

@@ -69,7 +69,9 @@ class CausalLM(Protocol):
     def embed(self, tokens: torch.Tensor) -> torch.Tensor: ...  # int64 [n] -> float32 [n, hidden]
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor: ...  # [n, hidden] -> float32 [n, vocab]
     def lm_head_rows(self, tokens: torch.Tensor) -> torch.Tensor: ...  # the head's rows for `tokens`, fp32 [k, hidden]
-    # y = x @ W.T in the model's compute format (or `dtype`), any float input, output in that dtype
+    # y = x @ W.T in the model's compute format (or `dtype`), any float input, output in that dtype.
+    # A drafter may pass `quantize="int4"` (speed over exactness: drafts are verified anyway); a
+    # model without a fast kernel for it ignores it, and one that lacks the keyword is not asked.
     def make_linear(self, weight: torch.Tensor, dtype: Optional[torch.dtype] = None) -> Callable[[torch.Tensor], torch.Tensor]: ...
     def fingerprint(self) -> str: ...
 

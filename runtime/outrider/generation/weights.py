@@ -31,6 +31,19 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([packed & 15, packed >> 4], dim=-1).flatten(-2)
 
 
+def quantize_int4(weight: torch.Tensor, group_size: int = 32) -> dict[str, torch.Tensor]:
+    """Round-to-nearest group-wise asymmetric int4 of an fp32 [out, in] weight: {q, scale, zero}."""
+    out_features, in_features = weight.shape
+    if in_features % group_size or group_size % 2:
+        raise ValueError(f"int4: in-features {in_features} must be a multiple of an even group_size {group_size}")
+    groups = weight.float().reshape(out_features, in_features // group_size, group_size)
+    low, high = groups.amin(dim=2), groups.amax(dim=2)
+    scale = (high - low) / 15
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # a constant group: q = 0 gives `low`
+    q = torch.round((groups - low[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.uint8)
+    return {"q": pack_int4(q.reshape(out_features, in_features)), "scale": scale, "zero": low + 8 * scale}
+
+
 def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
     """fp32 [out, in] weight of packed int4 (`q` uint8 [out, in // 2]): (q - 8) * scale + zero."""
     values = unpack_int4(q).float()
