@@ -20,6 +20,7 @@ from outrider.artifacts import Artifact, ArtifactCache  # noqa: E402
 from outrider.errors import QualityGateError  # noqa: E402
 from outrider.generation.contract import Chunk  # noqa: E402
 from outrider_llm.linear import (  # noqa: E402
+    Int8BlockTable,
     Int4Linear,
     Int8Linear,
     QuantTensor,
@@ -335,3 +336,36 @@ def test_make_linear_int4_for_drafters_is_close_and_refuses_other_formats() -> N
         assert (out - reference[:rows]).abs().max() <= 0.1 * reference.abs().max()
     with pytest.raises(ValueError, match="quantize"):
         model.make_linear(weight, quantize="int8")
+
+
+def test_q8_0_embeddings_are_held_as_int8_blocks_and_looked_up_exactly() -> None:
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randint(-127, 128, (300, 64), generator=gen, dtype=torch.int8)
+    q[:, 0] = 127  # Q8_0 puts +-127 at each block's largest magnitude
+    q[:, 32] = -127
+    d = (torch.rand(300, 2, generator=gen) * 0.01 + 1e-4).half().float()  # fp16 scales, as GGUF stores them
+    table = (q.view(300, 2, 32).float() * d[..., None]).view(300, 64)
+    compact = Int8BlockTable.exact(table)
+    assert compact is not None and compact.nbytes < table.numel() * table.element_size() / 3
+    rows = torch.tensor([0, 299, 17, 17])
+    assert torch.equal(compact.index_select(0, rows), table.index_select(0, rows))
+    # A table that is not such a product stays fp32: the model keeps it as is.
+    assert Int8BlockTable.exact(torch.randn(300, 64, generator=gen)) is None
+    nudged = table.clone()
+    nudged[7, 3] = torch.nextafter(nudged[7, 3], torch.tensor(1.0))
+    assert Int8BlockTable.exact(nudged) is None
+    # In a model: the same embeddings, fingerprint and tied head rows as from the fp32 table.
+    config = tiny_llama_config()
+    weights = random_llama_weights(config)
+    vocab, hidden = weights["model.embed_tokens.weight"].shape
+    eq = torch.randint(-127, 128, (vocab, hidden), generator=gen, dtype=torch.int8)
+    eq[:, ::32] = 127
+    ed = (torch.rand(vocab, hidden // 32, generator=gen) * 0.02).half().float()
+    weights["model.embed_tokens.weight"] = (eq.view(vocab, -1, 32).float() * ed[..., None]).view(vocab, hidden)
+    model = LlamaModel(config, weights)
+    assert isinstance(model.embed_weight, Int8BlockTable)
+    ids = torch.arange(vocab)
+    assert torch.equal(model.embed(ids), weights["model.embed_tokens.weight"])
+    reference = LlamaModel(config, {**weights, "model.embed_tokens.weight": weights["model.embed_tokens.weight"] + 0.0})
+    reference.embed_weight = weights["model.embed_tokens.weight"]  # the fp32 table, as before
+    assert model.fingerprint() == reference.fingerprint()

@@ -39,6 +39,7 @@ from .kv_cache import SlotKVCache
 
 from .linear import (  # noqa: F401  (re-exported: `from outrider_llm.model import _Linear` keeps working)
     PACK_ROWS,
+    Int8BlockTable,
     KernelPlan,
     QuantTensor,
     _Linear,
@@ -343,6 +344,10 @@ class LlamaModel(torch.nn.Module):
         else:
             self.head_weight = own(get("lm_head.weight"))
             self.head = _Linear(self.head_weight, dt, onednn)
+        # The head is built (it packed its own copy): lookups may now read a compact exact form.
+        compact = Int8BlockTable.exact(self.embed_weight) if self.device.type == "cpu" else None
+        if compact is not None:
+            self.embed_weight = compact
 
     def _plan_fast_layers(self) -> Optional[tuple]:
         """(scripted fn, norms, packed, scales, group) when every layer linear is a packed int4
