@@ -27,7 +27,7 @@ from outrider.generation.contract import DraftTree
 from outrider.generation.sampling import SamplingParams, greedy_token, sample_token, target_distribution
 from outrider_speculative.config import SpeculativeConfig
 from outrider_speculative.drafters import NgramDrafter, NgramIndex
-from outrider_speculative.strategy import BudgetController, DraftPacer, SpeculativeStrategy
+from outrider_speculative.strategy import BudgetController, SpeculativeStrategy
 from outrider_speculative.tree import (
     SampledChildren,
     SampledExpansion,
@@ -692,48 +692,3 @@ def test_importing_the_plugin_imports_no_torch():
     code = "import sys, outrider_speculative; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
-
-# ---- draft pacing: the budget that gives the most tokens per second ------------------------------
-
-STEP_MS = [10.0, 12.0, 14.0, 16.0]  # forward of 1..4 rows: each draft node costs 2 ms to verify
-
-
-def _paced(lengths: list[int], per_node_ms: float = 1.0, full: int = 3) -> tuple[DraftPacer, int]:
-    pacer = DraftPacer(probe_every=4, min_drafted=4)
-    pacer.step_seconds = [ms / 1e3 for ms in STEP_MS]
-    for accepted in lengths:
-        assert pacer.budget("s", full) >= 0
-        pacer.observe("s", full, accepted, per_node_ms * full / 1e3)
-    return pacer, pacer.budget("s", full)
-
-
-def test_pacer_drafts_in_full_while_drafts_are_accepted() -> None:
-    # 4 tokens in 16 + 3 ms beat 1 token in 10 ms
-    assert _paced([3] * 6)[1] == 3
-
-
-def test_pacer_stops_drafting_what_is_rejected_and_keeps_probing() -> None:
-    pacer, budget = _paced([0] * 6)
-    assert budget == 0  # each drafted node costs 3 ms and yields nothing
-    budgets = [pacer.budget("s", 3) for _ in range(8)]
-    assert budgets.count(3) == 2 and budgets.count(0) == 6  # every probe_every-th step drafts in full
-    for _ in range(6):  # the text turned predictable: the probes see it
-        pacer.observe("s", 3, 3, 3e-3)
-    assert pacer.budget("s", 3) == 3
-
-
-def test_pacer_takes_the_budget_with_the_best_rate() -> None:
-    # Half the first draft tokens accepted, deeper ones never: 1.5 tokens in 10 + 2 + 1 ms (115/s)
-    # beats 1 in 10 (100/s) and 1.5 in 10 + 6 + 3 (79/s).
-    assert _paced([1, 0] * 4)[1] == 1
-    # Drafting itself too slow (8 ms a node): no draft pays.
-    assert _paced([1, 0] * 4, per_node_ms=8.0)[1] == 0
-
-
-def test_pacer_without_measured_costs_drafts_in_full() -> None:
-    pacer = DraftPacer()
-    for _ in range(10):
-        pacer.observe("s", 3, 0, 1e-3)
-        assert pacer.budget("s", 3) == 3
-    strategy = SpeculativeStrategy(SpeculativeConfig(drafters=("ngram",), adaptive=False))
-    assert strategy.pacer is None  # adaptive: false drafts what the drafters propose

@@ -7,7 +7,7 @@
       max_depth: 8             # longest drafted path
       prob_threshold: 0.05     # nodes whose drafter probability is lower are not drafted
       max_children: 4          # most candidates under one node
-      adaptive: true           # adapt each sequence's budget to its acceptance; pause drafting while it is slower
+      adaptive: true           # adapt each sequence's budget to its recent acceptance
       batch_draft_tokens: 64   # draft nodes per step across all active sequences
       ngram: {max_ngram: 4}    # options of one drafter, under its name
 

@@ -21,18 +21,11 @@ The budget has two parts. `batch_budget(n_active)` shares `batch_draft_tokens` a
 sequences, because a full batch has no spare compute for tokens that will mostly be thrown away;
 and a `BudgetController` keeps one budget per sequence, grown when most of the drafted depth is
 accepted and shrunk when little is. `propose` applies the smaller of the two.
-
-Drafting only pays when the tokens it adds outweigh what drafting and verifying a tree cost: on
-prose, a quantized target whose kernel cost grows with rows can decode faster with one draft
-token, or none, than with three. A `DraftPacer` (with `adaptive: true`) picks each sequence's
-budget from the forward's measured cost per row count and the sequence's recent acceptance.
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from collections import deque
 from typing import Any, Callable, Hashable, Optional
 
 import torch
@@ -113,61 +106,6 @@ class BudgetController:
         self._ema.pop(seq_id, None)
 
 
-class DraftPacer:
-    """Per sequence: how many draft tokens pay, from the forward's cost and the drafts' acceptance.
-
-    `step_seconds[n]` is what a forward of the pending token plus n draft nodes costs this model
-    on this machine (measured at warmup, `GenerationEngine.measure_step_costs`); drafting costs
-    an EMA of seconds per drafted node (timed around the drafters); the last accepted lengths L
-    say what a budget b would yield: 1 + mean(min(L, b)) tokens. The budget taken is the b in
-    0..full with the most tokens per second. While that is 0, every `probe_every`-th step drafts
-    in full, so that a sequence turning predictable is noticed. Without measured step costs (no
-    warmup), every step drafts in full.
-    """
-
-    def __init__(self, probe_every: int = 8, min_drafted: int = 4, history: int = 24, alpha: float = 0.25) -> None:
-        self.probe_every, self.min_drafted, self.history, self.alpha = probe_every, min_drafted, history, alpha
-        self.step_seconds: list[float] = []
-        self._state: dict[Hashable, dict[str, Any]] = {}
-
-    def budget(self, key: Hashable, full: int) -> int:
-        """Draft nodes for this sequence's next step, at most `full`."""
-        st = self._state.setdefault(key, {"step": 0, "lengths": deque(maxlen=self.history), "best": full})
-        st["step"] += 1
-        if not self.step_seconds or len(st["lengths"]) < self.min_drafted:
-            return full
-        if st["best"] == 0:
-            return full if st["step"] % self.probe_every == 0 else 0
-        return min(st["best"], full)
-
-    def observe(self, key: Hashable, nodes: int, accepted: int, draft_seconds: float) -> None:
-        """One verified draft: `nodes` drafted in `draft_seconds`, `accepted` of them kept."""
-        st = self._state.get(key)
-        if st is None or nodes <= 0 or not self.step_seconds:
-            return
-        st["lengths"].append(accepted)
-        st["nodes"] = max(st.get("nodes", 0), nodes)
-        per_node = draft_seconds / nodes
-        st["per_node"] = per_node if "per_node" not in st else (1 - self.alpha) * st["per_node"] + self.alpha * per_node
-        if len(st["lengths"]) >= self.min_drafted:
-            st["best"] = self._best(st)
-
-    def _best(self, st: dict[str, Any]) -> int:
-        lengths, per_node, costs = st["lengths"], st["per_node"], self.step_seconds
-        top = min(st["nodes"], len(costs) - 1)
-        rates = [(1 + sum(min(n, b) for n in lengths) / len(lengths)) / (costs[b] + per_node * b)
-                 for b in range(top + 1)]
-        best = max(range(len(rates)), key=rates.__getitem__)
-        return st["nodes"] if best == top else best  # the measured range's top: no cap
-
-    def release(self, key: Hashable) -> None:
-        """Forget a sequence."""
-        st = self._state.pop(key, None)
-        if st is not None:
-            log.debug("draft pacing: %s", {k: (round(v, 5) if isinstance(v, float) else v)
-                                           for k, v in st.items() if k != "lengths"})
-
-
 class SpeculativeStrategy:
     """Draft with the configured drafters, verify losslessly, adapt the budget (see module doc)."""
 
@@ -183,8 +121,6 @@ class SpeculativeStrategy:
         self.attached = False
         self.stats: dict[str, int] = {"steps": 0, "draft_tokens": 0, "accepted_tokens": 0, "drafter_errors": 0}
         self._depth: dict[Hashable, int] = {}  # depth of each sequence's last proposal
-        self.pacer = DraftPacer() if self.config.adaptive else None
-        self._draft_seconds: dict[Hashable, float] = {}  # time the drafters took for the last proposal
 
     @classmethod
     def from_manifest(cls, manifest: Any) -> "SpeculativeStrategy":
@@ -241,9 +177,6 @@ class SpeculativeStrategy:
         if key is not None:
             self.controller.release(key)
             self._depth.pop(key, None)
-            self._draft_seconds.pop(key, None)
-            if self.pacer is not None:
-                self.pacer.release(key)
         self._each_drafter("finish", seq)
 
     def _each_drafter(self, method: str, *args: Any) -> None:
@@ -280,9 +213,6 @@ class SpeculativeStrategy:
         key = sequence_key(seq)
         own = self.controller.budget(key)
         budget = own if budget is None else min(budget, own)
-        if self.pacer is not None and key is not None and budget > 0:
-            budget = self.pacer.budget(key, budget)
-        started = time.perf_counter()
         tree = SpecTree()
         if budget > 0:
             trees: list[DraftTree] = []
@@ -299,13 +229,7 @@ class SpeculativeStrategy:
                 tree = prune_tree(merged, budget, cfg.max_depth, cfg.prob_threshold, cfg.max_children)
         if key is not None:
             self._depth[key] = max(tree.depths(), default=0)
-            self._draft_seconds[key] = time.perf_counter() - started
         return tree
-
-    def set_step_costs(self, seconds: list[float]) -> None:
-        """Seconds of one forward of 1 + n rows, n = 0, 1, ... (the engine measures them at warmup)."""
-        if self.pacer is not None:
-            self.pacer.step_seconds = list(seconds)
 
     def verify(
         self, tree: DraftTree, logits: torch.Tensor, params: Any, generator: Optional[torch.Generator]
@@ -318,14 +242,9 @@ class SpeculativeStrategy:
         return verdict
 
     def record(self, seq: Any, draft_tokens: int, accepted_tokens: int) -> None:
-        """Feed one step's outcome to the sequence's adaptive budget (and its step time to the pacer)."""
+        """Feed one step's outcome to the sequence's adaptive budget."""
         key = sequence_key(seq)
-        if key is None:
+        if key is None or draft_tokens <= 0:
             return
-        draft_seconds = self._draft_seconds.pop(key, None)
-        if draft_tokens <= 0:
-            return
-        if self.pacer is not None and draft_seconds is not None:
-            self.pacer.observe(key, draft_tokens, accepted_tokens, draft_seconds)
         depth = self._depth.get(key) or draft_tokens
         self.controller.observe(key, min(depth, draft_tokens), accepted_tokens)

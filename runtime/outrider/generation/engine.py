@@ -94,7 +94,6 @@ class GenerationEngine:
         self.cache = model.new_cache(max_sequences, max_length)
         self.device = torch.device(getattr(model, "device", "cpu"))  # where sequences' generators live
         self.free_slots = list(range(max_sequences - 1, -1, -1))
-        self._step_costs_measured = False  # forward cost per draft size, measured once at warmup
         self.active: list[Sequence] = []
         self.waiting: deque[PendingRequest] = deque()
         self.stats = stats
@@ -186,45 +185,9 @@ class GenerationEngine:
             self.active.append(seq)
             while seq in self.active:
                 self.step()
-            set_costs = getattr(self.strategy, "set_step_costs", None)
-            if set_costs is not None and not self._step_costs_measured:
-                self._step_costs_measured = True
-                budget = int(getattr(getattr(self.strategy, "config", None), "max_draft_tokens", 8))
-                costs = self.measure_step_costs(min(budget, 16), prompt_ids)
-                set_costs(costs)
-                log.info("forward of 1..%d rows, ms: %s", len(costs), " ".join(f"{c * 1e3:.1f}" for c in costs))
             return seq.generated
         finally:
             self.stats = stats
-
-    @torch.no_grad()
-    def measure_step_costs(self, max_draft: int, context: list[int], repeat: int = 5) -> list[float]:
-        """Seconds of one decode forward of the pending token plus n draft nodes (a chain), n = 0..max_draft.
-
-        Best of `repeat`, row counts interleaved (a busy neighbour then slows all alike); the
-        context is `context`'s tokens in a free slot, handed back after. Decode strategies size
-        their drafts by it (see `DecodeStrategy.set_step_costs`, optional).
-        """
-        slot = self.free_slots.pop()
-        try:
-            self.cache.reset(slot)
-            n = len(context)
-            self.model.forward(self.cache, [Chunk(slot, torch.tensor(context), torch.arange(n))],
-                               logit_rows=torch.tensor([n - 1]))
-            self.cache.commit(slot, list(range(n)))
-            best = [float("inf")] * (max_draft + 1)
-            for _ in range(repeat):
-                for k in range(max_draft + 1):
-                    tree = DraftTree(tokens=[context[-1]] * k, parents=list(range(-1, k - 1)), probs=[1.0] * k)
-                    chunk = Chunk(slot, torch.tensor([context[-1]] * (k + 1)), n + torch.arange(k + 1),
-                                  tree.mask() if k else None)
-                    started = time.perf_counter()
-                    self.model.forward(self.cache, [chunk], logit_rows=torch.arange(k + 1))
-                    best[k] = min(best[k], time.perf_counter() - started)
-            return best
-        finally:
-            self.cache.reset(slot)
-            self.free_slots.append(slot)
 
     # -- one step ---------------------------------------------------------------------------
 
