@@ -168,8 +168,8 @@ def padded_forward(model: Any, kv: torch.Tensor, ints: torch.Tensor, visible: to
     S, W = slots, width
     n = S * W
     nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    group, q_width, qk_heads = nh // nkv, nh * d, nh + nkv
-    eps, hidden_shape, inter = cfg.rms_norm_eps, (cfg.hidden_size,), cfg.intermediate_size
+    group, q_width = nh // nkv, nh * d
+    eps, hidden_shape = cfg.rms_norm_eps, (cfg.hidden_size,)
     low = model.dtype if model.dtype != torch.float32 else None
     dev = kv.device
     tokens, positions, write_pos = ints[:n], ints[n : 2 * n], ints[2 * n : 3 * n]
@@ -188,13 +188,7 @@ def padded_forward(model: Any, kv: torch.Tensor, ints: torch.Tensor, visible: to
 
     x = model.embed_weight.index_select(0, tokens)
     for li, layer in enumerate(model.layers):
-        h = F.rms_norm(x, hidden_shape, layer.attn_norm, eps)
-        qkv = layer.qkv(h if low is None else h.to(low))
-        if low is not None:
-            qkv = qkv.float()
-        qk = qkv[:, : qk_heads * d].view(n, qk_heads, d)
-        swapped = qk.view(n, qk_heads, 2, d // 2).flip(2).view(n, qk_heads, d)
-        torch.addcmul(qk * cos, swapped, sin, out=qk)
+        qkv = model._qkv_rope(layer, x, cos, sin, low)
         layer_kv = kv[li]  # [2, slots, kv_heads, capacity, head_dim]
         layer_kv.permute(1, 3, 0, 2, 4)[write_slot, write_pos] = qkv[:, q_width:].view(n, 2, nkv, d)
         q = qkv[:, :q_width].view(S, W, nkv, group, d).permute(0, 2, 3, 1, 4).reshape(S * nkv, group * W, d)
@@ -204,16 +198,7 @@ def padded_forward(model: Any, kv: torch.Tensor, ints: torch.Tensor, visible: to
         probs = torch.softmax(scores, dim=-1)
         attn = torch.bmm(probs.view(S * nkv, group * W, span), values)
         attn = attn.view(S, nkv, group, W, d).permute(0, 3, 1, 2, 4).reshape(n, q_width)
-        if low is None:
-            x = layer.o(attn).add_(x)
-            h = F.rms_norm(x, hidden_shape, layer.mlp_norm, eps)
-            gate_up = layer.gate_up(h)
-            x = layer.down(F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])).add_(x)
-        else:
-            x.add_(layer.o(attn.to(low)))
-            h = F.rms_norm(x, hidden_shape, layer.mlp_norm, eps).to(low)
-            gate_up = layer.gate_up(h)
-            x.add_(layer.down(F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])))
+        x = model._attention_out_and_mlp(layer, x, attn, low)
     hidden = F.rms_norm(x, hidden_shape, model.final_norm, eps)
     logits = model.head(hidden if low is None else hidden.to(low)).float()
     return hidden, logits

@@ -506,13 +506,12 @@ class LlamaModel(torch.nn.Module):
         positions = torch.cat([c.positions for c in chunks]) if len(chunks) > 1 else chunks[0].positions
         tokens = tokens.to(self.device, torch.long)
         positions = positions.to(self.device, torch.long)
-        total = tokens.numel()
         if int(positions.max()) >= self._cos.shape[0]:
             self._rope_table(max(int(positions.max()) + 1, 2 * self._cos.shape[0]))
         cos = self._cos.index_select(0, positions)[:, None, :]
         sin = self._sin_signed.index_select(0, positions)[:, None, :]
 
-        d, qk_heads = cfg.head_dim, cfg.num_heads + cfg.num_kv_heads
+        d = cfg.head_dim
         eps = cfg.rms_norm_eps
         hidden_shape = (cfg.hidden_size,)
         inter = cfg.intermediate_size
@@ -528,25 +527,8 @@ class LlamaModel(torch.nn.Module):
             fn(x, cos, sin, cache.kv, c.slot, c.length, c.mask, norms, packed, scales, group_size,
                cfg.num_heads, cfg.num_kv_heads, d, inter, eps)
         for li, layer in enumerate(self.layers if fast is None else ()):
-            h = F.rms_norm(x, hidden_shape, layer.attn_norm, eps)
-            qkv = layer.qkv(h if low is None else h.to(low))  # [T, (nh + 2 nkv) * d]: q | k | v
-            if low is not None:
-                qkv = qkv.float()
-            qk = qkv[:, : qk_heads * d].view(total, qk_heads, d)
-            swapped = qk.view(total, qk_heads, 2, d // 2).flip(2).view(total, qk_heads, d)
-            torch.addcmul(qk * cos, swapped, sin, out=qk)  # RoPE in place: qkv is now q' | k' | v
-            attn = self._attend(cache.kv[li], qkv, plan, batch)
-            if low is None:
-                x = layer.o(attn).add_(x)
-                h = F.rms_norm(x, hidden_shape, layer.mlp_norm, eps)
-                gate_up = layer.gate_up(h)
-                x = layer.down(F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])).add_(x)
-            else:
-                # fp32 += bf16 upcasts inside the add: the same sums, two fewer copies per layer.
-                x.add_(layer.o(attn.to(low)))
-                h = F.rms_norm(x, hidden_shape, layer.mlp_norm, eps).to(low)
-                gate_up = layer.gate_up(h)
-                x.add_(layer.down(F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])))
+            qkv = self._qkv_rope(layer, x, cos, sin, low)
+            x = self._attention_out_and_mlp(layer, x, self._attend(cache.kv[li], qkv, plan, batch), low)
         hidden = F.rms_norm(x, hidden_shape, self.final_norm, eps)
         for slot, n, _ in spans:
             cache._fed[slot] = n
@@ -561,6 +543,41 @@ class LlamaModel(torch.nn.Module):
         return ForwardOutput(logits=logits.float(), hidden=hidden)
 
     # ---- helpers -------------------------------------------------------------------------
+
+    def _qkv_rope(self, layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  low: Optional[torch.dtype]) -> torch.Tensor:
+        """One layer's [T, (nh + 2 nkv) * d] q | k | v (fp32) from the residual x, RoPE applied to q and k.
+
+        Shared by the eager forward and the CUDA-graph step (cuda_graphs.py); `low` is the matmul
+        dtype when it is not fp32.
+        """
+        cfg = self.config
+        d, qk_heads, total = cfg.head_dim, cfg.num_heads + cfg.num_kv_heads, x.shape[0]
+        h = F.rms_norm(x, (cfg.hidden_size,), layer.attn_norm, cfg.rms_norm_eps)
+        qkv = layer.qkv(h if low is None else h.to(low))
+        if low is not None:
+            qkv = qkv.float()
+        qk = qkv[:, : qk_heads * d].view(total, qk_heads, d)
+        swapped = qk.view(total, qk_heads, 2, d // 2).flip(2).view(total, qk_heads, d)
+        torch.addcmul(qk * cos, swapped, sin, out=qk)  # RoPE in place: qkv is now q' | k' | v
+        return qkv
+
+    def _attention_out_and_mlp(self, layer: _Layer, x: torch.Tensor, attn: torch.Tensor,
+                               low: Optional[torch.dtype]) -> torch.Tensor:
+        """The residual after one layer's output projection of `attn` and its MLP (x may be updated in place)."""
+        cfg = self.config
+        hidden_shape, inter, eps = (cfg.hidden_size,), cfg.intermediate_size, cfg.rms_norm_eps
+        if low is None:
+            x = layer.o(attn).add_(x)
+            h = F.rms_norm(x, hidden_shape, layer.mlp_norm, eps)
+            gate_up = layer.gate_up(h)
+            return layer.down(F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])).add_(x)
+        # fp32 += bf16 upcasts inside the add: the same sums, two fewer copies per layer.
+        x.add_(layer.o(attn.to(low)))
+        h = F.rms_norm(x, hidden_shape, layer.mlp_norm, eps).to(low)
+        gate_up = layer.gate_up(h)
+        x.add_(layer.down(F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])))
+        return x
 
     def _attend(
         self, kv: torch.Tensor, qkv: torch.Tensor, plan: list[_ChunkPlan], batch: Optional[_BatchPlan]
