@@ -24,8 +24,14 @@ def _pyplot():
     return plt
 
 
-def _footer(fig, caption: str) -> None:
+def _save(plt, fig, path: Path, caption: str) -> Path:
+    """Lay out, caption at the foot, write `path` (its folder made if needed), close the figure."""
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.text(0.01, 0.01, caption, fontsize=7, color="#555555", ha="left", va="bottom", wrap=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
 
 
 def plot_batching(curves: dict[str, Sequence[dict]], offline: Iterable[dict], path: Path, caption: str) -> Path:
@@ -71,12 +77,7 @@ def plot_batching(curves: dict[str, Sequence[dict]], offline: Iterable[dict], pa
                    fontsize=7, color="#555555", va="bottom", ha="right")
     left.set_title("throughput", fontsize=9)
     right.set_title("tail latency", fontsize=9)
-    fig.tight_layout(rect=(0, 0.07, 1, 1))
-    _footer(fig, caption)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path, caption)
 
 
 def plot_speculation(tables: Sequence[dict], path: Path, caption: str, baseline: Optional[str] = None) -> Path:
@@ -109,9 +110,4 @@ def plot_speculation(tables: Sequence[dict], path: Path, caption: str, baseline:
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(loc="upper right", frameon=False, fontsize=8, ncol=len(names))
     ax.set_ylim(0, ax.get_ylim()[1] * 1.25)
-    fig.tight_layout(rect=(0, 0.07, 1, 1))
-    _footer(fig, caption)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path, caption)
