@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -132,6 +133,11 @@ class WorkerBackend(Backend):
         if proc is None:
             return None
         code = proc.poll()
+        if code is None and self._pidfd is not None and _readable(self._pidfd):
+            # It has exited, but poll() says nothing while another thread (the supervisor's own
+            # poll) holds Popen's waitpid lock: wait for that verdict rather than send a batch to
+            # a dead worker (seen in test_two_instances_one_killed_one_busy).
+            code = proc.wait()
         return None if code is None else describe_exit(proc.pid, code)
 
     def metadata(self) -> dict[str, Any]:
@@ -310,6 +316,11 @@ def main() -> int:
     logging.basicConfig(level=os.environ.get("OUTRIDER_LOG_LEVEL", "INFO").upper(),
                         format="%(asctime)s %(levelname)s worker %(process)d %(name)s: %(message)s")
     return _serve(sys.argv[1], json.loads(sys.argv[2]))
+
+
+def _readable(fd: int) -> bool:
+    """Whether `fd` is readable now (a pidfd is, once its process has exited)."""
+    return bool(select.select([fd], [], [], 0)[0])
 
 
 if __name__ == "__main__":
