@@ -39,18 +39,11 @@ class ServerProcess:
     def wait_ready(self, timeout: float = 120.0) -> None:
         from outrider import Client, OutriderError
 
-        end = time.monotonic() + timeout
         with Client(self.address, timeout=1.0) as client:
-            while time.monotonic() < end:
-                if self.proc.poll() is not None:
-                    raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.log()}")
-                try:
-                    if client.health(timeout=1.0)["ready"]:
-                        return
-                except OutriderError:
-                    pass
-                time.sleep(0.02)
-        raise AssertionError(f"server not ready within {timeout}s:\n{self.log()}")
+            try:
+                client.wait_ready(timeout, process=self.proc)
+            except OutriderError as exc:
+                raise AssertionError(f"{exc.message}:\n{self.log()}") from None
 
     def stop(self, timeout: float = 30.0) -> int:
         if self.proc.poll() is None:

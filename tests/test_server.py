@@ -417,3 +417,16 @@ class TestEchoConformance(__import__("outrider.testing", fromlist=["BackendConfo
                 "inputs": [{"name": "x", "datatype": "FP32", "shape": [-1, 3]}],
                 "outputs": [{"name": "x", "datatype": "FP32", "shape": [-1, 3]}]}
     sample_inputs = {"x": np.arange(6, dtype=np.float32).reshape(2, 3)}
+
+
+def test_wait_ready_times_out_without_a_server_and_stops_when_its_process_exits(tmp_path):
+    address = f"ipc://{tmp_path}/nobody.sock"
+    with Client(address, timeout=1.0) as client:
+        started = time.monotonic()
+        with pytest.raises(RequestTimeoutError, match="not ready within 0.3s"):
+            client.wait_ready(0.3)
+        assert time.monotonic() - started < 2.0
+        exited = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+        exited.wait()
+        with pytest.raises(UnavailableError, match="exited with 3"):
+            client.wait_ready(30, process=exited)

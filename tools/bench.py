@@ -85,16 +85,12 @@ def _start_server(manifests: list[str], address: str, env_extra: dict | None = N
 def _wait_ready(address: str, timeout: float = 120.0) -> float:
     from outrider import Client, OutriderError
 
-    end = time.monotonic() + timeout
     with Client(address, timeout=0.5) as client:
-        while time.monotonic() < end:
-            try:
-                if client.health(timeout=0.5)["ready"]:
-                    return time.monotonic()
-            except OutriderError:
-                pass
-            time.sleep(0.005)
-    raise RuntimeError(f"server on {address} not ready within {timeout}s")
+        try:
+            client.wait_ready(timeout, interval=0.005)
+        except OutriderError as exc:
+            raise RuntimeError(exc.message) from None
+    return time.monotonic()
 
 
 def _wait_http_ready(http: str, timeout: float = 120.0) -> float:

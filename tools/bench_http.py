@@ -58,18 +58,11 @@ def start_server(manifests: list[str], address: str, http: str) -> subprocess.Po
 def wait_ready(address: str, proc: subprocess.Popen, timeout: float = 300.0) -> None:
     from outrider import Client, OutriderError
 
-    end = time.monotonic() + timeout
     with Client(address, timeout=1.0) as client:
-        while time.monotonic() < end:
-            if proc.poll() is not None:
-                raise SystemExit(f"the server exited with {proc.returncode}")
-            try:
-                if client.health(timeout=1.0)["ready"]:
-                    return
-            except OutriderError:
-                pass
-            time.sleep(0.1)
-    raise SystemExit("the server did not get ready")
+        try:
+            client.wait_ready(timeout, interval=0.1, process=proc)
+        except OutriderError as exc:
+            raise SystemExit(exc.message) from None
 
 
 def minilm_paths(address: str, url: str, port: int) -> dict[str, tuple[Callable[[], None], Callable[[], None]]]:

@@ -79,18 +79,11 @@ class Server:
     def wait_ready(self, timeout: float = 300.0) -> None:
         from outrider import Client, OutriderError
 
-        end = time.monotonic() + timeout
         with Client(self.address, timeout=1.0) as client:
-            while time.monotonic() < end:
-                if self.proc.poll() is not None:
-                    raise SystemExit(f"server exited with {self.proc.returncode}:\n{self.log_path.read_text()[-3000:]}")
-                try:
-                    if client.health(timeout=1.0)["ready"]:
-                        return
-                except OutriderError:
-                    pass
-                time.sleep(0.05)
-        raise SystemExit(f"server not ready within {timeout}s:\n{self.log_path.read_text()[-3000:]}")
+            try:
+                client.wait_ready(timeout, interval=0.05, process=self.proc)
+            except OutriderError as exc:
+                raise SystemExit(f"{exc.message}:\n{self.log_path.read_text()[-3000:]}") from None
 
     def stop(self) -> None:
         self.proc.terminate()

@@ -81,19 +81,13 @@ def start_direct(tmp: str, http_port: int) -> tuple[subprocess.Popen, str]:
                             cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     from outrider import Client, OutriderError
 
-    end = time.monotonic() + 120
     with Client(address, timeout=1.0) as client:
-        while time.monotonic() < end:
-            if proc.poll() is not None:
-                raise SystemExit(f"outrider serve exited with {proc.returncode}")
-            try:
-                if client.health(timeout=1.0)["ready"]:
-                    return proc, address
-            except OutriderError:
-                pass
-            time.sleep(0.05)
-    proc.kill()
-    raise SystemExit("outrider serve did not get ready within 120 s")
+        try:
+            client.wait_ready(120, interval=0.05, process=proc)
+        except OutriderError as exc:
+            proc.kill()
+            raise SystemExit(f"outrider serve: {exc.message}") from None
+    return proc, address
 
 
 def start_ray(replicas: int, http_port: int, cpus_per_replica: float):

@@ -358,15 +358,11 @@ def start_echo_server(directory: str) -> tuple[subprocess.Popen, str]:
     from outrider import Client, OutriderError
 
     with Client(address, timeout=1.0) as client:
-        for _ in range(600):
-            if proc.poll() is not None:
-                raise SystemExit(f"server exited with {proc.returncode}; log in {directory}/server.log")
-            try:
-                if client.health(timeout=1.0)["ready"]:
-                    return proc, address
-            except OutriderError:
-                time.sleep(0.05)
-    raise SystemExit("echo server not ready within 30 s")
+        try:
+            client.wait_ready(30, interval=0.05, process=proc)
+        except OutriderError as exc:
+            raise SystemExit(f"echo server: {exc.message}; log in {directory}/server.log") from None
+    return proc, address
 
 
 def print_report(report: FuzzReport) -> None:

@@ -12,7 +12,7 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
-from .errors import OutriderError, ProtocolError, RequestTimeoutError, error_from_wire
+from .errors import OutriderError, ProtocolError, RequestTimeoutError, UnavailableError, error_from_wire
 from .protocol import REPLY_KINDS, decode_tensors, encode_message, parse_type_frame, unpack_header, Limits
 from .transport import DEFAULT_ADDRESS, CurveClientKeys, client_socket, recv_blocking, send_frames
 
@@ -213,6 +213,23 @@ class Client:
         """The served models with readiness, inputs and outputs."""
         reply, _ = self._call("models", {}, None, "models", timeout)
         return list(reply["models"])
+
+    def wait_ready(self, timeout: float, interval: float = 0.02, process: Any = None) -> None:
+        """Ask `health` until every model is ready (a server still starting, or not yet bound, is
+        asked again every `interval` seconds). RequestTimeoutError after `timeout` seconds;
+        UnavailableError as soon as `process` (a `subprocess.Popen` of the server) has exited."""
+        end = time.monotonic() + timeout
+        while True:
+            if process is not None and process.poll() is not None:
+                raise UnavailableError(f"the server process exited with {process.returncode} before it was ready")
+            try:
+                if self.health(timeout=min(1.0, max(end - time.monotonic(), 0.01)))["ready"]:
+                    return
+            except OutriderError:
+                pass
+            if time.monotonic() >= end:
+                raise RequestTimeoutError(f"{self.address}: not ready within {timeout:g}s")
+            time.sleep(interval)
 
 
 class AsyncClient:
