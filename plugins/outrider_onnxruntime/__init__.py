@@ -340,11 +340,7 @@ class OnnxRuntimeBackend(Backend):
             self._note_engine_cache(profile)
 
         self.fallback = fallback_report(self.requested_providers, self.active_providers)
-        if self.fallback:
-            log.warning("model %s on %s: %s", self.manifest.name, self.device, self.fallback)
-            if self.on_fallback == "error":
-                raise BackendUnavailableError(
-                    f"model {self.manifest.name!r}: options.on_fallback is 'error': {self.fallback}")
+        self._on_fallback(self.fallback)
 
     def _tensorrt_profile(self) -> dict[str, str]:
         """The TensorRT provider's explicit profile from the manifest (needs `onnx` to read the inputs)."""
@@ -370,6 +366,14 @@ class OnnxRuntimeBackend(Backend):
         directory = cache.entry("ort-tensorrt", self._engine_key[0])
         directory.mkdir(parents=True, exist_ok=True)
         return directory
+
+    def _on_fallback(self, report: Optional[str]) -> None:
+        """Log a fall-back (of the session, or of some nodes) and refuse it under `on_fallback: error`."""
+        if not report:
+            return
+        log.warning("model %s on %s: %s", self.manifest.name, self.device, report)
+        if self.on_fallback == "error":
+            raise BackendUnavailableError(f"model {self.manifest.name!r}: options.on_fallback is 'error': {report}")
 
     def _note_engine_cache(self, profile: dict[str, str]) -> None:
         # ORT writes the engines itself; the provenance file makes `outrider cache` list the entry.
@@ -412,11 +416,7 @@ class OnnxRuntimeBackend(Backend):
             os.rmdir(self._profile_dir)
             self._profile_dir = None
         self.node_fallback = node_fallback_report(self.node_placement, self.active_providers)
-        if self.node_fallback:
-            log.warning("model %s on %s: %s", self.manifest.name, self.device, self.node_fallback)
-            if self.on_fallback == "error":
-                raise BackendUnavailableError(
-                    f"model {self.manifest.name!r}: options.on_fallback is 'error': {self.node_fallback}")
+        self._on_fallback(self.node_fallback)
 
     # -- execute ------------------------------------------------------------------------------
 
