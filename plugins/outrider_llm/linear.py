@@ -27,7 +27,6 @@ The quantized tensor format is `outrider.generation.weights` (shared with outrid
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import time
@@ -510,7 +509,6 @@ def _race(candidates: dict[str, Callable[[], object]], repeat: int = 15) -> dict
     return {name: seconds * 1e6 for name, seconds in best.items()}
 
 
-@functools.lru_cache(maxsize=None)  # measured once per process and format
 def _dense_crossover(mode: str, group_size: int) -> int:
     """Fewest rows (of 2, 4, 8, 16) from which dense bf16 beats the packed kernel."""
     if not (cpu_has_native_bf16() and _onednn_cached(torch.bfloat16)):

@@ -433,21 +433,14 @@ class LlamaModel(torch.nn.Module):
         if quantize not in (None, "int4"):
             raise ValueError(f"make_linear: quantize must be None or 'int4', got {quantize!r}")
         if quantize == "int4" and self.device.type == "cpu" and weight.shape[1] % 32 == 0:
-            plan = choose_kernel("int4", "auto", 32)
+            # "auto+bf16": a drafter expanding many nodes at once also gets a dense bf16 copy
+            # where that wins from a few rows on (the packed kernel's cost grows with rows, dense
+            # bf16's barely; a draft head is small, so the copy is cheap).
+            plan = choose_kernel("int4", "auto+bf16", 32)
             if plan.kernel == "int4pack":
                 from outrider.generation.weights import quantize_int4
 
-                from .linear import Int4Linear, _dense_crossover, dense_linear
-
-                # The packed kernel's cost grows with rows, dense bf16's barely: a drafter
-                # expanding many nodes at once gets a dense bf16 copy from the crossover on
-                # (the head is small: +2 bytes per weight).
-                dense = dense_linear(weight, torch.bfloat16) if cpu_has_native_bf16() else None
-                try:
-                    return Int4Linear(QuantTensor("int4", **quantize_int4(weight.float(), 32)), dense,
-                                      _dense_crossover("int4", 32))
-                except RuntimeError:  # a shape the packed kernel refuses
-                    pass
+                return plan.build(QuantTensor("int4", **quantize_int4(weight.float(), 32)))
         dtype = self.dtype if dtype is None else dtype
         onednn = self.uses_onednn if dtype == self.dtype else (self.device.type == "cpu" and onednn_works(dtype))
         return _Linear(weight.to(self.device, torch.float32), dtype, onednn)
