@@ -294,9 +294,8 @@ class EagleDrafter:
                  sample: bool = True, quantize: Optional[str] = None) -> None:
         self.model = model
         self.sample = sample  # draw children from q when the request samples (see the module docstring)
-        # Its path and metadata only: the fp32 module (32 MB for SmolLM2's head) is not kept, the
-        # compiled head below holds what drafting reads.
-        self.head_path, self.head_metadata = loaded.path, loaded.metadata
+        # `loaded` is not kept: its fp32 module (32 MB for SmolLM2's head) would stay resident,
+        # and the compiled head below holds what drafting reads.
         self.device = torch.device(getattr(model, "device", "cpu"))
         # Indexed by top-k/multinomial results, which come back on the model's device.
         self.draft_vocab = loaded.draft_vocab.to(self.device)
