@@ -78,21 +78,63 @@ def test_int4_packing_round_trips_and_rtn_error_is_half_a_step() -> None:
     assert ((parts8["q"].float() * parts8["scale"][:, None] - weight).abs() <= parts8["scale"][:, None] / 2 + 1e-6).all()
 
 
+def _native_or_skip() -> None:
+    from outrider_llm.native import int4_kernel
+
+    usable, reason = int4_kernel()
+    if not usable:
+        pytest.skip(f"native int4 kernel unavailable here: {reason}")
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["aten", "native"])
 @pytest.mark.parametrize("rows", [1, 5, 32])
-def test_int4_kernel_matches_dequantized_reference(rows: int) -> None:
-    _packed_or_skip("int4")
+def test_int4_kernel_matches_dequantized_reference(rows: int, native: bool) -> None:
+    _native_or_skip() if native else _packed_or_skip("int4")
     gen = torch.Generator().manual_seed(rows)
     weight = torch.randn(96, 256, generator=gen) * 0.1
     parts = quantize_int4(weight, group_size=32)
     quant = QuantTensor("int4", parts["q"], parts["scale"], parts["zero"])
     x = torch.randn(rows, 256, generator=gen)
     expected = x.to(torch.bfloat16).float() @ quant.dequantize().t()
-    out = Int4Linear(quant)(x)
-    assert out.dtype == torch.bfloat16 and out.shape == (rows, 96)
-    _close(out, expected, 0.02)
+    kernel = Int4Linear(quant, native=native)
+    assert kernel.native == native
+    out = kernel(x)
+    # aten rounds scales and zeros to bf16 and returns bf16; the native kernel keeps them in fp16
+    # (w = q d + m) and accumulates in fp32.
+    assert out.dtype == (torch.float32 if native else torch.bfloat16) and out.shape == (rows, 96)
+    _close(out, expected, 2e-3 if native else 0.02)
     # With a dense bf16 copy, calls of many rows go there and agree as well.
-    both = Int4Linear(quant, dense=_Linear(quant.dequantize(), torch.bfloat16, use_onednn=False), dense_from=4)
+    both = Int4Linear(quant, dense=_Linear(quant.dequantize(), torch.bfloat16, use_onednn=False), dense_from=4,
+                      native=native)
     _close(both(x), expected, 0.02)
+
+
+def test_native_int4_rows_are_independent_and_packing_is_exact() -> None:
+    """A row's output is the same bits whatever else shares the call (decode vs verify), across
+    row blocks and thread counts; the tile layout holds exactly the GGUF-style weights."""
+    _native_or_skip()
+    from outrider_llm.native import dequantize_tiles, pack_int4_tiles
+
+    gen = torch.Generator().manual_seed(7)
+    weight = torch.randn(64, 192, generator=gen) * 0.05
+    parts = quantize_int4(weight, group_size=32)
+    # fp16-representable scales and minimums (as GGUF Q4_1 blocks have): packing loses nothing.
+    d = parts["scale"].half().float()
+    m = (parts["zero"] - 8 * parts["scale"]).half().float()
+    quant = QuantTensor("int4", parts["q"], d, m + 8 * d)
+    w, dt, mt = pack_int4_tiles(unpack_int4(quant.q), quant.scale, quant.zero)
+    assert torch.equal(dequantize_tiles(w, dt, mt), quant.dequantize())
+    kernel = Int4Linear(quant, native=True)
+    x = torch.randn(37, 192, generator=gen)
+    together = kernel(x)
+    alone = torch.cat([kernel(x[i:i + 1]) for i in range(37)])
+    assert torch.equal(together, alone)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(kernel(x), together)
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("rows", [1, 5, 32])

@@ -51,7 +51,7 @@ DEFAULT_DENSE_FROM_ROWS = 8
 # failures are large (fp32 activations: 7-20x), while a busy shared 2-core machine skews a
 # few-ms benchmark by tens of percent either way.
 PACKED_TIE_MARGIN = 2.0
-KERNELS = ("auto", "auto+bf16", "int4pack", "int8pack", "dense", "int4pack+bf16", "int8pack+bf16")
+KERNELS = ("auto", "auto+bf16", "int4pack", "int8pack", "dense", "int4pack+bf16", "int8pack+bf16", "int4native")
 # "auto+bf16" keeps a dense bf16 copy only where it wins from this many rows or fewer: a draft
 # tree's verification feeds 2-17 rows per sequence.
 MULTIROW_COPY_MAX_ROWS = 8
@@ -287,31 +287,50 @@ class _PackedLinear:
 
 
 class Int4Linear(_PackedLinear):
-    """Group-wise int4 weight, bf16 activations: `aten._weight_int4pack_mm_for_cpu`. Output bf16.
+    """Group-wise int4 weight, bf16 activations.
+
+    Two kernels; either serves every call of a weight (so a row's result never depends on how many
+    rows share the call): with `native=True` outrider's own (native.py: AMX or AVX512-BF16, scales
+    and minimums in fp16, output fp32) where it runs here and the shape fits, else torch's
+    `aten._weight_int4pack_mm_for_cpu` (scales and zeros in bf16, output bf16). `self.native` says which.
 
     With `dense` (a bf16 `_Linear` of the same weight), calls of `dense_from` rows or more go there.
     """
 
-    __slots__ = ("packed", "scales_zeros", "group")
+    __slots__ = ("packed", "scales_zeros", "minimums", "group", "native")
 
     def __init__(self, weight: QuantTensor, dense: Optional[_Linear] = None,
-                 dense_from: int = DEFAULT_DENSE_FROM_ROWS) -> None:
+                 dense_from: int = DEFAULT_DENSE_FROM_ROWS, native: bool = False) -> None:
         if weight.mode != "int4":
             raise ValueError(f"Int4Linear needs an int4 weight, got {weight.mode}")
+        from .native import TILE, int4_kernel, pack_int4_tiles
+
         self.dtype = torch.bfloat16
         self.group = weight.group_size
-        values = unpack_int4(weight.q).to(torch.int32)
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(values, INT4_INNER_K_TILES)
-        # [in / group, out, 2]: (scale, zero) pairs, in the activation dtype as the kernel demands.
-        self.scales_zeros = torch.stack([weight.scale.float().t(), weight.zero.float().t()], dim=-1)
-        self.scales_zeros = self.scales_zeros.to(self.dtype).contiguous()
+        out, inp = weight.shape
+        fits = out % TILE == 0 and inp % 4 == 0 and self.group % 4 == 0
+        self.native = native and fits and int4_kernel()[0]
+        values = unpack_int4(weight.q)
+        if self.native:
+            # packed: [out/16, in/4, 32] tiles; scales_zeros / minimums: fp16 d and m (w = q d + m).
+            self.packed, self.scales_zeros, self.minimums = pack_int4_tiles(values, weight.scale, weight.zero)
+        else:
+            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(values.to(torch.int32),
+                                                                             INT4_INNER_K_TILES)
+            # [in / group, out, 2]: (scale, zero) pairs, in the activation dtype as the kernel demands.
+            self.scales_zeros = torch.stack([weight.scale.float().t(), weight.zero.float().t()], dim=-1)
+            self.scales_zeros = self.scales_zeros.to(self.dtype).contiguous()
+            self.minimums = None
         self.dense, self.dense_from = dense, dense_from
 
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native:
+            return torch.ops.outrider.int4_mm(x, self.packed, self.scales_zeros, self.minimums, self.group)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group, self.scales_zeros)
 
     def _own_bytes(self) -> int:
-        return self.packed.numel() + self.scales_zeros.numel() * 2
+        extra = 0 if self.minimums is None else self.minimums.numel() * 2
+        return self.packed.numel() + self.scales_zeros.numel() * 2 + extra
 
 
 class Int8Linear(_PackedLinear):
@@ -364,7 +383,7 @@ class KernelPlan:
         dense = dense_linear(weight.params_in(torch.bfloat16).dequantize(), torch.bfloat16) if self.dense_copy else None
         try:
             if weight.mode == "int4":
-                return Int4Linear(weight, dense, self.dense_from_rows)
+                return Int4Linear(weight, dense, self.dense_from_rows, native=self.kernel == "int4native")
             return Int8Linear(weight, dense, self.dense_from_rows)
         except RuntimeError as exc:  # a shape the packed kernel refuses (e.g. tiny test models)
             log.debug("packed %s kernel refused shape %s (%s); dense instead", weight.mode, weight.shape, exc)
@@ -405,6 +424,18 @@ def _choose(mode: str, kernel: str, group_size: int) -> KernelPlan:
     dense_dtype = torch.bfloat16 if native_bf16 else torch.float32
     if kernel == "dense":
         return KernelPlan(mode, "dense", dense_dtype, reason="asked for")
+    if kernel == "int4native":
+        # Outrider's own int4 kernel (native.py): about as fast as torch's at one row and flat in
+        # rows, so speculative verification costs about a decode step. Where it cannot run, and
+        # for other formats (an int8 head next to int4 layers), the measured choice serves.
+        from .native import int4_kernel
+
+        usable, why = int4_kernel() if mode == "int4" else (False, f"{mode} weights")
+        if usable and _packed_works(mode, group_size):
+            return KernelPlan(mode, "int4native", torch.bfloat16, reason=f"asked for (native kernel {why})")
+        plan = _choose(mode, "auto", group_size)
+        return KernelPlan(plan.mode, plan.kernel, plan.dtype, plan.dense_copy, plan.dense_from_rows, plan.timings_us,
+                          reason=f"int4native asked for, not usable ({why}); {plan.reason}")
     multirow = kernel == "auto+bf16"
     if kernel not in ("auto", "auto+bf16"):
         name, _, extra = kernel.partition("+")

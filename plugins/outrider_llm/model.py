@@ -144,41 +144,53 @@ def release_free_memory() -> None:
         pass
 
 
-def _int4_chunk_layers(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor, slot: int, length: int,
-    mask: Optional[torch.Tensor], norms: List[torch.Tensor], packed: List[torch.Tensor], scales: List[torch.Tensor],
-    group_size: int, num_heads: int, num_kv_heads: int, head_dim: int, intermediate: int, eps: float,
+def _attend_chunk(
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cell: torch.Tensor, length: int,
+    mask: Optional[torch.Tensor], num_heads: int, num_kv_heads: int, head_dim: int,
 ) -> torch.Tensor:
-    """Every layer for one chunk of n tokens of one slot, all linears int4-packed (bf16 activations).
+    """One layer's attention for one chunk of n tokens: RoPE on q and k, K/V written into `cell`
+    ([2, kv_heads, capacity, head_dim], this layer's slot) at length.., then [n, heads * head_dim].
 
-    The same operations, in the same order, as `LlamaModel.forward` with `_attend` for a single
-    chunk (so the outputs are bit-identical); compiled with TorchScript at load, which runs the
-    ~40 small operations per layer without the Python interpreter between them. Layer i's weights
-    are norms[2i:2i+2] and packed/scales[4i:4i+4] (qkv, o, gate_up, down); kv is the cache's
-    [layers, 2, slots, kv_heads, capacity, head_dim] tensor. x is updated in place.
+    The same operations, in the same order, as `LlamaModel._qkv_rope` and `_attend` for a single
+    chunk (so the outputs are bit-identical).
     """
-    n = x.shape[0]
+    n = qkv.shape[0]
     d = head_dim
     qk_heads = num_heads + num_kv_heads
     group = num_heads // num_kv_heads
     q_width = num_heads * d
+    qk = qkv[:, : qk_heads * d].view(n, qk_heads, d)
+    swapped = qk.view(n, qk_heads, 2, d // 2).flip(2).view(n, qk_heads, d)
+    torch.addcmul(qk * cos, swapped, sin, out=qk)
+    cell[:, :, length : length + n] = qkv[:, q_width:].view(n, 2, num_kv_heads, d).permute(1, 2, 0, 3)
+    keys, values = cell[0, :, : length + n], cell[1, :, : length + n]
+    q = qkv[:, :q_width].view(n, num_kv_heads, group, d).permute(1, 2, 0, 3).reshape(num_kv_heads, group * n, d)
+    if mask is None:
+        scores = torch.bmm(q, keys.transpose(1, 2))
+    else:
+        scores = torch.baddbmm(mask, q, keys.transpose(1, 2))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.bmm(probs, values).view(num_kv_heads, group, n, d).permute(2, 0, 1, 3).reshape(n, q_width)
+
+
+def _int4_chunk_layers(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor, slot: int, length: int,
+    mask: Optional[torch.Tensor], norms: List[torch.Tensor], packed: List[torch.Tensor], scales: List[torch.Tensor],
+    minimums: List[torch.Tensor], group_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+    intermediate: int, eps: float,
+) -> torch.Tensor:
+    """Every layer for one chunk of n tokens of one slot, all linears torch's packed int4 (bf16 activations).
+
+    Compiled with TorchScript at load, which runs the ~40 small operations per layer without the
+    Python interpreter between them. Layer i's weights are norms[2i:2i+2] and packed/scales[4i:4i+4]
+    (qkv, o, gate_up, down; `minimums` unused, see `_native_int4_chunk_layers`); kv is the cache's
+    [layers, 2, slots, kv_heads, capacity, head_dim] tensor. x is updated in place.
+    """
     hidden = [x.shape[1]]
     for li in range(kv.shape[0]):
         h = F.rms_norm(x, hidden, norms[2 * li], eps).to(torch.bfloat16)
         qkv = torch.ops.aten._weight_int4pack_mm_for_cpu(h, packed[4 * li], group_size, scales[4 * li]).float()
-        qk = qkv[:, : qk_heads * d].view(n, qk_heads, d)
-        swapped = qk.view(n, qk_heads, 2, d // 2).flip(2).view(n, qk_heads, d)
-        torch.addcmul(qk * cos, swapped, sin, out=qk)
-        cell = kv[li, :, slot]  # [2, kv_heads, capacity, head_dim]
-        cell[:, :, length : length + n] = qkv[:, q_width:].view(n, 2, num_kv_heads, d).permute(1, 2, 0, 3)
-        keys, values = cell[0, :, : length + n], cell[1, :, : length + n]
-        q = qkv[:, :q_width].view(n, num_kv_heads, group, d).permute(1, 2, 0, 3).reshape(num_kv_heads, group * n, d)
-        if mask is None:
-            scores = torch.bmm(q, keys.transpose(1, 2))
-        else:
-            scores = torch.baddbmm(mask, q, keys.transpose(1, 2))
-        probs = torch.softmax(scores, dim=-1)
-        attn = torch.bmm(probs, values).view(num_kv_heads, group, n, d).permute(2, 0, 1, 3).reshape(n, q_width)
+        attn = _attend_chunk(qkv, cos, sin, kv[li, :, slot], length, mask, num_heads, num_kv_heads, head_dim)
         x.add_(torch.ops.aten._weight_int4pack_mm_for_cpu(attn.to(torch.bfloat16), packed[4 * li + 1], group_size,
                                                           scales[4 * li + 1]))
         h = F.rms_norm(x, hidden, norms[2 * li + 1], eps).to(torch.bfloat16)
@@ -188,24 +200,48 @@ def _int4_chunk_layers(
     return x
 
 
+def _native_int4_chunk_layers(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor, slot: int, length: int,
+    mask: Optional[torch.Tensor], norms: List[torch.Tensor], packed: List[torch.Tensor], scales: List[torch.Tensor],
+    minimums: List[torch.Tensor], group_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+    intermediate: int, eps: float,
+) -> torch.Tensor:
+    """`_int4_chunk_layers` with outrider's native int4 kernel (native.py; fp32 outputs)."""
+    hidden = [x.shape[1]]
+    for li in range(kv.shape[0]):
+        h = F.rms_norm(x, hidden, norms[2 * li], eps).to(torch.bfloat16)
+        qkv = torch.ops.outrider.int4_mm(h, packed[4 * li], scales[4 * li], minimums[4 * li], group_size)
+        attn = _attend_chunk(qkv, cos, sin, kv[li, :, slot], length, mask, num_heads, num_kv_heads, head_dim)
+        x.add_(torch.ops.outrider.int4_mm(attn.to(torch.bfloat16), packed[4 * li + 1], scales[4 * li + 1],
+                                          minimums[4 * li + 1], group_size))
+        h = F.rms_norm(x, hidden, norms[2 * li + 1], eps).to(torch.bfloat16)
+        gate_up = torch.ops.outrider.int4_mm(h, packed[4 * li + 2], scales[4 * li + 2], minimums[4 * li + 2],
+                                             group_size)
+        act = F.silu(gate_up[:, :intermediate]).mul_(gate_up[:, intermediate:]).to(torch.bfloat16)
+        x.add_(torch.ops.outrider.int4_mm(act, packed[4 * li + 3], scales[4 * li + 3], minimums[4 * li + 3],
+                                          group_size))
+    return x
+
+
 _SCRIPTED: dict[str, object] = {}
 
 
-def _scripted_int4_layers():
-    """`_int4_chunk_layers` compiled by TorchScript once per process (None where that fails)."""
-    if "int4" not in _SCRIPTED:
+def _scripted_int4_layers(native: bool):
+    """The int4 layer stack compiled by TorchScript once per process (None where that fails)."""
+    key = "native" if native else "aten"
+    if key not in _SCRIPTED:
         try:
             import warnings
 
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # TorchScript's deprecation notice: it still runs
-                _SCRIPTED["int4"] = torch.jit.script(_int4_chunk_layers)
+                _SCRIPTED[key] = torch.jit.script(_native_int4_chunk_layers if native else _int4_chunk_layers)
         except Exception as exc:  # TorchScript missing or changed: the eager path serves
             import logging
 
             logging.getLogger("outrider.llm").info("TorchScript layer stack unavailable (%s); eager forward", exc)
-            _SCRIPTED["int4"] = None
-    return _SCRIPTED["int4"]
+            _SCRIPTED[key] = None
+    return _SCRIPTED[key]
 
 
 class _ChunkPlan:
@@ -359,13 +395,15 @@ class LlamaModel(torch.nn.Module):
             type(k) is Int4Linear and k.dense is None for k in linears
         ):
             return None
-        if len({k.group for k in linears}) != 1:
+        if len({k.group for k in linears}) != 1 or len({k.native for k in linears}) != 1:
             return None
-        fn = _scripted_int4_layers()
+        native = linears[0].native
+        fn = _scripted_int4_layers(native)
         if fn is None:
             return None
         norms = [w for layer in self.layers for w in (layer.attn_norm, layer.mlp_norm)]
-        return fn, norms, [k.packed for k in linears], [k.scales_zeros for k in linears], linears[0].group
+        minimums = [k.minimums for k in linears] if native else []
+        return fn, norms, [k.packed for k in linears], [k.scales_zeros for k in linears], minimums, linears[0].group
 
     def weight_bytes(self) -> int:
         """Bytes held by the matmul kernels (embeddings and norms not counted)."""
@@ -515,9 +553,9 @@ class LlamaModel(torch.nn.Module):
         x = self.embed_weight.index_select(0, tokens)
         fast = self._fast_layers if batch is None and len(plan) == 1 and not plan[0].use_sdpa else None
         if fast is not None:
-            fn, norms, packed, scales, group_size = fast
+            fn, norms, packed, scales, minimums, group_size = fast
             c = plan[0]
-            fn(x, cos, sin, cache.kv, c.slot, c.length, c.mask, norms, packed, scales, group_size,
+            fn(x, cos, sin, cache.kv, c.slot, c.length, c.mask, norms, packed, scales, minimums, group_size,
                cfg.num_heads, cfg.num_kv_heads, d, inter, eps)
         for li, layer in enumerate(self.layers if fast is None else ()):
             qkv = self._qkv_rope(layer, x, cos, sin, low)
