@@ -135,6 +135,16 @@ def test_native_int4_rows_are_independent_and_packing_is_exact() -> None:
         assert torch.equal(kernel(x), together)
     finally:
         torch.set_num_threads(threads)
+    # Both paths (AMX where it runs, AVX512-BF16 everywhere the kernel runs) compute the weights.
+    from outrider_llm.native import int4_mm
+
+    expected = x.to(torch.bfloat16).float() @ quant.dequantize().t()
+    paths = [0, 1] if torch.ops.outrider.int4_mm_has_amx() else [0]
+    for path in paths:
+        out = int4_mm(x.to(torch.bfloat16), w, dt, mt, 32, path=path)
+        _close(out, expected, 1e-5)
+        assert torch.equal(torch.cat([int4_mm(x[i:i + 1].to(torch.bfloat16), w, dt, mt, 32, path=path)
+                                      for i in range(37)]), out)
 
 
 @pytest.mark.parametrize("rows", [1, 5, 32])

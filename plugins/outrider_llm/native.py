@@ -47,7 +47,7 @@ def _load() -> tuple[bool, str]:
     if missing:
         return False, f"the CPU lacks {', '.join(missing)}"
     if hasattr(torch.ops.outrider, "int4_mm"):
-        return True, "loaded"
+        return True, "loaded; " + _path()
     try:
         from torch.utils import cpp_extension
 
@@ -65,7 +65,11 @@ def _load() -> tuple[bool, str]:
         )
     except Exception as exc:  # no compiler, no ninja, a toolchain too old for AVX512-BF16 intrinsics
         return False, f"could not build the native kernel: {type(exc).__name__}: {str(exc)[-300:]}"
-    return True, "built"
+    return True, "built; " + _path()
+
+
+def _path() -> str:
+    return "AMX" if torch.ops.outrider.int4_mm_has_amx() else "AVX512-BF16"
 
 
 def pack_int4_tiles(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
@@ -106,6 +110,8 @@ def dequantize_tiles(w: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch
     return q * scale + minimum
 
 
-def int4_mm(x: torch.Tensor, w: torch.Tensor, d: torch.Tensor, m: torch.Tensor, group_size: int) -> torch.Tensor:
-    """fp32 [rows, out] = bf16 x [rows, in] @ W.T (W as `pack_int4_tiles` gives it)."""
-    return torch.ops.outrider.int4_mm(x, w, d, m, group_size)
+def int4_mm(x: torch.Tensor, w: torch.Tensor, d: torch.Tensor, m: torch.Tensor, group_size: int,
+            path: int = -1) -> torch.Tensor:
+    """fp32 [rows, out] = bf16 x [rows, in] @ W.T (W as `pack_int4_tiles` gives it); `path` forces
+    the AVX512-BF16 (0) or AMX (1) path, -1 lets the kernel choose."""
+    return torch.ops.outrider.int4_mm(x, w, d, m, group_size, path)

@@ -1,10 +1,12 @@
-// y = x @ W.T for group-wise 4-bit W (w = q * d + m per group, q in 0..15) and bf16 x, on AVX512-BF16.
+// y = x @ W.T for group-wise 4-bit W (w = q * d + m per group, q in 0..15) and bf16 x, on AMX
+// (Intel Sapphire Rapids and later) or, without it, AVX512-BF16.
 //
 // Why it exists: torch's CPU int4 kernel (aten._weight_int4pack_mm_for_cpu) dequantizes to fp32 and
-// runs fp32 FMAs, so its cost grows about linearly with rows: a speculative verify step of 4-8 rows
-// costs 1.5-3x a 1-row decode step. Here the 4-bit values become bf16 with one table lookup and the
-// products run in vdpbf16ps (two per lane per instruction), with the per-group scale and minimum
-// applied once per group: sum_k w_k x_k = d * sum_k q_k x_k + m * sum_k x_k.
+// runs fp32 FMAs per row, so its cost grows about linearly with rows: a speculative verify step of
+// 4-8 rows costs 1.5-3x a 1-row decode step. On AMX one tile multiply serves up to 16 rows, so
+// verification costs about a decode step. The per-group scale and minimum are applied once per
+// group in fp32: sum_k w_k x_k = d * sum_k q_k x_k + m * sum_k x_k, with d and m kept in fp16 (a
+// GGUF Q4_1 file's own values; torch's kernel rounds them to bf16).
 //
 // Every output is computed by one thread, in one fixed order, whatever the number of rows or
 // threads: row r's result does not depend on the other rows of the call (a 1-row decode and a
@@ -32,54 +34,71 @@
 namespace {
 
 constexpr int64_t kTile = 16;  // outputs per tile: one fp32 zmm
-constexpr int kMaxRows = 8;    // rows per pass: 2 * 8 accumulators + 4 temporaries fit in 32 zmm
 
 #define OUTRIDER_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,f16c,fma")))
 
-template <int R>
-OUTRIDER_TARGET void tile_rows(const int32_t* const* x_pairs, const float* xsum, int64_t groups,
-                               int64_t quads_per_group, const uint8_t* w, const uint16_t* d, const uint16_t* m,
-                               float* const* y) {
-  // bf16 bit patterns of the integers 0..15 (exact), indexed by the 4-bit value.
-  alignas(64) uint16_t table_bits[32];
-  for (int i = 0; i < 32; ++i) {
-    float value = static_cast<float>(i & 15);
-    uint32_t bits;
-    std::memcpy(&bits, &value, 4);
-    table_bits[i] = static_cast<uint16_t>(bits >> 16);
-  }
-  const __m512i table = _mm512_load_si512(table_bits);
+// ---- AVX512-BF16: vdpbf16ps, R rows x T tiles of accumulators -------------------------------------
+//
+// bf16 0x4300 | q is exactly 128 + q (q < 128): the 4-bit values become bf16 with one OR, and the
+// 128 * sum(x) this adds is taken out with the minimum's term: sum_k w_k x_k = d * C + (m - 128 d) * sum_k x_k,
+// C = sum_k (128 + q_k) x_k, in input order (vdpbf16ps takes the odd input of a pair first, so
+// both operands come with their halves swapped); the AMX path below applies the same scaling.
+
+template <int R, int T>
+OUTRIDER_TARGET void dp_tiles(const int32_t* const* x_swapped, const float* xsum, int64_t groups,
+                              int64_t quads_per_group, int64_t quads, const uint8_t* w, const uint16_t* d,
+                              const uint16_t* m, float* const* y) {
   const __m512i low4 = _mm512_set1_epi16(0x000F);
-  __m512 out[R];
-  for (int r = 0; r < R; ++r) out[r] = _mm512_setzero_ps();
-  int64_t pair = 0;  // index of the (x[k], x[k+1]) pair, as one int32, at the current quad
+  const __m512i bias = _mm512_set1_epi16(0x4300);
+  const __m512 offset = _mm512_set1_ps(128.f);
+  __m512 out[R][T];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) out[r][t] = _mm512_setzero_ps();
+  int64_t pair = 0;  // index of the current (x[k], x[k+1]) pair, as one int32
   for (int64_t g = 0; g < groups; ++g) {
-    __m512 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-    for (int64_t q = 0; q < quads_per_group; ++q, pair += 2, w += 32) {
-      const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
-      const __m512i w_lo = _mm512_permutexvar_epi16(_mm512_and_si512(bytes, low4), table);
-      const __m512i w_hi = _mm512_permutexvar_epi16(_mm512_srli_epi16(bytes, 4), table);
+    __m512 acc[R][T];
+    for (int r = 0; r < R; ++r)
+      for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
+    for (int64_t q = 0; q < quads_per_group; ++q, pair += 2) {
+      __m512i w_lo[T], w_hi[T];
+      for (int t = 0; t < T; ++t) {
+        const __m512i bytes = _mm512_cvtepu8_epi16(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (t * quads + g * quads_per_group + q) * 32)));
+        w_lo[t] = _mm512_rol_epi32(_mm512_or_si512(_mm512_and_si512(bytes, low4), bias), 16);
+        w_hi[t] = _mm512_rol_epi32(_mm512_or_si512(_mm512_srli_epi16(bytes, 4), bias), 16);
+      }
       for (int r = 0; r < R; ++r) {
-        acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)w_lo, (__m512bh)_mm512_set1_epi32(x_pairs[r][pair]));
-        acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)w_hi, (__m512bh)_mm512_set1_epi32(x_pairs[r][pair + 1]));
+        const __m512i x_lo = _mm512_set1_epi32(x_swapped[r][pair]);
+        const __m512i x_hi = _mm512_set1_epi32(x_swapped[r][pair + 1]);
+        for (int t = 0; t < T; ++t) {
+          acc[r][t] = _mm512_dpbf16_ps(acc[r][t], (__m512bh)w_lo[t], (__m512bh)x_lo);
+          acc[r][t] = _mm512_dpbf16_ps(acc[r][t], (__m512bh)w_hi[t], (__m512bh)x_hi);
+        }
       }
     }
-    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + g * kTile)));
-    const __m512 minimum = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + g * kTile)));
-    for (int r = 0; r < R; ++r) {
-      out[r] = _mm512_fmadd_ps(acc[r], scale, out[r]);
-      out[r] = _mm512_fmadd_ps(minimum, _mm512_set1_ps(xsum[r * groups + g]), out[r]);
+    for (int t = 0; t < T; ++t) {
+      const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + (t * groups + g) * kTile)));
+      const __m512 minimum = _mm512_fnmadd_ps(offset, scale, _mm512_cvtph_ps(_mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(m + (t * groups + g) * kTile))));
+      for (int r = 0; r < R; ++r) {
+        out[r][t] = _mm512_fmadd_ps(acc[r][t], scale, out[r][t]);
+        out[r][t] = _mm512_fmadd_ps(minimum, _mm512_set1_ps(xsum[r * groups + g]), out[r][t]);
+      }
     }
   }
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y[r], out[r]);
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) _mm512_storeu_ps(y[r] + t * kTile, out[r][t]);
 }
 
-using TileFn = void (*)(const int32_t* const*, const float*, int64_t, int64_t, const uint8_t*, const uint16_t*,
-                        const uint16_t*, float* const*);
-constexpr TileFn kTileFns[kMaxRows + 1] = {nullptr,       tile_rows<1>, tile_rows<2>, tile_rows<3>, tile_rows<4>,
-                                           tile_rows<5>, tile_rows<6>, tile_rows<7>, tile_rows<8>};
-
+constexpr int kDpRows = 4;  // rows per pass of the dp kernel
+using DpFn = void (*)(const int32_t* const*, const float*, int64_t, int64_t, int64_t, const uint8_t*,
+                      const uint16_t*, const uint16_t*, float* const*);
+// [rows - 1][0]: 4 tiles at once (2 for 3-4 rows, register budget), [rows - 1][1]: one tile (the tail).
+constexpr DpFn kDpFns[kDpRows][2] = {{dp_tiles<1, 4>, dp_tiles<1, 1>},
+                                     {dp_tiles<2, 4>, dp_tiles<2, 1>},
+                                     {dp_tiles<3, 2>, dp_tiles<3, 1>},
+                                     {dp_tiles<4, 2>, dp_tiles<4, 1>}};
+constexpr int kDpTiles[kDpRows] = {4, 4, 2, 2};
 
 // ---- AMX: one tile multiply per (16 outputs, 32 inputs), for up to 16 rows at once ----------------
 //
@@ -121,8 +140,11 @@ OUTRIDER_AMX_TARGET void amx_tiles(const uint16_t* x_block /* [rows, in] bf16 */
   // before it (AMX loads do not forward from the store buffer): every group's B tile is built
   // first, then the tile multiplies run back to back, then the per-group scaling.
   const int64_t quads = in / 4, quads_per_group = quads / groups;  // 8 for groups of 32
-  std::vector<uint16_t> b_store(static_cast<size_t>(groups) * 16 * 32 + 32);
-  std::vector<float> c_store(static_cast<size_t>(groups) * rows * 16 + 16);
+  // Per-thread scratch, kept between calls (a fresh allocation per call costs more than a small matmul).
+  thread_local std::vector<uint16_t> b_store;
+  thread_local std::vector<float> c_store;
+  b_store.resize(static_cast<size_t>(groups) * 16 * 32 + 32);
+  c_store.resize(static_cast<size_t>(groups) * rows * 16 + 16);
   uint16_t* b_tiles = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(b_store.data()) + 63) & ~uintptr_t(63));
   float* c_tiles = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(c_store.data()) + 63) & ~uintptr_t(63));
   for (int64_t t = tile_begin; t < tile_end; ++t) {
@@ -180,8 +202,13 @@ bool cpu_supported() {
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
 }
 
+bool has_amx() { return amx_usable(); }
+
+// path: -1 AMX where it runs (groups of 32), else vdpbf16ps; 0 forces vdpbf16ps, 1 AMX (tests).
+// One path serves every call of a process: the two round differently (AMX sums a group's
+// products in its own order), so mixing them would make a row's result depend on the call.
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& d, const at::Tensor& m,
-                   int64_t group_size) {
+                   int64_t group_size, int64_t path) {
   TORCH_CHECK(cpu_supported(), "outrider::int4_mm needs AVX512-BF16, which this CPU lacks");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
               "outrider::int4_mm: x must be contiguous bf16 [rows, in], got ", x.sizes(), " ", x.scalar_type());
@@ -202,7 +229,11 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& d
   if (rows == 0) return y;
 
   // Per row and group: the sum of its bf16 inputs, for the minimum's term.
-  std::vector<float> xsum(rows * groups);
+  // Per-thread scratch, kept between calls; the parallel regions below read it through plain
+  // pointers (a thread_local named inside them would be each worker's own, empty, copy).
+  thread_local std::vector<float> xsum_store;
+  xsum_store.resize(rows * groups);
+  float* const xsum = xsum_store.data();
   const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t g = 0; g < groups; ++g) {
@@ -221,28 +252,37 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& d
   const uint16_t* mp = reinterpret_cast<const uint16_t*>(m.data_ptr<at::Half>());
   float* yp = y.data_ptr<float>();
   const int64_t quads = in / 4, quads_per_group = group_size / 4;
-  if (group_size == 32 && amx_usable()) {
+  const bool amx = group_size == 32 && amx_usable();
+  TORCH_CHECK(path != 1 || amx, "outrider::int4_mm: the AMX path needs AMX and groups of 32");
+  if (path == 1 || (path == -1 && amx)) {
     // Rows in blocks of up to 16 (the A and C tiles' rows).
     for (int64_t r0 = 0; r0 < rows; r0 += kAmxRows) {
       const int n = static_cast<int>(std::min<int64_t>(kAmxRows, rows - r0));
       at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-        amx_tiles(xb + r0 * in, in, xsum.data() + r0 * groups, n, groups, wp, dp, mp, begin, end, yp + r0 * out, out);
+        amx_tiles(xb + r0 * in, in, xsum + r0 * groups, n, groups, wp, dp, mp, begin, end, yp + r0 * out, out);
       });
     }
     return y;
   }
+  // Input pairs with their halves swapped, for vdpbf16ps (see dp_tiles).
+  thread_local std::vector<int32_t> x_swapped_store;
+  x_swapped_store.resize(rows * in / 2);
+  int32_t* const x_swapped = x_swapped_store.data();
+  for (int64_t i = 0; i < rows * in / 2; ++i) {
+    x_swapped[i] = static_cast<int32_t>(static_cast<uint32_t>(xb[2 * i + 1]) | (static_cast<uint32_t>(xb[2 * i]) << 16));
+  }
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    const int32_t* x_pairs[kMaxRows];
-    float* y_rows[kMaxRows];
-    for (int64_t t = begin; t < end; ++t) {
-      for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
-        const int n = static_cast<int>(std::min<int64_t>(kMaxRows, rows - r0));
-        for (int r = 0; r < n; ++r) {
-          x_pairs[r] = reinterpret_cast<const int32_t*>(xb + (r0 + r) * in);
-          y_rows[r] = yp + (r0 + r) * out + t * kTile;
-        }
-        kTileFns[n](x_pairs, xsum.data() + r0 * groups, groups, quads_per_group, wp + t * quads * 32,
-                    dp + t * groups * kTile, mp + t * groups * kTile, y_rows);
+    const int32_t* x_rows[kDpRows];
+    float* y_rows[kDpRows];
+    for (int64_t r0 = 0; r0 < rows; r0 += kDpRows) {
+      const int n = static_cast<int>(std::min<int64_t>(kDpRows, rows - r0));
+      for (int r = 0; r < n; ++r) x_rows[r] = x_swapped + (r0 + r) * in / 2;
+      for (int64_t t = begin; t < end;) {
+        const int step = t + kDpTiles[n - 1] <= end ? kDpTiles[n - 1] : 1;
+        for (int r = 0; r < n; ++r) y_rows[r] = yp + (r0 + r) * out + t * kTile;
+        kDpFns[n - 1][step == 1](x_rows, xsum + r0 * groups, groups, quads_per_group, quads,
+                                  wp + t * quads * 32, dp + t * groups * kTile, mp + t * groups * kTile, y_rows);
+        t += step;
       }
     }
   });
@@ -252,7 +292,8 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& d
 }  // namespace
 
 TORCH_LIBRARY(outrider, lib) {
-  lib.def("int4_mm(Tensor x, Tensor w, Tensor d, Tensor m, int group_size) -> Tensor");
+  lib.def("int4_mm(Tensor x, Tensor w, Tensor d, Tensor m, int group_size, int path=-1) -> Tensor");
+  lib.def("int4_mm_has_amx", &has_amx);
 }
 
 TORCH_LIBRARY_IMPL(outrider, CPU, lib) { lib.impl("int4_mm", int4_mm); }
