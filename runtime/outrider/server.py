@@ -211,25 +211,38 @@ class Server:
         waiter = select.poll()
         waiter.register(self.router.getsockopt(zmq.FD), select.POLLIN)
         waiter.register(self._wake_read, select.POLLIN)
+        monitor_fd = self._monitor.getsockopt(zmq.FD)
+        waiter.register(monitor_fd, select.POLLIN)
         next_sweep = 0.0
+        watch = True
         while not self._io_stop.is_set():
+            # Departures are looked at when the monitor's descriptor says there may be events, and
+            # at least every sweep; a look at any time is safe (see _watch_departures).
+            if watch:
+                self._watch_departures()
+                watch = False
             # The lock is held only to read: handling (checks, queueing) runs without it, so an
             # instance sending a reply never waits for the I/O thread to finish a burst.
-            self._watch_departures()  # before reading: see _watch_departures on reused descriptors
             with self._socket_lock:
                 messages = self._receive_burst()
             for frames, dropped in messages:
                 self._handle(frames, dropped)
-            if messages:
-                continue  # look again before sleeping: more may have come meanwhile
+            if len(messages) == _BURST:
+                continue  # cut short: more are waiting
+            # The burst read until ZMQ_EVENTS said nothing was left, which re-arms the router's
+            # edge-triggered descriptor; a reply sent since then looked again and, if input was
+            # waiting, wrote to the wake pipe. So poll cannot sleep through a message.
             for fd, _ in waiter.poll(20):  # ms: also the period of the deadline sweep
                 if fd == self._wake_read:
                     try:
                         os.read(self._wake_read, 4096)
                     except BlockingIOError:
                         pass
+                elif fd == monitor_fd:
+                    watch = True
             now = time.monotonic()
             if now >= next_sweep:
+                watch = True
                 for model in self.models.values():
                     expired = model.queue.expire(now)
                     if expired:
@@ -301,8 +314,10 @@ class Server:
         Events name a descriptor, which the OS reuses: a DISCONNECTED(fd) followed in the same
         look by ACCEPTED(fd) may have a new client's requests already noted under that fd, so it
         is skipped (that client's streams still stop at their next chunk, which finds it gone).
-        Every event queued before a message was read is seen in the first look after it, so a
-        DISCONNECTED without a later ACCEPTED for the fd concerns only the old connection.
+        A new client's ACCEPTED is queued before any of its messages can be read, and a look
+        drains every queued event, so a look after reading one of its messages sees its ACCEPTED
+        after the old DISCONNECTED; a DISCONNECTED without a later ACCEPTED for the fd therefore
+        concerns only the old connection, whenever the look happens.
         """
         events = []
         while self._monitor.getsockopt(_EVENTS) & _POLLIN:  # no exception raised per look
