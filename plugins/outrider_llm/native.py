@@ -1,10 +1,12 @@
 """The native int4 kernel (csrc/int4_mm.cpp): built on first use, loaded as the torch op `outrider::int4_mm`.
 
 torch's CPU int4 kernel costs about linearly in rows, which makes a speculative verify step of
-4-8 rows 1.5-3x the cost of a 1-row decode step; this one runs the products in AVX512-BF16 and
-costs little more for 8 rows than for 1 (see the .cpp). It is built with torch's own extension
+4-8 rows 1.5-3x the cost of a 1-row decode step; this one runs the products on AMX (on
+AVX512-BF16 without it) and there costs little more for 16 rows than for 1 (see the .cpp). The
+llm backend uses it when a manifest asks for `quantize.kernel: int4native` (docs/ACCELERATORS.md
+says when that pays). It is built with torch's own extension
 builder (`torch.utils.cpp_extension.load`: a C++ compiler and ninja) into torch's extension cache,
-once per machine and source; a build takes ~30 s, a cached load well under a second. Where it
+once per machine and source (seconds; a cached load is quicker). Where it
 cannot be built or run (no compiler, no AVX512-BF16, OUTRIDER_NATIVE_INT4=0), `int4_kernel()`
 says why and the model uses torch's kernel.
 
