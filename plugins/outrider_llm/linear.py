@@ -425,9 +425,9 @@ def _choose(mode: str, kernel: str, group_size: int) -> KernelPlan:
     if kernel == "dense":
         return KernelPlan(mode, "dense", dense_dtype, reason="asked for")
     if kernel == "int4native":
-        # Outrider's own int4 kernel (native.py): about as fast as torch's at one row and flat in
-        # rows, so speculative verification costs about a decode step. Where it cannot run, and
-        # for other formats (an int8 head next to int4 layers), the measured choice serves.
+        # Outrider's own int4 kernel (native.py): on AMX about flat in rows (prefill, big draft
+        # trees), but slower than torch's at one row (docs/ACCELERATORS.md). Where it cannot run,
+        # and for other formats (an int8 head next to int4 layers), the measured choice serves.
         from .native import int4_kernel
 
         usable, why = int4_kernel() if mode == "int4" else (False, f"{mode} weights")

@@ -15,7 +15,7 @@ Being a registered torch op, it runs inside the TorchScript layer stack like any
 
 from __future__ import annotations
 
-import logging
+import hashlib
 import os
 import threading
 from pathlib import Path
@@ -23,8 +23,6 @@ from pathlib import Path
 import torch
 
 from outrider.hardware import cpu_flags
-
-log = logging.getLogger("outrider.llm")
 
 SOURCE = Path(__file__).with_name("csrc") / "int4_mm.cpp"
 TILE = 16  # outputs per tile (one fp32 zmm)
@@ -54,8 +52,6 @@ def _load() -> tuple[bool, str]:
         from torch.utils import cpp_extension
 
         # Source hash in the name: a changed kernel never loads a stale build.
-        import hashlib
-
         digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
         cpp_extension.load(
             name=f"outrider_int4_{digest}",
@@ -100,7 +96,7 @@ def pack_int4_tiles(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) ->
 
 
 def dequantize_tiles(w: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """fp32 [out, in] weight that `pack_int4_tiles` output stands for (tests, the dense fallback)."""
+    """fp32 [out, in] weight that `pack_int4_tiles` output stands for (the tests' reference)."""
     tiles, quads, _ = w.shape
     groups = d.shape[1]
     b = w.view(tiles, quads, TILE, 2)

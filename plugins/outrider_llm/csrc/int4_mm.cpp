@@ -37,19 +37,26 @@ constexpr int64_t kTile = 16;  // outputs per tile: one fp32 zmm
 
 #define OUTRIDER_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,f16c,fma")))
 
+// One 32-byte block of the layout (4 inputs x 16 outputs) as two bf16 registers of 128 + q:
+// input pairs (k0, k0+1) in `lo`, (k0+2, k0+3) in `hi`, output i in lane i. bf16 0x4300 | q is
+// exactly 128 + q (q < 128): one OR per value instead of a conversion; the 128 * sum(x) this adds
+// is taken out with the minimum's term (m - 128 d) in both paths below.
+OUTRIDER_TARGET __attribute__((always_inline)) inline void expand_block(const uint8_t* block, __m512i& lo, __m512i& hi) {
+  const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block)));
+  lo = _mm512_or_si512(_mm512_and_si512(bytes, _mm512_set1_epi16(0x000F)), _mm512_set1_epi16(0x4300));
+  hi = _mm512_or_si512(_mm512_srli_epi16(bytes, 4), _mm512_set1_epi16(0x4300));
+}
+
 // ---- AVX512-BF16: vdpbf16ps, R rows x T tiles of accumulators -------------------------------------
 //
-// bf16 0x4300 | q is exactly 128 + q (q < 128): the 4-bit values become bf16 with one OR, and the
-// 128 * sum(x) this adds is taken out with the minimum's term: sum_k w_k x_k = d * C + (m - 128 d) * sum_k x_k,
-// C = sum_k (128 + q_k) x_k, in input order (vdpbf16ps takes the odd input of a pair first, so
+// sum_k w_k x_k = d * C + (m - 128 d) * sum_k x_k with C = sum_k (128 + q_k) x_k (expand_block),
+// summed in input order (vdpbf16ps takes the odd input of a pair first, so
 // both operands come with their halves swapped); the AMX path below applies the same scaling.
 
 template <int R, int T>
 OUTRIDER_TARGET void dp_tiles(const int32_t* const* x_swapped, const float* xsum, int64_t groups,
                               int64_t quads_per_group, int64_t quads, const uint8_t* w, const uint16_t* d,
                               const uint16_t* m, float* const* y) {
-  const __m512i low4 = _mm512_set1_epi16(0x000F);
-  const __m512i bias = _mm512_set1_epi16(0x4300);
   const __m512 offset = _mm512_set1_ps(128.f);
   __m512 out[R][T];
   for (int r = 0; r < R; ++r)
@@ -62,10 +69,9 @@ OUTRIDER_TARGET void dp_tiles(const int32_t* const* x_swapped, const float* xsum
     for (int64_t q = 0; q < quads_per_group; ++q, pair += 2) {
       __m512i w_lo[T], w_hi[T];
       for (int t = 0; t < T; ++t) {
-        const __m512i bytes = _mm512_cvtepu8_epi16(
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (t * quads + g * quads_per_group + q) * 32)));
-        w_lo[t] = _mm512_rol_epi32(_mm512_or_si512(_mm512_and_si512(bytes, low4), bias), 16);
-        w_hi[t] = _mm512_rol_epi32(_mm512_or_si512(_mm512_srli_epi16(bytes, 4), bias), 16);
+        expand_block(w + (t * quads + g * quads_per_group + q) * 32, w_lo[t], w_hi[t]);
+        w_lo[t] = _mm512_rol_epi32(w_lo[t], 16);
+        w_hi[t] = _mm512_rol_epi32(w_hi[t], 16);
       }
       for (int r = 0; r < R; ++r) {
         const __m512i x_lo = _mm512_set1_epi32(x_swapped[r][pair]);
@@ -103,7 +109,7 @@ constexpr int kDpTiles[kDpRows] = {4, 4, 2, 2};
 // ---- AMX: one tile multiply per (16 outputs, 32 inputs), for up to 16 rows at once ----------------
 //
 // The 4-bit values of one group become a bf16 B tile in VNNI layout (16 rows of input pairs x 16
-// outputs: exactly the dpbf16 register layout above, so the same two lookups fill it); the rows
+// outputs: exactly the registers expand_block gives, stored one after the other); the rows
 // of x are the A tile; C = A B is this group's sum of q * x per (row, output), scaled into the
 // fp32 output as above. Cost barely grows with rows: the tile multiply is the same for 1 or 16.
 
@@ -131,10 +137,6 @@ OUTRIDER_AMX_TARGET void amx_tiles(const uint16_t* x_block /* [rows, in] bf16 */
   config.rows[2] = config.rows[4] = 16;    // B (two): 16 input pairs x 16 outputs x 2 bf16
   config.colsb[2] = config.colsb[4] = 64;
   _tile_loadconfig(&config);
-  // bf16 0x4300 | q is exactly 128 + q for q < 128: one OR instead of a table lookup per value;
-  // the 128 * sum(x) this adds to C is taken out with the minimum's term (m - 128 d).
-  const __m512i low4 = _mm512_set1_epi16(0x000F);
-  const __m512i bias = _mm512_set1_epi16(0x4300);
   const __m512 offset = _mm512_set1_ps(128.f);
   // One output tile at a time, in three passes, so that no tile load waits for the stores just
   // before it (AMX loads do not forward from the store buffer): every group's B tile is built
@@ -150,9 +152,10 @@ OUTRIDER_AMX_TARGET void amx_tiles(const uint16_t* x_block /* [rows, in] bf16 */
   for (int64_t t = tile_begin; t < tile_end; ++t) {
     const uint8_t* wt = w + t * quads * 32;
     for (int64_t j = 0; j < quads; ++j) {
-      const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wt + j * 32)));
-      _mm512_store_si512(b_tiles + (2 * j) * 32, _mm512_or_si512(_mm512_and_si512(bytes, low4), bias));
-      _mm512_store_si512(b_tiles + (2 * j + 1) * 32, _mm512_or_si512(_mm512_srli_epi16(bytes, 4), bias));
+      __m512i lo, hi;
+      expand_block(wt + j * 32, lo, hi);
+      _mm512_store_si512(b_tiles + (2 * j) * 32, lo);
+      _mm512_store_si512(b_tiles + (2 * j + 1) * 32, hi);
     }
     for (int64_t g = 0; g < groups; ++g) {
       _tile_loadd(1, x_block + g * quads_per_group * 4, in * 2);
