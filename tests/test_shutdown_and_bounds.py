@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from collections import Counter, defaultdict
@@ -21,6 +22,8 @@ import zmq
 
 from conftest import raw_dealer as _dealer, write_manifest
 from outrider.protocol import encode_message
+from outrider.server import _BURST_BYTES
+from outrider.transport import SERVER_RCVHWM
 
 
 def _recv(sock: zmq.Socket, timeout_s: float):
@@ -217,10 +220,14 @@ def _status_kb(pid: int, field: str) -> int:
 
 
 def test_overload_burst_answers_every_request_and_memory_stays_bounded(server_factory, tmp_path):
-    """10 x max_queue_size requests of 1 MiB at once to a model that takes 200 ms each: every one
+    """20 x max_queue_size requests of 1 MiB at once to a model that takes 200 ms each: every one
     is answered exactly once (ok or `overloaded`), and the server's peak RSS during the burst
-    (VmHWM, reset before it) grows by less than what the queue may hold, doubled, plus 16 MiB."""
-    queue, size_mib, burst = 8, 1, 80
+    (VmHWM, reset before it) grows by less than what the server may hold by design, whatever the
+    burst: the queue and the one executing, a connection's unread messages in libzmq
+    (SERVER_RCVHWM, plus one being read) and one burst of the I/O loop (_BURST_BYTES, plus the
+    message that crossed it), plus 16 MiB. No timing enters the bound: a loop that falls behind
+    makes libzmq stop reading the client, not buffer more."""
+    queue, size_mib, burst = 8, 1, 160
     slow = _manifest(tmp_path, "slow", options={"delay_ms": 200}, scheduling={"max_queue_size": queue})
     server = server_factory([slow], ["outrider_echo"])
     pid = server.proc.pid
@@ -234,8 +241,15 @@ def test_overload_burst_answers_every_request_and_memory_stays_bounded(server_fa
         with open(f"/proc/{pid}/clear_refs", "w") as f:
             f.write("5")  # reset VmHWM to the current RSS
         before = _status_kb(pid, "VmRSS")
-        for rid in range(burst):
-            sock.send_multipart(encode_message("infer", {"id": rid, "model": "slow"}, {"x": payload}), copy=False)
+        # The whole burst waits for the server at once (the worst case for its reader): sent while
+        # the server is stopped, it meets every thread of the server racing to read on resume.
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            for rid in range(burst):
+                sock.send_multipart(encode_message("infer", {"id": rid, "model": "slow"}, {"x": payload}), copy=False)
+            time.sleep(0.5)
+        finally:
+            os.kill(pid, signal.SIGCONT)
         replies: dict[int, list[dict]] = defaultdict(list)
         while (message := _recv(sock, 3.0)) is not None:
             replies[message[1]["id"]].append(message[1])
@@ -243,7 +257,8 @@ def test_overload_burst_answers_every_request_and_memory_stays_bounded(server_fa
     finally:
         sock.close(0)
     outcome = Counter("ok" if r[0]["ok"] else r[0]["error"]["code"] for r in replies.values())
-    bound_kb = (2 * (queue + 1) * size_mib + 16) * 1024  # the queue and the one executing, doubled, + 16 MiB
+    held = (queue + 1) + (SERVER_RCVHWM + 1) + (_BURST_BYTES // (1 << 20) + 1)  # messages of 1 MiB
+    bound_kb = (held * size_mib + 16) * 1024
     figures = (f"RSS before {before / 1024:.1f} MiB, peak {peak / 1024:.1f} MiB (+{(peak - before) / 1024:.1f} MiB), "
                f"after {after / 1024:.1f} MiB; bound +{bound_kb / 1024:.0f} MiB; burst {burst} x {size_mib} MiB "
                f"({burst * size_mib} MiB) into a queue of {queue}; outcomes {dict(outcome)}")

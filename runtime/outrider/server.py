@@ -63,6 +63,8 @@ MAX_TIMEOUT_MS = 86_400_000
 # Plain ints: pyzmq's enum constants cost ~2 us per use (enum construction and Flag.__and__).
 _EVENTS, _POLLIN, _SRCFD = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.SRCFD)
 _BURST = 256  # messages moved per socket per wake-up, so neither direction starves the other
+# ... and bytes: a burst is held in full before it is handled, so big messages end it early.
+_BURST_BYTES = 4 << 20
 # Final replies that met a full pipe (a client that stopped reading) wait here to be retried,
 # this many at most and this long at most; chunks are not kept (the final reply carries all).
 _BACKLOG_MAX = 4096
@@ -224,11 +226,11 @@ class Server:
             # The lock is held only to read: handling (checks, queueing) runs without it, so an
             # instance sending a reply never waits for the I/O thread to finish a burst.
             with self._socket_lock:
-                messages = self._receive_burst()
+                messages, cut_short = self._receive_burst()
             for frames, dropped in messages:
                 self._handle(frames, dropped)
-            if len(messages) == _BURST:
-                continue  # cut short: more are waiting
+            if cut_short:
+                continue  # more may be waiting
             # The burst read until ZMQ_EVENTS said nothing was left, which re-arms the router's
             # edge-triggered descriptor; a reply sent since then looked again and, if input was
             # waiting, wrote to the wake pipe. So poll cannot sleep through a message.
@@ -255,17 +257,22 @@ class Server:
             self.router.disable_monitor()
         self._monitor.close(0)
 
-    def _receive_burst(self) -> list[tuple[list[Any], int]]:
-        """Up to _BURST waiting messages as (frames, frames dropped past the limit). Caller holds
-        the socket lock; reads until ZMQ_EVENTS says nothing is left."""
+    def _receive_burst(self) -> tuple[list[tuple[list[Any], int]], bool]:
+        """Up to _BURST waiting messages, or until they hold _BURST_BYTES, as (frames, frames dropped
+        past the limit), and whether it was cut short. Caller holds the socket lock; otherwise it
+        reads until ZMQ_EVENTS says nothing is left."""
         max_frames = self.limits.max_tensors + 3  # identity, type, header, tensors
         messages = []
+        held = 0
         for _ in range(_BURST):
             received = recv_message(self.router, max_frames)
             if received is None:
-                return messages
+                return messages, False
             messages.append(received)
-        return messages
+            held += sum(len(frame) for frame in received[0])
+            if held >= _BURST_BYTES:
+                return messages, True
+        return messages, True
 
     def _wake(self) -> None:
         try:

@@ -20,6 +20,11 @@ log = logging.getLogger("outrider.transport")
 DEFAULT_ADDRESS = os.environ.get("OUTRIDER_ADDRESS", "tcp://127.0.0.1:5555")
 # Bounded queues: a slow or absent peer cannot make the server buffer without limit.
 SERVER_HWM = 10_000
+# A connection's complete messages that libzmq has read but the I/O loop has not: past this,
+# libzmq stops reading that connection, so a client that sends faster than the server reads
+# backs up in its own process and the kernel's socket buffer (flow control), not in the server's
+# memory. Measured: pipelining 20,000 small requests is as fast at 16 as at 10,000.
+SERVER_RCVHWM = 16
 CLIENT_HWM = 1_000
 
 
@@ -72,7 +77,7 @@ def server_socket(
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a vanished client errors instead of vanishing
     sock.setsockopt(zmq.SNDHWM, SERVER_HWM)
-    sock.setsockopt(zmq.RCVHWM, SERVER_HWM)
+    sock.setsockopt(zmq.RCVHWM, SERVER_RCVHWM)
     # The application checks limits.max_message_bytes and answers with an error; ZeroMQ's own cap
     # (per frame) sits above it and only drops peers that send absurd frames.
     sock.setsockopt(zmq.MAXMSGSIZE, limits.max_message_bytes + (1 << 20))
