@@ -78,35 +78,83 @@ def test_int4_packing_round_trips_and_rtn_error_is_half_a_step() -> None:
     assert ((parts8["q"].float() * parts8["scale"][:, None] - weight).abs() <= parts8["scale"][:, None] / 2 + 1e-6).all()
 
 
-def _native_or_skip() -> None:
-    from outrider_llm.native import int4_kernel
+def _native_or_skip(kernel: str = "int4native") -> None:
+    from outrider_llm.native import int4_kernel, w4a8_kernel
 
-    usable, reason = int4_kernel()
+    usable, reason = (int4_kernel if kernel == "int4native" else w4a8_kernel)()
     if not usable:
-        pytest.skip(f"native int4 kernel unavailable here: {reason}")
+        pytest.skip(f"native {kernel} kernel unavailable here: {reason}")
 
 
-@pytest.mark.parametrize("native", [False, True], ids=["aten", "native"])
+def _a8_reference(x: torch.Tensor, weight: torch.Tensor, group: int = 32) -> torch.Tensor:
+    """x @ weight.T with x first quantized as the w4a8 kernel does: int8 per row and group of
+    `group` inputs, scale max|x| / 127, rounded to nearest even."""
+    rows, inp = x.shape
+    blocks = x.float().view(rows, inp // group, group)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    # IEEE fp32 division as the kernel's (a scalar numerator may become reciprocal * 127 in torch)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    xq = torch.round(blocks * inv) * (amax / 127)
+    return (xq.view(rows, inp).double() @ weight.double().t()).float()
+
+
+@pytest.mark.parametrize("kernel", ["int4pack", "int4native", "w4a8"])
 @pytest.mark.parametrize("rows", [1, 5, 32])
-def test_int4_kernel_matches_dequantized_reference(rows: int, native: bool) -> None:
-    _native_or_skip() if native else _packed_or_skip("int4")
+def test_int4_kernel_matches_dequantized_reference(rows: int, kernel: str) -> None:
+    _native_or_skip(kernel) if kernel != "int4pack" else _packed_or_skip("int4")
     gen = torch.Generator().manual_seed(rows)
     weight = torch.randn(96, 256, generator=gen) * 0.1
     parts = quantize_int4(weight, group_size=32)
     quant = QuantTensor("int4", parts["q"], parts["scale"], parts["zero"])
     x = torch.randn(rows, 256, generator=gen)
-    expected = x.to(torch.bfloat16).float() @ quant.dequantize().t()
-    kernel = Int4Linear(quant, native=native)
-    assert kernel.native == native
-    out = kernel(x)
-    # aten rounds scales and zeros to bf16 and returns bf16; the native kernel keeps them in fp16
-    # (w = q d + m) and accumulates in fp32.
-    assert out.dtype == (torch.float32 if native else torch.bfloat16) and out.shape == (rows, 96)
-    _close(out, expected, 2e-3 if native else 0.02)
+    linear = Int4Linear(quant, kernel=kernel)
+    assert linear.kernel == kernel
+    out = linear(x)
+    # aten rounds scales and zeros to bf16 and returns bf16; the native kernels keep them in fp16
+    # (w = q d + m) and accumulate in fp32; w4a8 reads fp32 activations and rounds them to int8.
+    assert out.dtype == (torch.bfloat16 if kernel == "int4pack" else torch.float32) and out.shape == (rows, 96)
+    if kernel == "w4a8":
+        # Exact up to fp32 summation (a tie in x's rounding moves one product by one step).
+        _close(out, _a8_reference(x, quant.dequantize()), 1e-3)
+        # ... and within int8 rounding of the unquantized product.
+        _close(out, x @ quant.dequantize().t(), 0.03)
+    else:
+        _close(out, x.to(torch.bfloat16).float() @ quant.dequantize().t(), 0.02 if kernel == "int4pack" else 2e-3)
     # With a dense bf16 copy, calls of many rows go there and agree as well.
     both = Int4Linear(quant, dense=_Linear(quant.dequantize(), torch.bfloat16, use_onednn=False), dense_from=4,
-                      native=native)
-    _close(both(x), expected, 0.02)
+                      kernel=kernel)
+    _close(both(x), x @ quant.dequantize().t(), 0.03)
+
+
+def test_w4a8_and_w8a8_rows_are_independent_and_packing_is_exact() -> None:
+    """int8 activations: a row's output is the same bits whatever else shares the call and with
+    any thread count, fp32 and bf16 inputs of the same values agree, and the layouts hold exactly
+    the GGUF-style weights (Q4_1 layers, a Q8_0 head)."""
+    _native_or_skip("w4a8")
+    from outrider_llm.linear import W8A8Linear
+    from outrider_llm.native import dequantize_w4a8, pack_w4a8
+
+    gen = torch.Generator().manual_seed(11)
+    parts = quantize_int4(torch.randn(64, 192, generator=gen) * 0.05, group_size=32)
+    d = parts["scale"].half().float()
+    m = (parts["zero"] - 8 * parts["scale"]).half().float()
+    quant = QuantTensor("int4", parts["q"], d, m + 8 * d)
+    assert torch.equal(dequantize_w4a8(*pack_w4a8(unpack_int4(quant.q), quant.scale, quant.zero)), quant.dequantize())
+    q8 = torch.randint(-127, 128, (48, 192), generator=gen, dtype=torch.int8)
+    s8 = (torch.rand(48, 6, generator=gen) * 0.01).half().float()
+    head_weight = (q8.float().view(48, 6, 32) * s8[..., None]).view(48, 192)
+    x = torch.randn(37, 192, generator=gen).to(torch.bfloat16).float()  # bf16-exact values
+    threads = torch.get_num_threads()
+    for linear, weight in ((Int4Linear(quant, kernel="w4a8"), quant.dequantize()), (W8A8Linear(q8, s8), head_weight)):
+        together = linear(x)
+        _close(together, _a8_reference(x, weight), 1e-3)
+        assert torch.equal(torch.cat([linear(x[i:i + 1]) for i in range(37)]), together)
+        assert torch.equal(linear(x.to(torch.bfloat16)), together)
+        try:
+            torch.set_num_threads(1)
+            assert torch.equal(linear(x), together)
+        finally:
+            torch.set_num_threads(threads)
 
 
 def test_native_int4_rows_are_independent_and_packing_is_exact() -> None:
@@ -124,7 +172,7 @@ def test_native_int4_rows_are_independent_and_packing_is_exact() -> None:
     quant = QuantTensor("int4", parts["q"], d, m + 8 * d)
     w, dt, mt = pack_int4_tiles(unpack_int4(quant.q), quant.scale, quant.zero)
     assert torch.equal(dequantize_tiles(w, dt, mt), quant.dequantize())
-    kernel = Int4Linear(quant, native=True)
+    kernel = Int4Linear(quant, kernel="int4native")
     x = torch.randn(37, 192, generator=gen)
     together = kernel(x)
     alone = torch.cat([kernel(x[i:i + 1]) for i in range(37)])
@@ -345,13 +393,20 @@ def test_float_head_mode_leaves_the_tied_head_to_the_model_dtype() -> None:
     _close(out.logits, expected, 0.03)
 
 
-def test_scripted_int4_layer_stack_is_bit_identical_to_the_eager_forward() -> None:
+@pytest.mark.parametrize("kernel,head_mode", [("int4pack", "int8"), ("int4native", "int8"), ("w4a8", "int8"),
+                                              ("w4a8", "float")])
+def test_scripted_int4_layer_stack_is_bit_identical_to_the_eager_forward(kernel: str, head_mode: str) -> None:
     """The TorchScript path for one chunk of packed-int4 layers (decode and tree verification)
     must give exactly the eager forward's logits, hidden states and cache entries."""
-    _packed_or_skip("int4")
+    _native_or_skip(kernel) if kernel != "int4pack" else _packed_or_skip("int4")
     config, weights = _tiny()
-    quantized = quantize_state_dict(weights, "int4", head_mode="int8")
-    fast, eager = LlamaModel(config, quantized, kernel="int4pack"), LlamaModel(config, quantized, kernel="int4pack")
+    quantized = quantize_state_dict(weights, "int4", head_mode=head_mode)
+    fast, eager = LlamaModel(config, quantized, kernel=kernel), LlamaModel(config, quantized, kernel=kernel)
+    assert fast.kernel_plans["int4"].kernel == kernel
+    if kernel == "w4a8" and head_mode == "float":  # the tied head joins as block-wise int8
+        from outrider_llm.linear import W8A8Linear
+
+        assert isinstance(fast.head, W8A8Linear)
     if fast._fast_layers is None:
         pytest.skip("TorchScript is not available in this torch build")
     eager._fast_layers = None

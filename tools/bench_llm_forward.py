@@ -5,7 +5,7 @@
   python tools/bench_llm_forward.py --load          also time loading (first load, cached load, transformers)
   python tools/bench_llm_forward.py --context 1000  committed tokens before each measured step
   python tools/bench_llm_forward.py --quant int4,int8,int4+bf16 --no-hf   quantized columns only vs ours
-  python tools/bench_llm_forward.py --quant int4,int4native --no-hf        torch's int4 kernel vs outrider's
+  python tools/bench_llm_forward.py --quant int4,int4native,w4a8 --no-hf   torch's int4 kernel vs outrider's two
 
 Columns: outrider fp32, bf16 (where the CPU has native bf16, or --bf16 yes), the quantized modes
 of --quant (weights from outrider_quantize.llm; kernels chosen as at load, "+bf16" also keeps a
@@ -173,12 +173,12 @@ def quantized_models(config, raw_state_dict: dict, modes: list[str]) -> list[tup
     out = []
     for spec in modes:
         mode, _, extra = spec.partition("+")
-        native = mode == "int4native"
+        native = mode in ("int4native", "w4a8")
+        kernel = mode if native else f"{mode}pack+bf16" if extra else "auto"
         mode = "int4" if native else mode
         if mode not in ("int4", "int8") or extra not in ("", "bf16") or (native and extra):
-            raise SystemExit(f"--quant: expected int4, int8, int4+bf16, int8+bf16 or int4native, got {spec!r}")
+            raise SystemExit(f"--quant: expected int4, int8, int4+bf16, int8+bf16, int4native or w4a8, got {spec!r}")
         weights = quantize_state_dict(raw_state_dict, mode)
-        kernel = "int4native" if native else f"{mode}pack+bf16" if extra else "auto"
         model = LlamaModel(config, weights, kernel=kernel)
         for plan in model.kernel_plans.values():
             print(f"# {spec}: {plan.mode} weights -> {plan.kernel} (dense copy {'from %d rows' % plan.dense_from_rows if plan.dense_copy else 'off'}); {plan.reason}")
@@ -289,7 +289,7 @@ def main() -> None:
     parser.add_argument("--bf16", choices=("auto", "yes", "no"), default="auto", help="also outrider in bf16")
     parser.add_argument("--hf-bf16", action="store_true", help="also transformers in bf16")
     parser.add_argument("--quant", default="int4,int8",
-                        help="quantized columns: int4, int8, int4+bf16, int8+bf16, int4native")
+                        help="quantized columns: int4, int8, int4+bf16, int8+bf16, int4native, w4a8")
     parser.add_argument("--no-hf", action="store_true", help="leave out the transformers columns")
     parser.add_argument("--load", action="store_true", help="also time loading, in fresh processes")
     args = parser.parse_args()

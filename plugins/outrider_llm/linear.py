@@ -51,7 +51,7 @@ DEFAULT_DENSE_FROM_ROWS = 8
 # failures are large (fp32 activations: 7-20x), while a busy shared 2-core machine skews a
 # few-ms benchmark by tens of percent either way.
 PACKED_TIE_MARGIN = 2.0
-KERNELS = ("auto", "auto+bf16", "int4pack", "int8pack", "dense", "int4pack+bf16", "int8pack+bf16", "int4native")
+KERNELS = ("auto", "auto+bf16", "int4pack", "int8pack", "dense", "int4pack+bf16", "int8pack+bf16", "int4native", "w4a8")
 # "auto+bf16" keeps a dense bf16 copy only where it wins from this many rows or fewer: a draft
 # tree's verification feeds 2-17 rows per sequence.
 MULTIROW_COPY_MAX_ROWS = 8
@@ -287,33 +287,43 @@ class _PackedLinear:
 
 
 class Int4Linear(_PackedLinear):
-    """Group-wise int4 weight, bf16 activations.
+    """Group-wise int4 weight; one of three kernels serves every call of a weight (so a row's
+    result never depends on how many rows share the call), `self.kernel` says which:
 
-    Two kernels; either serves every call of a weight (so a row's result never depends on how many
-    rows share the call): with `native=True` outrider's own (native.py: AMX or AVX512-BF16, scales
-    and minimums in fp16, output fp32) where it runs here and the shape fits, else torch's
-    `aten._weight_int4pack_mm_for_cpu` (scales and zeros in bf16, output bf16). `self.native` says which.
+    - "int4pack": torch's `aten._weight_int4pack_mm_for_cpu`, bf16 activations, scales and zeros
+      rounded to bf16, output bf16;
+    - "int4native": outrider's own (native.py: AMX or AVX512-BF16), bf16 activations, scales and
+      minimums in fp16, output fp32;
+    - "w4a8": outrider's own on AVX512-VNNI (native.py), activations quantized to int8 per row and
+      group as llama.cpp does, scales and minimums in fp16, fp32 in and out.
 
-    With `dense` (a bf16 `_Linear` of the same weight), calls of `dense_from` rows or more go there.
+    A native kernel that cannot run here or take the shape falls back to "int4pack". With `dense`
+    (a bf16 `_Linear` of the same weight), calls of `dense_from` rows or more go there.
     """
 
-    __slots__ = ("packed", "scales_zeros", "minimums", "group", "native")
+    __slots__ = ("packed", "scales_zeros", "minimums", "group", "kernel", "float_out")
 
     def __init__(self, weight: QuantTensor, dense: Optional[_Linear] = None,
-                 dense_from: int = DEFAULT_DENSE_FROM_ROWS, native: bool = False) -> None:
+                 dense_from: int = DEFAULT_DENSE_FROM_ROWS, kernel: str = "int4pack") -> None:
         if weight.mode != "int4":
             raise ValueError(f"Int4Linear needs an int4 weight, got {weight.mode}")
-        from .native import TILE, int4_kernel, pack_int4_tiles
+        from . import native
 
-        self.dtype = torch.bfloat16
         self.group = weight.group_size
         out, inp = weight.shape
-        fits = out % TILE == 0 and inp % 4 == 0 and self.group % 4 == 0
-        self.native = native and fits and int4_kernel()[0]
+        if kernel == "int4native" and not (out % native.TILE == 0 and self.group % 4 == 0 and native.int4_kernel()[0]):
+            kernel = "int4pack"
+        # A model whose other linears run w4a8 computes in fp32: a fallback answers in fp32 too.
+        self.float_out = kernel == "w4a8"
+        if kernel == "w4a8" and not (out % native.TILE == 0 and self.group % 16 == 0 and native.w4a8_kernel()[0]):
+            kernel = "int4pack"
+        self.kernel = kernel
+        self.dtype = torch.float32 if kernel == "w4a8" else torch.bfloat16
         values = unpack_int4(weight.q)
-        if self.native:
-            # packed: [out/16, in/4, 32] tiles; scales_zeros / minimums: fp16 d and m (w = q d + m).
-            self.packed, self.scales_zeros, self.minimums = pack_int4_tiles(values, weight.scale, weight.zero)
+        if kernel in ("int4native", "w4a8"):
+            # packed: the kernel's tiles; scales_zeros / minimums: fp16 d and m (w = q d + m).
+            pack = native.pack_w4a8 if kernel == "w4a8" else native.pack_int4_tiles
+            self.packed, self.scales_zeros, self.minimums = pack(values, weight.scale, weight.zero)
         else:
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(values.to(torch.int32),
                                                                              INT4_INNER_K_TILES)
@@ -323,14 +333,54 @@ class Int4Linear(_PackedLinear):
             self.minimums = None
         self.dense, self.dense_from = dense, dense_from
 
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel == "w4a8" and x.dtype == torch.bfloat16 and self.dense is None:
+            return self._mm(x)  # the kernel reads bf16 as it is: no fp32 copy
+        return super().__call__(x)
+
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
-        if self.native:
+        if self.kernel == "w4a8":
+            return torch.ops.outrider.w4a8_mm(x, self.packed, self.scales_zeros, self.minimums, self.group)
+        if self.kernel == "int4native":
             return torch.ops.outrider.int4_mm(x, self.packed, self.scales_zeros, self.minimums, self.group)
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group, self.scales_zeros)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group, self.scales_zeros)
+        return y.float() if self.float_out else y
 
     def _own_bytes(self) -> int:
         extra = 0 if self.minimums is None else self.minimums.numel() * 2
         return self.packed.numel() + self.scales_zeros.numel() * 2 + extra
+
+
+class W8A8Linear:
+    """Block-wise int8 weight (w = q * scale per block of `group` inputs, GGUF's Q8_0) with int8
+    activations on AVX512-VNNI (native.py `w8a8_mm`): the LM head next to "w4a8" layers, read
+    from the file's own Q8_0 values. fp32 or bf16 in, fp32 out."""
+
+    __slots__ = ("packed", "scales", "minimums", "group", "dtype")
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor) -> None:
+        from .native import pack_w8a8
+
+        self.group = q.shape[1] // scale.shape[1]
+        self.dtype = torch.float32
+        self.packed, self.scales, self.minimums = pack_w8a8(q, scale)
+
+    @staticmethod
+    def usable(out: int, inp: int, group: int = 32) -> bool:
+        """Whether the kernel runs here and takes an [out, inp] weight in blocks of `group`."""
+        from .native import TILE, w4a8_kernel
+
+        return out % TILE == 0 and inp % group == 0 and group % 16 == 0 and w4a8_kernel()[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype not in (torch.float32, torch.bfloat16):
+            x = x.float()
+        return torch.ops.outrider.w8a8_mm(x, self.packed, self.scales, self.minimums, self.group)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of weight this kernel holds."""
+        return self.packed.numel() + (self.scales.numel() + self.minimums.numel()) * 2
 
 
 class Int8Linear(_PackedLinear):
@@ -383,7 +433,8 @@ class KernelPlan:
         dense = dense_linear(weight.params_in(torch.bfloat16).dequantize(), torch.bfloat16) if self.dense_copy else None
         try:
             if weight.mode == "int4":
-                return Int4Linear(weight, dense, self.dense_from_rows, native=self.kernel == "int4native")
+                kernel = self.kernel if self.kernel in ("int4native", "w4a8") else "int4pack"
+                return Int4Linear(weight, dense, self.dense_from_rows, kernel=kernel)
             return Int8Linear(weight, dense, self.dense_from_rows)
         except RuntimeError as exc:  # a shape the packed kernel refuses (e.g. tiny test models)
             log.debug("packed %s kernel refused shape %s (%s); dense instead", weight.mode, weight.shape, exc)
@@ -424,18 +475,21 @@ def _choose(mode: str, kernel: str, group_size: int) -> KernelPlan:
     dense_dtype = torch.bfloat16 if native_bf16 else torch.float32
     if kernel == "dense":
         return KernelPlan(mode, "dense", dense_dtype, reason="asked for")
-    if kernel == "int4native":
-        # Outrider's own int4 kernel (native.py): on AMX about flat in rows (prefill, big draft
-        # trees), but slower than torch's at one row (docs/ACCELERATORS.md). Where it cannot run,
-        # and for other formats (an int8 head next to int4 layers), the measured choice serves.
-        from .native import int4_kernel
+    if kernel in ("int4native", "w4a8"):
+        # Outrider's own int4 kernels (native.py). int4native: on AMX about flat in rows (prefill,
+        # big draft trees), but slower than torch's at one row. w4a8: int8 activations on VNNI, as
+        # llama.cpp (docs/ACCELERATORS.md). Where one cannot run, and for other formats (an int8
+        # head next to int4 layers), the measured choice serves.
+        from .native import int4_kernel, w4a8_kernel
 
-        usable, why = int4_kernel() if mode == "int4" else (False, f"{mode} weights")
-        if usable and _packed_works(mode, group_size):
-            return KernelPlan(mode, "int4native", torch.bfloat16, reason=f"asked for (native kernel {why})")
+        check = int4_kernel if kernel == "int4native" else w4a8_kernel
+        usable, why = check() if mode == "int4" else (False, f"{mode} weights")
+        if usable and _packed_works(mode, group_size, kernel):
+            dtype = torch.float32 if kernel == "w4a8" else torch.bfloat16
+            return KernelPlan(mode, kernel, dtype, reason=f"asked for (native kernel {why})")
         plan = _choose(mode, "auto", group_size)
         return KernelPlan(plan.mode, plan.kernel, plan.dtype, plan.dense_copy, plan.dense_from_rows, plan.timings_us,
-                          reason=f"int4native asked for, not usable ({why}); {plan.reason}")
+                          reason=f"{kernel} asked for, not usable ({why}); {plan.reason}")
     multirow = kernel == "auto+bf16"
     if kernel not in ("auto", "auto+bf16"):
         name, _, extra = kernel.partition("+")
@@ -490,11 +544,13 @@ def _random_quant(mode: str, group_size: int, rows: int, cols: int, seed: int = 
     return QuantTensor("int8", q, torch.rand(rows, generator=gen) * 0.002 + 1e-4)
 
 
-def _packed_works(mode: str, group_size: int) -> bool:
-    """The packed kernel runs here and agrees with the dequantized fp32 reference."""
+def _packed_works(mode: str, group_size: int, kernel: str = "int4pack") -> bool:
+    """The packed kernel (for int4: `kernel`) runs here and agrees with the dequantized fp32 reference."""
     try:
         weight = _random_quant(mode, group_size, 64, 4 * group_size if mode == "int4" else 128)
-        lin = Int4Linear(weight) if mode == "int4" else Int8Linear(weight)
+        lin = Int4Linear(weight, kernel=kernel) if mode == "int4" else Int8Linear(weight)
+        if mode == "int4" and lin.kernel != kernel:
+            return False
         x = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
         ref = x.float() @ weight.dequantize().t()
         err = (lin(x).float() - ref).abs().max().item()

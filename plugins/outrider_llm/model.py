@@ -43,6 +43,7 @@ from .linear import (  # noqa: F401  (re-exported: `from outrider_llm.model impo
     KernelPlan,
     QuantTensor,
     _Linear,
+    W8A8Linear,
     choose_kernel,
     cpu_has_native_bf16,
     onednn_works,
@@ -176,15 +177,15 @@ def _attend_chunk(
 def _int4_chunk_layers(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor, slot: int, length: int,
     mask: Optional[torch.Tensor], norms: List[torch.Tensor], packed: List[torch.Tensor], scales: List[torch.Tensor],
-    minimums: List[torch.Tensor], group_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+    minimums: List[torch.Tensor], group_size: int, w4a8: bool, num_heads: int, num_kv_heads: int, head_dim: int,
     intermediate: int, eps: float,
 ) -> torch.Tensor:
     """Every layer for one chunk of n tokens of one slot, all linears torch's packed int4 (bf16 activations).
 
     Compiled with TorchScript at load, which runs the ~40 small operations per layer without the
     Python interpreter between them. Layer i's weights are norms[2i:2i+2] and packed/scales[4i:4i+4]
-    (qkv, o, gate_up, down; `minimums` unused, see `_native_int4_chunk_layers`); kv is the cache's
-    [layers, 2, slots, kv_heads, capacity, head_dim] tensor. x is updated in place.
+    (qkv, o, gate_up, down; `minimums` and `w4a8` unused, see `_native_int4_chunk_layers`); kv is the
+    cache's [layers, 2, slots, kv_heads, capacity, head_dim] tensor. x is updated in place.
     """
     hidden = [x.shape[1]]
     for li in range(kv.shape[0]):
@@ -200,27 +201,45 @@ def _int4_chunk_layers(
     return x
 
 
+def _native_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor, group_size: int,
+               w4a8: bool) -> torch.Tensor:
+    """fp32 x through outrider's w4a8 kernel (int8 activations) or int4_mm (bf16 activations); fp32 out."""
+    if w4a8:
+        return torch.ops.outrider.w4a8_mm(x, packed, scales, minimums, group_size)
+    return torch.ops.outrider.int4_mm(x.to(torch.bfloat16), packed, scales, minimums, group_size)
+
+
 def _native_int4_chunk_layers(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor, slot: int, length: int,
     mask: Optional[torch.Tensor], norms: List[torch.Tensor], packed: List[torch.Tensor], scales: List[torch.Tensor],
-    minimums: List[torch.Tensor], group_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+    minimums: List[torch.Tensor], group_size: int, w4a8: bool, num_heads: int, num_kv_heads: int, head_dim: int,
     intermediate: int, eps: float,
 ) -> torch.Tensor:
-    """`_int4_chunk_layers` with outrider's native int4 kernel (native.py; fp32 outputs)."""
+    """`_int4_chunk_layers` with outrider's native int4 kernels (native.py; fp32 outputs); `w4a8`
+    picks the int8-activation kernel over int4_mm."""
     hidden = [x.shape[1]]
     for li in range(kv.shape[0]):
-        h = F.rms_norm(x, hidden, norms[2 * li], eps).to(torch.bfloat16)
-        qkv = torch.ops.outrider.int4_mm(h, packed[4 * li], scales[4 * li], minimums[4 * li], group_size)
+        h = F.rms_norm(x, hidden, norms[2 * li], eps)
+        qkv = _native_mm(h, packed[4 * li], scales[4 * li], minimums[4 * li], group_size, w4a8)
         attn = _attend_chunk(qkv, cos, sin, kv[li, :, slot], length, mask, num_heads, num_kv_heads, head_dim)
-        x.add_(torch.ops.outrider.int4_mm(attn.to(torch.bfloat16), packed[4 * li + 1], scales[4 * li + 1],
-                                          minimums[4 * li + 1], group_size))
-        h = F.rms_norm(x, hidden, norms[2 * li + 1], eps).to(torch.bfloat16)
-        gate_up = torch.ops.outrider.int4_mm(h, packed[4 * li + 2], scales[4 * li + 2], minimums[4 * li + 2],
-                                             group_size)
-        act = F.silu(gate_up[:, :intermediate]).mul_(gate_up[:, intermediate:]).to(torch.bfloat16)
-        x.add_(torch.ops.outrider.int4_mm(act, packed[4 * li + 3], scales[4 * li + 3], minimums[4 * li + 3],
-                                          group_size))
+        x.add_(_native_mm(attn, packed[4 * li + 1], scales[4 * li + 1], minimums[4 * li + 1], group_size, w4a8))
+        h = F.rms_norm(x, hidden, norms[2 * li + 1], eps)
+        gate_up = _native_mm(h, packed[4 * li + 2], scales[4 * li + 2], minimums[4 * li + 2], group_size, w4a8)
+        act = F.silu(gate_up[:, :intermediate]).mul_(gate_up[:, intermediate:])
+        x.add_(_native_mm(act, packed[4 * li + 3], scales[4 * li + 3], minimums[4 * li + 3], group_size, w4a8))
     return x
+
+
+def _w8a8_head(table: torch.Tensor) -> "W8A8Linear":
+    """The LM head in blocks of 32 int8 values with one scale each: the GGUF's own Q8_0 values when
+    the table is such (Int8BlockTable.exact), else quantized so (scale amax / 127, kept in fp16)."""
+    exact = Int8BlockTable.exact(table)
+    if exact is not None:
+        return W8A8Linear(exact.q, exact.scale)
+    blocks = table.float().view(table.shape[0], -1, 32)
+    scale = (blocks.abs().amax(dim=2) / 127).half().float()
+    q = torch.round(blocks / torch.where(scale > 0, scale, torch.ones_like(scale))[..., None]).clamp_(-127, 127)
+    return W8A8Linear(q.to(torch.int8).view(table.shape), scale)
 
 
 _SCRIPTED: dict[str, object] = {}
@@ -304,8 +323,13 @@ class LlamaModel(torch.nn.Module):
         if self.kernel_plans:
             # bf16 as soon as one kernel takes bf16: every projection's output is then cast back to
             # fp32 (a dense fp32 kernel converts its bf16 input itself).
+            # w4a8 layers read fp32 (they quantize it themselves): then fp32, and another format's
+            # kernel (an int8 head) converts its own input.
             dtypes = {plan.dtype for plan in self.kernel_plans.values()}
-            self.dtype = torch.bfloat16 if torch.bfloat16 in dtypes else dtypes.pop()
+            if any(plan.kernel == "w4a8" for plan in self.kernel_plans.values()):
+                self.dtype = torch.float32
+            else:
+                self.dtype = torch.bfloat16 if torch.bfloat16 in dtypes else dtypes.pop()
         else:
             self.dtype = resolve_dtype(dtype, self.device)
         if use_onednn is None:
@@ -372,7 +396,12 @@ class LlamaModel(torch.nn.Module):
             self.head_weight = None
             # A tied head may still be stored quantized (under lm_head.weight.*): the embedding
             # stays fp32 for lookups and the fingerprint, the head reads the quantized copy.
-            self.head = linear(head_quant) if head_quant is not None else _Linear(self.embed_weight, dt, onednn)
+            if head_quant is not None:
+                self.head = linear(head_quant)
+            elif self._w4a8_head_fits():
+                self.head = _w8a8_head(self.embed_weight)
+            else:
+                self.head = _Linear(self.embed_weight, dt, onednn)
         elif head_quant is not None:
             # lm_head_rows needs fp32 rows: keep the dequantized weight (exactly what the kernel computes with)
             self.head_weight = head_quant.dequantize().to(self.device)
@@ -385,6 +414,12 @@ class LlamaModel(torch.nn.Module):
         if compact is not None:
             self.embed_weight = compact
 
+    def _w4a8_head_fits(self) -> bool:
+        """Whether an unquantized head joins "w4a8" layers as block-wise int8 (W8A8Linear)."""
+        plan = self.kernel_plans.get("int4")
+        return (plan is not None and plan.kernel == "w4a8" and self.device.type == "cpu"
+                and W8A8Linear.usable(self.vocab_size, self.hidden_size))
+
     def _plan_fast_layers(self) -> Optional[tuple]:
         """(scripted fn, norms, packed, scales, group) when every layer linear is a packed int4
         kernel without a dense copy (the quantized SmolLM2 here), else None: eager only."""
@@ -395,15 +430,16 @@ class LlamaModel(torch.nn.Module):
             type(k) is Int4Linear and k.dense is None for k in linears
         ):
             return None
-        if len({k.group for k in linears}) != 1 or len({k.native for k in linears}) != 1:
+        if len({k.group for k in linears}) != 1 or len({k.kernel for k in linears}) != 1:
             return None
-        native = linears[0].native
+        native = linears[0].kernel in ("int4native", "w4a8")
         fn = _scripted_int4_layers(native)
         if fn is None:
             return None
         norms = [w for layer in self.layers for w in (layer.attn_norm, layer.mlp_norm)]
         minimums = [k.minimums for k in linears] if native else []
-        return fn, norms, [k.packed for k in linears], [k.scales_zeros for k in linears], minimums, linears[0].group
+        return (fn, norms, [k.packed for k in linears], [k.scales_zeros for k in linears], minimums, linears[0].group,
+                linears[0].kernel == "w4a8")
 
     def weight_bytes(self) -> int:
         """Bytes held by the matmul kernels (embeddings and norms not counted)."""
@@ -465,7 +501,8 @@ class LlamaModel(torch.nn.Module):
         """y = x @ weight.T in this model's compute format (prepacked when oneDNN works here).
 
         `quantize="int4"`: group-wise int4 (round to nearest, groups of 32) when the packed int4
-        kernel is the fastest here (output bf16), else as without it. For a drafter's weights:
+        kernel is the fastest here (output bf16; next to w4a8 layers, w4a8: output fp32), else as
+        without it. For a drafter's weights:
         a draft head's three matmuls per drafted token cost more in bf16 than the rest of drafting.
         """
         if quantize not in (None, "int4"):
@@ -474,8 +511,11 @@ class LlamaModel(torch.nn.Module):
             # "auto+bf16": a drafter expanding many nodes at once also gets a dense bf16 copy
             # where that wins from a few rows on (the packed kernel's cost grows with rows, dense
             # bf16's barely; a draft head is small, so the copy is cheap).
-            plan = choose_kernel("int4", "auto+bf16", 32)
-            if plan.kernel == "int4pack":
+            # Next to w4a8 layers, the drafter's weights take the same kernel (flat enough in rows
+            # that no copy is needed).
+            target = self.kernel_plans.get("int4")
+            plan = target if target is not None and target.kernel == "w4a8" else choose_kernel("int4", "auto+bf16", 32)
+            if plan.kernel in ("int4pack", "w4a8"):
                 from outrider.generation.weights import quantize_int4
 
                 return plan.build(QuantTensor("int4", **quantize_int4(weight.float(), 32)))
@@ -553,9 +593,9 @@ class LlamaModel(torch.nn.Module):
         x = self.embed_weight.index_select(0, tokens)
         fast = self._fast_layers if batch is None and len(plan) == 1 and not plan[0].use_sdpa else None
         if fast is not None:
-            fn, norms, packed, scales, minimums, group_size = fast
+            fn, norms, packed, scales, minimums, group_size, w4a8 = fast
             c = plan[0]
-            fn(x, cos, sin, cache.kv, c.slot, c.length, c.mask, norms, packed, scales, minimums, group_size,
+            fn(x, cos, sin, cache.kv, c.slot, c.length, c.mask, norms, packed, scales, minimums, group_size, w4a8,
                cfg.num_heads, cfg.num_kv_heads, d, inter, eps)
         for li, layer in enumerate(self.layers if fast is None else ()):
             qkv = self._qkv_rope(layer, x, cos, sin, low)

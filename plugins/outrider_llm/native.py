@@ -24,38 +24,56 @@ import torch
 
 from outrider.hardware import cpu_flags
 
-SOURCE = Path(__file__).with_name("csrc") / "int4_mm.cpp"
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = (CSRC / "int4_mm.cpp", CSRC / "w4a8_mm.cpp")  # one extension, both ops
 TILE = 16  # outputs per tile (one fp32 zmm)
 REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
+W4A8_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
 
 _LOCK = threading.Lock()
-_STATE: dict[str, object] = {}
+_STATE: dict[str, tuple[bool, str]] = {}
 
 
 def int4_kernel() -> tuple[bool, str]:
     """(usable, reason): whether `outrider::int4_mm` is loaded and runs on this CPU, and why not."""
     with _LOCK:
-        if "usable" not in _STATE:
-            _STATE["usable"], _STATE["reason"] = _load()
-        return bool(_STATE["usable"]), str(_STATE["reason"])
+        if "int4" not in _STATE:
+            _STATE["int4"] = _usable(REQUIRED_FLAGS)
+            if _STATE["int4"][0]:
+                _STATE["int4"] = (True, _STATE["int4"][1] + "; " + _path())
+        return _STATE["int4"]
 
 
-def _load() -> tuple[bool, str]:
+def w4a8_kernel() -> tuple[bool, str]:
+    """(usable, reason): whether `outrider::w4a8_mm` (int4 weights x int8 activations) runs here."""
+    with _LOCK:
+        if "w4a8" not in _STATE:
+            _STATE["w4a8"] = _usable(W4A8_FLAGS)
+        return _STATE["w4a8"]
+
+
+def _usable(flags: tuple[str, ...]) -> tuple[bool, str]:
     if os.environ.get("OUTRIDER_NATIVE_INT4", "1") == "0":
         return False, "OUTRIDER_NATIVE_INT4=0"
-    missing = [f for f in REQUIRED_FLAGS if f not in cpu_flags()]
+    missing = [f for f in flags if f not in cpu_flags()]
     if missing:
         return False, f"the CPU lacks {', '.join(missing)}"
+    if "build" not in _STATE:
+        _STATE["build"] = _build()
+    return _STATE["build"]
+
+
+def _build() -> tuple[bool, str]:
     if hasattr(torch.ops.outrider, "int4_mm"):
-        return True, "loaded; " + _path()
+        return True, "loaded"
     try:
         from torch.utils import cpp_extension
 
         # Source hash in the name: a changed kernel never loads a stale build.
-        digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+        digest = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES)).hexdigest()[:12]
         cpp_extension.load(
             name=f"outrider_int4_{digest}",
-            sources=[str(SOURCE)],
+            sources=[str(source) for source in SOURCES],
             extra_cflags=["-O3", "-fopenmp"],
             extra_ldflags=["-fopenmp"],  # torch's own libgomp.so.1 is already loaded: one thread pool
             is_python_module=False,
@@ -63,7 +81,7 @@ def _load() -> tuple[bool, str]:
         )
     except Exception as exc:  # no compiler, no ninja, a toolchain too old for AVX512-BF16 intrinsics
         return False, f"could not build the native kernel: {type(exc).__name__}: {str(exc)[-300:]}"
-    return True, "built; " + _path()
+    return True, "built"
 
 
 def _path() -> str:
@@ -82,17 +100,22 @@ def pack_int4_tiles(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) ->
     out, inp = q.shape
     if out % TILE or inp % 4:
         raise ValueError(f"int4 tiles need out % {TILE} == 0 and in % 4 == 0, got {tuple(q.shape)}")
-    groups = scale.shape[1]
     tiles = q.to(torch.uint8).view(out // TILE, TILE, inp // 4, 2, 2)  # [t, i, quad, half, p]: k = 4j + 2h + p
     low, high = tiles[:, :, :, 0, :], tiles[:, :, :, 1, :]  # [t, i, quad, p]
     packed = (low | (high << 4)).permute(0, 2, 1, 3).contiguous()  # [t, quad, i, p]: byte 2i + p
+    return (packed.view(out // TILE, inp // 4, 32), *_tile_scales(scale, zero))
+
+
+def _tile_scales(scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d, m) fp16 [out/16, groups, 16] for w = q * d + m, from w = (q - 8) * scale + zero."""
     d = scale.float()
-    m = zero.float() - 8 * d
+    return _per_tile(d, zero.float() - 8 * d)
 
-    def per_tile(values: torch.Tensor) -> torch.Tensor:
-        return values.to(torch.float16).view(out // TILE, TILE, groups).transpose(1, 2).contiguous()
 
-    return packed.view(out // TILE, inp // 4, 32), per_tile(d), per_tile(m)
+def _per_tile(*values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """[out, groups] fp32 -> fp16 [out/16, groups, 16], each."""
+    out, groups = values[0].shape
+    return tuple(v.to(torch.float16).view(out // TILE, TILE, groups).transpose(1, 2).contiguous() for v in values)
 
 
 def dequantize_tiles(w: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
@@ -113,3 +136,56 @@ def int4_mm(x: torch.Tensor, w: torch.Tensor, d: torch.Tensor, m: torch.Tensor, 
     """fp32 [rows, out] = bf16 x [rows, in] @ W.T (W as `pack_int4_tiles` gives it); `path` forces
     the AVX512-BF16 (0) or AMX (1) path, -1 lets the kernel choose."""
     return torch.ops.outrider.int4_mm(x, w, d, m, group_size, path)
+
+
+def pack_w4a8(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                 torch.Tensor]:
+    """The w4a8 kernel's layout for int4 weights in outrider's format (w = (q - 8) * scale + zero).
+
+    q: uint8 [out, in] values 0..15 (unpacked); scale, zero: [out, in / group]. Returns
+    (w uint8 [out/16, in/8, 64], d fp16 [out/16, groups, 16], m fp16 [out/16, groups, 16]) with
+    w = q * d + m; exact in fp16 for weights from GGUF Q4_1 blocks (see `pack_int4_tiles`).
+    """
+    out, inp = q.shape
+    if out % TILE or inp % 8:
+        raise ValueError(f"w4a8 tiles need out % {TILE} == 0 and in % 8 == 0, got {tuple(q.shape)}")
+    tiles = q.to(torch.uint8).view(out // TILE, TILE, inp // 8, 2, 4)  # [t, i, oct, half, p]: k = 8j + 4h + p
+    packed = (tiles[:, :, :, 0, :] | (tiles[:, :, :, 1, :] << 4)).permute(0, 2, 1, 3).contiguous()  # [t, oct, i, p]
+    return (packed.view(out // TILE, inp // 8, 64), *_tile_scales(scale, zero))
+
+
+def dequantize_w4a8(w: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """fp32 [out, in] weight that `pack_w4a8` output stands for (the tests' reference)."""
+    tiles, octs, _ = w.shape
+    groups = d.shape[1]
+    b = w.view(tiles, octs, TILE, 4)
+    q = torch.stack([b & 15, b >> 4], dim=3)  # [t, oct, i, half, p]
+    q = q.permute(0, 2, 1, 3, 4).reshape(tiles * TILE, octs * 8).float()
+    group = octs * 8 // groups
+    scale = d.float().transpose(1, 2).reshape(tiles * TILE, groups).repeat_interleave(group, dim=1)
+    minimum = m.float().transpose(1, 2).reshape(tiles * TILE, groups).repeat_interleave(group, dim=1)
+    return q * scale + minimum
+
+
+def w4a8_mm(x: torch.Tensor, w: torch.Tensor, d: torch.Tensor, m: torch.Tensor, group_size: int) -> torch.Tensor:
+    """fp32 [rows, out] = x (fp32 or bf16 [rows, in], quantized to int8 per row and group) @ W.T
+    (W as `pack_w4a8` gives it)."""
+    return torch.ops.outrider.w4a8_mm(x, w, d, m, group_size)
+
+
+def pack_w8a8(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's layout for block-wise int8 weights w = q * scale (GGUF Q8_0: q int8 [out, in],
+    scale [out, in / group]): (w uint8 [out/16, in/4, 64], d, m fp16 [out/16, groups, 16]) with
+    w = (q + 128) * d + m, m = -128 d. Exact in fp16 for a Q8_0 file's own fp16 scales."""
+    out, inp = q.shape
+    if out % TILE or inp % 4:
+        raise ValueError(f"w8a8 tiles need out % {TILE} == 0 and in % 4 == 0, got {tuple(q.shape)}")
+    shifted = (q.to(torch.int16) + 128).to(torch.uint8).view(out // TILE, TILE, inp // 4, 4)  # [t, i, quad, p]
+    packed = shifted.permute(0, 2, 1, 3).contiguous().view(out // TILE, inp // 4, 64)  # [t, quad, i, p]
+    return (packed, *_per_tile(scale.float(), -128 * scale.float()))
+
+
+def w8a8_mm(x: torch.Tensor, w: torch.Tensor, d: torch.Tensor, m: torch.Tensor, group_size: int) -> torch.Tensor:
+    """fp32 [rows, out] = x (fp32 or bf16, quantized to int8 per row and group) @ W.T (W as
+    `pack_w8a8` gives it)."""
+    return torch.ops.outrider.w8a8_mm(x, w, d, m, group_size)
