@@ -430,6 +430,39 @@ def test_scripted_int4_layer_stack_is_bit_identical_to_the_eager_forward(kernel:
                              else list(range(chunk.tokens.numel())))
 
 
+@pytest.mark.parametrize("kernel", ["int4native", "w4a8"])
+def test_native_attention_gives_tree_rows_and_batched_rows_the_one_token_logits(kernel: str) -> None:
+    """With outrider's kernels, verifying a draft tree is exactly a run of one-token steps: each
+    node's logits equal, bit for bit, those of a one-token step after the same prefix, and a
+    sequence's logits do not depend on the other sequences of the step (so speculative greedy
+    output is the plain greedy output, near-ties included)."""
+    _native_or_skip(kernel)
+    config, weights = _tiny()
+    model = LlamaModel(config, quantize_state_dict(weights, "int4", head_mode="float"), kernel=kernel)
+    if not model.native_attention:
+        pytest.skip("outrider::attend needs AVX512-DQ")
+    prompt = torch.tensor([5, 17, 3, 60, 22, 9, 41, 8, 12, 33])
+    cache = model.new_cache(3, 64)
+    for slot in (0, 1, 2):
+        model.forward(cache, [Chunk(slot, prompt, torch.arange(10))])
+        cache.commit(slot, list(range(10)))
+    # Node 0 is the pending token; 1 and 2 its children; 3 a child of 1.
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    verified = model.forward(cache, [Chunk(0, torch.tensor([7, 8, 9, 10]), torch.tensor([10, 11, 11, 12]), tree)])
+    for path in ([(7, 0), (8, 1), (10, 3)], [(7, 0), (9, 2)]):
+        slot = 1 if len(path) == 3 else 2
+        for step, (token, row) in enumerate(path):
+            # Slot 1 steps alone; slot 2 shares each step with another sequence's decode.
+            chunks = [Chunk(slot, torch.tensor([token]), torch.tensor([10 + step]))]
+            if slot == 2:
+                chunks.insert(0, Chunk(1, torch.tensor([4]), torch.tensor([13 + step])))
+            out = model.forward(cache, chunks)
+            assert torch.equal(out.logits[-1], verified.logits[row]), (path, step)
+            assert torch.equal(out.hidden[-1], verified.hidden[row]), (path, step)
+            for chunk in chunks:
+                cache.commit(chunk.slot, [0])
+
+
 def test_make_linear_int4_for_drafters_is_close_and_refuses_other_formats() -> None:
     model = LlamaModel(tiny_llama_config(), random_llama_weights(tiny_llama_config()))
     gen = torch.Generator().manual_seed(3)

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from outrider.generation.contract import Chunk, ForwardOutput
+from outrider.hardware import cpu_flags
 
 from .kv_cache import SlotKVCache
 
@@ -157,12 +158,9 @@ def _attend_chunk(
     """
     n = qkv.shape[0]
     d = head_dim
-    qk_heads = num_heads + num_kv_heads
     group = num_heads // num_kv_heads
     q_width = num_heads * d
-    qk = qkv[:, : qk_heads * d].view(n, qk_heads, d)
-    swapped = qk.view(n, qk_heads, 2, d // 2).flip(2).view(n, qk_heads, d)
-    torch.addcmul(qk * cos, swapped, sin, out=qk)
+    _rope_qk(qkv, cos, sin, num_heads + num_kv_heads, head_dim)
     cell[:, :, length : length + n] = qkv[:, q_width:].view(n, 2, num_kv_heads, d).permute(1, 2, 0, 3)
     keys, values = cell[0, :, : length + n], cell[1, :, : length + n]
     q = qkv[:, :q_width].view(n, num_kv_heads, group, d).permute(1, 2, 0, 3).reshape(num_kv_heads, group * n, d)
@@ -172,6 +170,14 @@ def _attend_chunk(
         scores = torch.baddbmm(mask, q, keys.transpose(1, 2))
     probs = torch.softmax(scores, dim=-1)
     return torch.bmm(probs, values).view(num_kv_heads, group, n, d).permute(2, 0, 1, 3).reshape(n, q_width)
+
+
+def _rope_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, qk_heads: int, head_dim: int) -> None:
+    """RoPE on the q and k heads of qkv [n, ...], in place (as `LlamaModel._qkv_rope`)."""
+    n, d = qkv.shape[0], head_dim
+    qk = qkv[:, : qk_heads * d].view(n, qk_heads, d)
+    swapped = qk.view(n, qk_heads, 2, d // 2).flip(2).view(n, qk_heads, d)
+    torch.addcmul(qk * cos, swapped, sin, out=qk)
 
 
 def _int4_chunk_layers(
@@ -210,18 +216,20 @@ def _native_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mini
 
 
 def _native_int4_chunk_layers(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor, slot: int, length: int,
-    mask: Optional[torch.Tensor], norms: List[torch.Tensor], packed: List[torch.Tensor], scales: List[torch.Tensor],
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor, chunks: torch.Tensor,
+    visible: torch.Tensor, norms: List[torch.Tensor], packed: List[torch.Tensor], scales: List[torch.Tensor],
     minimums: List[torch.Tensor], group_size: int, w4a8: bool, num_heads: int, num_kv_heads: int, head_dim: int,
     intermediate: int, eps: float,
 ) -> torch.Tensor:
-    """`_int4_chunk_layers` with outrider's native int4 kernels (native.py; fp32 outputs); `w4a8`
-    picks the int8-activation kernel over int4_mm."""
+    """`_int4_chunk_layers` with outrider's native kernels (native.py; fp32 outputs) for every
+    chunk of a step at once: `outrider::attend` over `chunks` / `visible` (see `_NativeChunks`),
+    and `w4a8` picks the int8-activation matmul over int4_mm."""
     hidden = [x.shape[1]]
     for li in range(kv.shape[0]):
         h = F.rms_norm(x, hidden, norms[2 * li], eps)
         qkv = _native_mm(h, packed[4 * li], scales[4 * li], minimums[4 * li], group_size, w4a8)
-        attn = _attend_chunk(qkv, cos, sin, kv[li, :, slot], length, mask, num_heads, num_kv_heads, head_dim)
+        _rope_qk(qkv, cos, sin, num_heads + num_kv_heads, head_dim)
+        attn = torch.ops.outrider.attend(qkv, kv[li], chunks, visible, num_heads, num_kv_heads)
         x.add_(_native_mm(attn, packed[4 * li + 1], scales[4 * li + 1], minimums[4 * li + 1], group_size, w4a8))
         h = F.rms_norm(x, hidden, norms[2 * li + 1], eps)
         gate_up = _native_mm(h, packed[4 * li + 2], scales[4 * li + 2], minimums[4 * li + 2], group_size, w4a8)
@@ -284,6 +292,19 @@ class _BatchPlan:
     __slots__ = ("rows", "first", "count", "width", "span", "where", "write_slot", "write_pos", "mask", "spans")
 
 
+class _NativeChunks:
+    """The chunks of a step that `outrider::attend` serves, all in one call per layer.
+
+    chunks: int64 [C, 4] (slot, first row, rows, committed length); visible: bool [T, W], row t
+    sees fed token c of its chunk (an empty tensor: causal everywhere); spans as `_BatchPlan`'s.
+    """
+
+    __slots__ = ("chunks", "visible", "spans")
+
+    def __init__(self, chunks: torch.Tensor, visible: torch.Tensor, spans: list[tuple[int, int, int]]) -> None:
+        self.chunks, self.visible, self.spans = chunks, visible, spans
+
+
 class _Layer:
     __slots__ = ("attn_norm", "qkv", "o", "mlp_norm", "gate_up", "down")
 
@@ -341,6 +362,7 @@ class LlamaModel(torch.nn.Module):
             raise ValueError("num_heads must be a multiple of num_kv_heads")
         self._load(state_dict)
         self._rope_table(config.max_position_embeddings)
+        self.native_attention = self._native_attention_usable()
         self._fast_layers = self._plan_fast_layers()
 
     # ---- weights -------------------------------------------------------------------------
@@ -414,6 +436,17 @@ class LlamaModel(torch.nn.Module):
         if compact is not None:
             self.embed_weight = compact
 
+    def _native_attention_usable(self) -> bool:
+        """Attention through `outrider::attend` (see csrc/attend.cpp) where the layers run outrider's
+        native int4 kernels (the extension is loaded then), so that a draft tree's rows get exactly
+        the logits a one-token step gets (the int8 or bf16 activations downstream would turn
+        torch attention's last-bit differences into rounding steps)."""
+        linears = [k for layer in self.layers for k in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        cfg = self.config
+        return (self.device.type == "cpu" and bool(linears) and cfg.head_dim in (16, 32, 64, 128)
+                and all(getattr(k, "kernel", None) in ("int4native", "w4a8") for k in linears)
+                and "avx512dq" in cpu_flags())
+
     def _w4a8_head_fits(self) -> bool:
         """Whether an unquantized head joins "w4a8" layers as block-wise int8 (W8A8Linear)."""
         plan = self.kernel_plans.get("int4")
@@ -433,6 +466,8 @@ class LlamaModel(torch.nn.Module):
         if len({k.group for k in linears}) != 1 or len({k.kernel for k in linears}) != 1:
             return None
         native = linears[0].kernel in ("int4native", "w4a8")
+        if native != self.native_attention:
+            return None
         fn = _scripted_int4_layers(native)
         if fn is None:
             return None
@@ -591,11 +626,18 @@ class LlamaModel(torch.nn.Module):
         # KV cache stay fp32 (bf16 bmm ran 2.5x slower than fp32 here, and fp32 keeps accuracy).
         low = self.dtype if self.dtype != torch.float32 else None
         x = self.embed_weight.index_select(0, tokens)
-        fast = self._fast_layers if batch is None and len(plan) == 1 and not plan[0].use_sdpa else None
+        fast = self._fast_layers
+        if self.native_attention:  # the native stack: every chunk of the step, none through SDPA
+            fast = fast if isinstance(batch, _NativeChunks) and not plan else None
+        else:  # the aten stack: one chunk
+            fast = fast if batch is None and len(plan) == 1 and not plan[0].use_sdpa else None
         if fast is not None:
             fn, norms, packed, scales, minimums, group_size, w4a8 = fast
-            c = plan[0]
-            fn(x, cos, sin, cache.kv, c.slot, c.length, c.mask, norms, packed, scales, minimums, group_size, w4a8,
+            if self.native_attention:
+                where: tuple = (batch.chunks, batch.visible)
+            else:
+                where = (plan[0].slot, plan[0].length, plan[0].mask)
+            fn(x, cos, sin, cache.kv, *where, norms, packed, scales, minimums, group_size, w4a8,
                cfg.num_heads, cfg.num_kv_heads, d, inter, eps)
         for li, layer in enumerate(self.layers if fast is None else ()):
             qkv = self._qkv_rope(layer, x, cos, sin, low)
@@ -651,7 +693,8 @@ class LlamaModel(torch.nn.Module):
         return x
 
     def _attend(
-        self, kv: torch.Tensor, qkv: torch.Tensor, plan: list[_ChunkPlan], batch: Optional[_BatchPlan]
+        self, kv: torch.Tensor, qkv: torch.Tensor, plan: list[_ChunkPlan],
+        batch: "_BatchPlan | _NativeChunks | None",
     ) -> torch.Tensor:
         """Attention output [T, heads * head_dim] for one layer; writes the fed K/V into `kv` first.
 
@@ -662,7 +705,11 @@ class LlamaModel(torch.nn.Module):
         group, q_width = nh // nkv, nh * d
         total = qkv.shape[0]
         attn = None
-        if batch is not None:
+        if isinstance(batch, _NativeChunks):
+            attn = torch.ops.outrider.attend(qkv, kv, batch.chunks, batch.visible, nh, nkv)
+            if not plan:
+                return attn
+        elif batch is not None:
             out = self._attend_batch(kv, qkv, batch)
             if batch.rows is None:
                 return out
@@ -744,6 +791,13 @@ class LlamaModel(torch.nn.Module):
                 raise ValueError(f"chunk for slot {slot}: tree_mask must be [{n}, {n}], got {tuple(tree.shape)}")
             parsed.append((slot, start, start + n, length, tree))
             start += n
+        if self.native_attention:
+            # Every chunk but a long prefill (SDPA) attends in one native call per layer.
+            small = [p for p in parsed if p[2] - p[1] < SDPA_MIN_TOKENS]
+            if not small:
+                return [self._chunk_plan(*p) for p in parsed], None
+            rest = [p for p in parsed if p[2] - p[1] >= SDPA_MIN_TOKENS]
+            return [self._chunk_plan(*p) for p in rest], self._native_chunks(small, total=start)
         small = [p for p in parsed if p[2] - p[1] <= BATCH_MAX_TOKENS]
         batch = None
         if self.batch_attention and len(small) >= 2 and self._batch_is_cheaper(small):
@@ -751,6 +805,17 @@ class LlamaModel(torch.nn.Module):
             batched = {p[0] for p in small}
             parsed = [p for p in parsed if p[0] not in batched]
         return [self._chunk_plan(*p) for p in parsed], batch
+
+    def _native_chunks(self, small: list[tuple], total: int) -> _NativeChunks:
+        chunks = torch.tensor([[slot, start, end - start, length] for slot, start, end, length, _ in small],
+                              dtype=torch.long)
+        if all(tree is None for *_, tree in small):
+            visible = _CAUSAL
+        else:
+            visible = torch.zeros(total, max(end - start for _, start, end, _, _ in small), dtype=torch.bool)
+            for _, start, end, _, tree in small:
+                visible[start:end, : end - start] = _block(tree, end - start, torch.device("cpu"))
+        return _NativeChunks(chunks, visible, [(slot, end - start, end) for slot, start, end, _, _ in small])
 
     def _chunk_plan(self, slot: int, start: int, end: int, length: int, tree: Optional[torch.Tensor]) -> _ChunkPlan:
         n, dev = end - start, self.device
@@ -832,6 +897,9 @@ def _group_size(sd: dict[str, torch.Tensor]) -> int:
         if key.endswith(".int4.q"):
             return 2 * q.shape[1] // sd[key[: -len(".q")] + ".scale"].shape[1]
     return 32
+
+
+_CAUSAL = torch.empty(0, dtype=torch.bool)  # `outrider::attend`'s "causal in every chunk"
 
 
 def _block(tree: Optional[torch.Tensor], n: int, device: torch.device) -> torch.Tensor:

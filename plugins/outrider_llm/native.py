@@ -25,7 +25,7 @@ import torch
 from outrider.hardware import cpu_flags
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "int4_mm.cpp", CSRC / "w4a8_mm.cpp")  # one extension, both ops
+SOURCES = (CSRC / "int4_mm.cpp", CSRC / "w4a8_mm.cpp", CSRC / "attend.cpp")  # one extension, every op
 TILE = 16  # outputs per tile (one fp32 zmm)
 REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 W4A8_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")

@@ -115,20 +115,18 @@ OUTRIDER_VNNI_TARGET void dot_tiles(const int32_t* const* x_words, const float* 
     for (int t = 0; t < T; ++t) _mm512_storeu_ps(y[r] + t * kTile, out[r][t]);
 }
 
-constexpr int kRows = 4;  // rows per pass
+constexpr int kRows = 8;  // rows per pass: up to 8 read each weight once (a tree of 8 verifies in one pass)
 using DotFn = void (*)(const int32_t* const*, const float* const*, const float* const*, int64_t,
                        int64_t, int64_t, const uint8_t*, const uint16_t*, const uint16_t*, float* const*);
 // [bits == 8][rows - 1][0]: several tiles at once (register budget: R * T int32 + R * T fp32 +
 // 2T weights), [..][1]: one tile (the tail).
-constexpr DotFn kDotFns[2][kRows][2] = {{{dot_tiles<4, 1, 4>, dot_tiles<4, 1, 1>},
-                                         {dot_tiles<4, 2, 4>, dot_tiles<4, 2, 1>},
-                                         {dot_tiles<4, 3, 2>, dot_tiles<4, 3, 1>},
-                                         {dot_tiles<4, 4, 2>, dot_tiles<4, 4, 1>}},
-                                        {{dot_tiles<8, 1, 4>, dot_tiles<8, 1, 1>},
-                                         {dot_tiles<8, 2, 4>, dot_tiles<8, 2, 1>},
-                                         {dot_tiles<8, 3, 2>, dot_tiles<8, 3, 1>},
-                                         {dot_tiles<8, 4, 2>, dot_tiles<8, 4, 1>}}};
-constexpr int kDotTiles[kRows] = {4, 4, 2, 2};
+#define OUTRIDER_DOT_ROWS(B)                                                                          \
+  {{dot_tiles<B, 1, 4>, dot_tiles<B, 1, 1>}, {dot_tiles<B, 2, 4>, dot_tiles<B, 2, 1>},                \
+   {dot_tiles<B, 3, 2>, dot_tiles<B, 3, 1>}, {dot_tiles<B, 4, 2>, dot_tiles<B, 4, 1>},                \
+   {dot_tiles<B, 5, 1>, dot_tiles<B, 5, 1>}, {dot_tiles<B, 6, 1>, dot_tiles<B, 6, 1>},                \
+   {dot_tiles<B, 7, 1>, dot_tiles<B, 7, 1>}, {dot_tiles<B, 8, 1>, dot_tiles<B, 8, 1>}}
+constexpr DotFn kDotFns[2][kRows][2] = {OUTRIDER_DOT_ROWS(4), OUTRIDER_DOT_ROWS(8)};
+constexpr int kDotTiles[kRows] = {4, 4, 2, 2, 1, 1, 1, 1};
 
 bool vnni_supported() {
   __builtin_cpu_init();
