@@ -397,7 +397,9 @@ def test_float_head_mode_leaves_the_tied_head_to_the_model_dtype() -> None:
                                               ("w4a8", "float")])
 def test_scripted_int4_layer_stack_is_bit_identical_to_the_eager_forward(kernel: str, head_mode: str) -> None:
     """The TorchScript path for one chunk of packed-int4 layers (decode and tree verification)
-    must give exactly the eager forward's logits, hidden states and cache entries."""
+    must give exactly the eager forward's logits, hidden states and cache entries. w4a8 runs every
+    forward as one native call (csrc/w4a8_layers.cpp), its own definition of the arithmetic: there
+    the eager torch layers must agree within fp32 rounding, carried through int8 activations."""
     _native_or_skip(kernel) if kernel != "int4pack" else _packed_or_skip("int4")
     config, weights = _tiny()
     quantized = quantize_state_dict(weights, "int4", head_mode=head_mode)
@@ -421,9 +423,15 @@ def test_scripted_int4_layer_stack_is_bit_identical_to_the_eager_forward(kernel:
     caches = [fast.new_cache(2, 32), eager.new_cache(2, 32)]
     for chunks in steps:
         outs = [model.forward(cache, chunks) for model, cache in zip((fast, eager), caches)]
-        assert torch.equal(outs[0].logits, outs[1].logits)
-        assert torch.equal(outs[0].hidden, outs[1].hidden)
-        assert torch.equal(caches[0].kv, caches[1].kv)
+        if kernel == "w4a8":
+            # An int8 rounding step moved by fp32 last bits shows as ~1% of a value here and there.
+            _close(outs[0].hidden, outs[1].hidden, 0.03)
+            _close(outs[0].logits, outs[1].logits, 0.03)
+            _close(caches[0].kv, caches[1].kv, 0.03)
+        else:
+            assert torch.equal(outs[0].logits, outs[1].logits)
+            assert torch.equal(outs[0].hidden, outs[1].hidden)
+            assert torch.equal(caches[0].kv, caches[1].kv)
         for cache in caches:
             for chunk in chunks:
                 cache.commit(chunk.slot, list(range(chunk.tokens.numel()))[:1] if chunk.tree_mask is not None

@@ -238,6 +238,19 @@ def _native_int4_chunk_layers(
     return x
 
 
+def _w4a8_layers(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor, chunks: torch.Tensor,
+    visible: torch.Tensor, norms: List[torch.Tensor], packed: List[torch.Tensor], scales: List[torch.Tensor],
+    minimums: List[torch.Tensor], group_size: int, w4a8: bool, num_heads: int, num_kv_heads: int, head_dim: int,
+    intermediate: int, eps: float,
+) -> torch.Tensor:
+    """`_native_int4_chunk_layers` for w4a8 weights, as one native call (csrc/w4a8_layers.cpp)."""
+    rows = x.shape[0]
+    torch.ops.outrider.w4a8_layers(x, cos.view(rows, head_dim), sin.view(rows, head_dim), kv, chunks, visible, norms,
+                                   packed, scales, minimums, group_size, num_heads, num_kv_heads, intermediate, eps)
+    return x
+
+
 def _w8a8_head(table: torch.Tensor) -> "W8A8Linear":
     """The LM head in blocks of 32 int8 values with one scale each: the GGUF's own Q8_0 values when
     the table is such (Int8BlockTable.exact), else quantized so (scale amax / 127, kept in fp16)."""
@@ -468,7 +481,7 @@ class LlamaModel(torch.nn.Module):
         native = linears[0].kernel in ("int4native", "w4a8")
         if native != self.native_attention:
             return None
-        fn = _scripted_int4_layers(native)
+        fn = _w4a8_layers if linears[0].kernel == "w4a8" else _scripted_int4_layers(native)
         if fn is None:
             return None
         norms = [w for layer in self.layers for w in (layer.attn_norm, layer.mlp_norm)]
@@ -791,13 +804,8 @@ class LlamaModel(torch.nn.Module):
                 raise ValueError(f"chunk for slot {slot}: tree_mask must be [{n}, {n}], got {tuple(tree.shape)}")
             parsed.append((slot, start, start + n, length, tree))
             start += n
-        if self.native_attention:
-            # Every chunk but a long prefill (SDPA) attends in one native call per layer.
-            small = [p for p in parsed if p[2] - p[1] < SDPA_MIN_TOKENS]
-            if not small:
-                return [self._chunk_plan(*p) for p in parsed], None
-            rest = [p for p in parsed if p[2] - p[1] >= SDPA_MIN_TOKENS]
-            return [self._chunk_plan(*p) for p in rest], self._native_chunks(small, total=start)
+        if self.native_attention:  # every chunk attends in one native call per layer
+            return [], self._native_chunks(parsed, total=start)
         small = [p for p in parsed if p[2] - p[1] <= BATCH_MAX_TOKENS]
         batch = None
         if self.batch_attention and len(small) >= 2 and self._batch_is_cheaper(small):

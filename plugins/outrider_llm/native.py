@@ -25,7 +25,8 @@ import torch
 from outrider.hardware import cpu_flags
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "int4_mm.cpp", CSRC / "w4a8_mm.cpp", CSRC / "attend.cpp")  # one extension, every op
+# One extension, every op (native.h: what they share).
+SOURCES = (CSRC / "int4_mm.cpp", CSRC / "w4a8_mm.cpp", CSRC / "attend.cpp", CSRC / "w4a8_layers.cpp", CSRC / "native.h")
 TILE = 16  # outputs per tile (one fp32 zmm)
 REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 W4A8_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
@@ -73,7 +74,8 @@ def _build() -> tuple[bool, str]:
         digest = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES)).hexdigest()[:12]
         cpp_extension.load(
             name=f"outrider_int4_{digest}",
-            sources=[str(source) for source in SOURCES],
+            sources=[str(source) for source in SOURCES if source.suffix == ".cpp"],
+            extra_include_paths=[str(CSRC)],
             extra_cflags=["-O3", "-fopenmp"],
             extra_ldflags=["-fopenmp"],  # torch's own libgomp.so.1 is already loaded: one thread pool
             is_python_module=False,

@@ -32,27 +32,13 @@
 #include <cstdint>
 #include <vector>
 
+#include "native.h"
+
 namespace {
 
-#define OUTRIDER_ATTEND_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
+#define OUTRIDER_ATTEND_TARGET OUTRIDER_AVX512
 
-// exp(x) for x <= 0 (Cephes' expf: range reduction by ln 2, degree-5 polynomial, 2^n by scalef);
-// elementwise, so a value's result never depends on its neighbours.
-OUTRIDER_ATTEND_TARGET inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(y, n);
-}
+using outrider_native::exp_ps;
 
 // Lane j of the result = the sum of v[j]'s 16 lanes (a transpose tree: ~3 operations per vector
 // instead of a full horizontal sum each). Every vector goes through the same additions.
@@ -98,7 +84,7 @@ OUTRIDER_ATTEND_TARGET void softmax_scores(const float* q, const float* keys, co
   __m512 total = _mm512_setzero_ps();
   for (int64_t i = 0; i < count; i += 16) {
     const __mmask16 lanes = count - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (count - i)) - 1);
-    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, scores + i), shift));
+    const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, scores + i), shift));
     _mm512_mask_storeu_ps(scores + i, lanes, e);
     total = _mm512_add_ps(total, _mm512_maskz_mov_ps(lanes, e));
   }
@@ -159,6 +145,10 @@ bool cpu_supported() {
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
 }
+
+}  // namespace
+
+namespace outrider_native {
 
 at::Tensor attend(const at::Tensor& qkv, const at::Tensor& kv, const at::Tensor& chunks, const at::Tensor& visible,
                   int64_t num_heads, int64_t num_kv_heads) {
@@ -237,10 +227,10 @@ at::Tensor attend(const at::Tensor& qkv, const at::Tensor& kv, const at::Tensor&
   return out;
 }
 
-}  // namespace
+}  // namespace outrider_native
 
 TORCH_LIBRARY_FRAGMENT(outrider, lib) {
   lib.def("attend(Tensor qkv, Tensor(a!) kv, Tensor chunks, Tensor visible, int num_heads, int num_kv_heads) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(outrider, CPU, lib) { lib.impl("attend", attend); }
+TORCH_LIBRARY_IMPL(outrider, CPU, lib) { lib.impl("attend", outrider_native::attend); }

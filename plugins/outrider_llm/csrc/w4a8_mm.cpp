@@ -29,6 +29,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "native.h"
+
 namespace {
 
 constexpr int64_t kTile = 16;  // outputs per tile: one zmm of int32 / fp32
@@ -128,11 +130,56 @@ using DotFn = void (*)(const int32_t* const*, const float* const*, const float* 
 constexpr DotFn kDotFns[2][kRows][2] = {OUTRIDER_DOT_ROWS(4), OUTRIDER_DOT_ROWS(8)};
 constexpr int kDotTiles[kRows] = {4, 4, 2, 2, 1, 1, 1, 1};
 
+}  // namespace
+
+namespace outrider_native {
+
 bool vnni_supported() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
 }
+
+void quantize_rows_fp32(const float* x, int64_t rows, int64_t in, int64_t group, int8_t* xq, float* scale,
+                        float* sum) {
+  quantize_rows(x, rows, in, group, xq, scale, sum);
+}
+
+void a8_matmul(const int8_t* xq_bytes, const float* x_scale, const float* x_sum, int64_t rows, int64_t in,
+               int64_t group, const uint8_t* wp, const uint16_t* dp, const uint16_t* mp, int64_t out, int bits,
+               float* yp) {
+  const int32_t* const xq = reinterpret_cast<const int32_t*>(xq_bytes);
+  const int64_t tiles = out / kTile, groups = in / group;
+  const int64_t octs = in / 8, octs_per_group = group / 8;  // 8 inputs per step of the dot
+  const int b8 = bits == 8;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    const int32_t* words[kRows];
+    const float* scales[kRows];
+    const float* sums[kRows];
+    float* y_rows[kRows];
+    for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
+      const int n = static_cast<int>(std::min<int64_t>(kRows, rows - r0));
+      for (int r = 0; r < n; ++r) {
+        words[r] = xq + (r0 + r) * in / 4;
+        scales[r] = x_scale + (r0 + r) * groups;
+        sums[r] = x_sum + (r0 + r) * groups;
+      }
+      for (int64_t t = begin; t < end;) {
+        const int step = t + kDotTiles[n - 1] <= end ? kDotTiles[n - 1] : 1;
+        for (int r = 0; r < n; ++r) y_rows[r] = yp + (r0 + r) * out + t * kTile;
+        kDotFns[b8][n - 1][step == 1](words, scales, sums, groups, octs_per_group, octs, wp + t * in * bits * 2,
+                                      dp + t * groups * kTile, mp + t * groups * kTile, y_rows);
+        t += step;
+      }
+    }
+  });
+}
+
+}  // namespace outrider_native
+
+namespace {
+
+using outrider_native::vnni_supported;
 
 at::Tensor a8_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& d, const at::Tensor& m,
                  int64_t group_size, int64_t bits) {
@@ -156,51 +203,23 @@ at::Tensor a8_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& d, 
   }
   at::Tensor y = at::empty({rows, out}, x.options().dtype(at::kFloat));
   if (rows == 0) return y;
-
-  // Per-thread scratch, kept between calls (an allocation per call costs more than a small
-  // matmul); the parallel region reads it through plain pointers.
-  thread_local std::vector<int32_t> xq_store;
+  // Per-thread scratch, kept between calls (an allocation per call costs more than a small matmul).
+  thread_local std::vector<int8_t> xq_store;
   thread_local std::vector<float> scale_store, sum_store;
-  xq_store.resize(rows * in / 4);
+  xq_store.resize(rows * in + 64);
   scale_store.resize(rows * groups);
   sum_store.resize(rows * groups);
-  int8_t* const xq_bytes = reinterpret_cast<int8_t*>(xq_store.data());
+  int8_t* const xq = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(xq_store.data()) + 3) & ~uintptr_t(3));
   if (x.scalar_type() == at::kFloat) {
-    quantize_rows(x.data_ptr<float>(), rows, in, group_size, xq_bytes, scale_store.data(), sum_store.data());
+    quantize_rows(x.data_ptr<float>(), rows, in, group_size, xq, scale_store.data(), sum_store.data());
   } else {
-    quantize_rows(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), rows, in, group_size, xq_bytes,
+    quantize_rows(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), rows, in, group_size, xq,
                   scale_store.data(), sum_store.data());
   }
-  const int32_t* const xq = xq_store.data();
-  const float* const x_scale = scale_store.data();
-  const float* const x_sum = sum_store.data();
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
-  const uint16_t* mp = reinterpret_cast<const uint16_t*>(m.data_ptr<at::Half>());
-  float* yp = y.data_ptr<float>();
-  const int64_t octs = in / 8, octs_per_group = group_size / 8;  // 8 inputs per step of the dot
-  const int b8 = bits == 8;
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    const int32_t* words[kRows];
-    const float* scales[kRows];
-    const float* sums[kRows];
-    float* y_rows[kRows];
-    for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
-      const int n = static_cast<int>(std::min<int64_t>(kRows, rows - r0));
-      for (int r = 0; r < n; ++r) {
-        words[r] = xq + (r0 + r) * in / 4;
-        scales[r] = x_scale + (r0 + r) * groups;
-        sums[r] = x_sum + (r0 + r) * groups;
-      }
-      for (int64_t t = begin; t < end;) {
-        const int step = t + kDotTiles[n - 1] <= end ? kDotTiles[n - 1] : 1;
-        for (int r = 0; r < n; ++r) y_rows[r] = yp + (r0 + r) * out + t * kTile;
-        kDotFns[b8][n - 1][step == 1](words, scales, sums, groups, octs_per_group, octs, wp + t * in * bits * 2,
-                                  dp + t * groups * kTile, mp + t * groups * kTile, y_rows);
-        t += step;
-      }
-    }
-  });
+  outrider_native::a8_matmul(xq, scale_store.data(), sum_store.data(), rows, in, group_size, w.data_ptr<uint8_t>(),
+                             reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>()),
+                             reinterpret_cast<const uint16_t*>(m.data_ptr<at::Half>()), out, static_cast<int>(bits),
+                             y.data_ptr<float>());
   return y;
 }
 
