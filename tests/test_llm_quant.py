@@ -438,6 +438,25 @@ def test_scripted_int4_layer_stack_is_bit_identical_to_the_eager_forward(kernel:
                              else list(range(chunk.tokens.numel())))
 
 
+def test_native_kernels_fall_back_to_the_measured_choice_where_they_cannot_run(monkeypatch) -> None:
+    """A manifest asking for w4a8 or int4native on a CPU without them (or without a compiler)
+    still serves: the measured choice takes over, the plan says why, attention stays torch's."""
+    _packed_or_skip("int4")
+    from outrider_llm import linear, native
+
+    monkeypatch.setattr(native, "w4a8_kernel", lambda: (False, "the CPU lacks avx512_vnni"))
+    monkeypatch.setattr(native, "int4_kernel", lambda: (False, "OUTRIDER_NATIVE_INT4=0"))
+    monkeypatch.setattr(linear, "_PLANS", {})
+    for kernel, why in (("w4a8", "avx512_vnni"), ("int4native", "OUTRIDER_NATIVE_INT4=0")):
+        plan = linear.choose_kernel("int4", kernel)
+        assert plan.kernel != kernel and "not usable" in plan.reason and why in plan.reason
+    config, weights = _tiny()
+    model = LlamaModel(config, quantize_state_dict(weights, "int4", head_mode="float"), kernel="w4a8")
+    assert model.kernel_plans["int4"].kernel != "w4a8" and not model.native_attention
+    out = model.forward(model.new_cache(1, 16), [Chunk(0, torch.tensor([1, 2, 3]), torch.arange(3))])
+    assert out.logits.shape == (3, config.vocab_size) and torch.isfinite(out.logits).all()
+
+
 @pytest.mark.parametrize("kernel", ["int4native", "w4a8"])
 def test_native_attention_gives_tree_rows_and_batched_rows_the_one_token_logits(kernel: str) -> None:
     """With outrider's kernels, verifying a draft tree is exactly a run of one-token steps: each
