@@ -1,16 +1,19 @@
-"""The native int4 kernel (csrc/int4_mm.cpp): built on first use, loaded as the torch op `outrider::int4_mm`.
+"""Outrider's native CPU kernels (csrc/), built on first use and loaded as torch ops `outrider::*`.
 
-torch's CPU int4 kernel costs about linearly in rows, which makes a speculative verify step of
-4-8 rows 1.5-3x the cost of a 1-row decode step; this one runs the products on AMX (on
-AVX512-BF16 without it) and there costs little more for 16 rows than for 1 (see the .cpp). The
-llm backend uses it when a manifest asks for `quantize.kernel: int4native` (docs/ACCELERATORS.md
-says when that pays). It is built with torch's own extension
-builder (`torch.utils.cpp_extension.load`: a C++ compiler and ninja) into torch's extension cache,
-once per machine and source (seconds; a cached load is quicker). Where it
-cannot be built or run (no compiler, no AVX512-BF16, OUTRIDER_NATIVE_INT4=0), `int4_kernel()`
-says why and the model uses torch's kernel.
+- `w4a8_mm` / `w8a8_mm` (w4a8_mm.cpp): int4 (or int8) weights times activations quantized to int8
+  per row and block, on AVX512-VNNI, as llama.cpp computes Q4_1 x Q8_1; `quantize.kernel: w4a8`.
+- `w4a8_layers` (w4a8_layers.cpp): every decoder layer of a step in one call, on those matmuls.
+- `attend` (attend.cpp): attention over exactly the keys each row may see, in key order, so a draft
+  tree's rows get bit for bit a one-token step's logits.
+- `int4_mm` (int4_mm.cpp): int4 weights times bf16 activations on AMX or AVX512-BF16;
+  `quantize.kernel: int4native`.
 
-Being a registered torch op, it runs inside the TorchScript layer stack like any aten op.
+One extension holds them all. It is built with torch's own extension builder
+(`torch.utils.cpp_extension.load`: a C++ compiler and ninja) into torch's extension cache, once
+per machine and source (seconds; a cached load is quicker). Where it cannot be built or an op
+cannot run (no compiler, no AVX512-VNNI / AVX512-BF16, OUTRIDER_NATIVE_INT4=0), `w4a8_kernel()` /
+`int4_kernel()` say why and the model uses torch's kernels. Being registered torch ops, they run
+inside TorchScript like any aten op.
 """
 
 from __future__ import annotations
