@@ -183,15 +183,15 @@ def _rope_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, qk_heads: 
 def _int4_chunk_layers(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor, slot: int, length: int,
     mask: Optional[torch.Tensor], norms: List[torch.Tensor], packed: List[torch.Tensor], scales: List[torch.Tensor],
-    minimums: List[torch.Tensor], group_size: int, w4a8: bool, num_heads: int, num_kv_heads: int, head_dim: int,
+    minimums: List[torch.Tensor], group_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
     intermediate: int, eps: float,
 ) -> torch.Tensor:
     """Every layer for one chunk of n tokens of one slot, all linears torch's packed int4 (bf16 activations).
 
     Compiled with TorchScript at load, which runs the ~40 small operations per layer without the
     Python interpreter between them. Layer i's weights are norms[2i:2i+2] and packed/scales[4i:4i+4]
-    (qkv, o, gate_up, down; `minimums` and `w4a8` unused, see `_native_int4_chunk_layers`); kv is the
-    cache's [layers, 2, slots, kv_heads, capacity, head_dim] tensor. x is updated in place.
+    (qkv, o, gate_up, down; `minimums` unused, see `_native_int4_chunk_layers`); kv is the cache's
+    [layers, 2, slots, kv_heads, capacity, head_dim] tensor. x is updated in place.
     """
     hidden = [x.shape[1]]
     for li in range(kv.shape[0]):
@@ -207,41 +207,35 @@ def _int4_chunk_layers(
     return x
 
 
-def _native_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor, group_size: int,
-               w4a8: bool) -> torch.Tensor:
-    """fp32 x through outrider's w4a8 kernel (int8 activations) or int4_mm (bf16 activations); fp32 out."""
-    if w4a8:
-        return torch.ops.outrider.w4a8_mm(x, packed, scales, minimums, group_size)
-    return torch.ops.outrider.int4_mm(x.to(torch.bfloat16), packed, scales, minimums, group_size)
-
-
 def _native_int4_chunk_layers(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor, chunks: torch.Tensor,
     visible: torch.Tensor, norms: List[torch.Tensor], packed: List[torch.Tensor], scales: List[torch.Tensor],
-    minimums: List[torch.Tensor], group_size: int, w4a8: bool, num_heads: int, num_kv_heads: int, head_dim: int,
+    minimums: List[torch.Tensor], group_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
     intermediate: int, eps: float,
 ) -> torch.Tensor:
-    """`_int4_chunk_layers` with outrider's native kernels (native.py; fp32 outputs) for every
-    chunk of a step at once: `outrider::attend` over `chunks` / `visible` (see `_NativeChunks`),
-    and `w4a8` picks the int8-activation matmul over int4_mm."""
+    """`_int4_chunk_layers` with outrider's int4_mm (native.py; bf16 in, fp32 out) for every chunk
+    of a step at once: `outrider::attend` over `chunks` / `visible` (see `_NativeChunks`)."""
     hidden = [x.shape[1]]
     for li in range(kv.shape[0]):
-        h = F.rms_norm(x, hidden, norms[2 * li], eps)
-        qkv = _native_mm(h, packed[4 * li], scales[4 * li], minimums[4 * li], group_size, w4a8)
+        h = F.rms_norm(x, hidden, norms[2 * li], eps).to(torch.bfloat16)
+        qkv = torch.ops.outrider.int4_mm(h, packed[4 * li], scales[4 * li], minimums[4 * li], group_size)
         _rope_qk(qkv, cos, sin, num_heads + num_kv_heads, head_dim)
         attn = torch.ops.outrider.attend(qkv, kv[li], chunks, visible, num_heads, num_kv_heads)
-        x.add_(_native_mm(attn, packed[4 * li + 1], scales[4 * li + 1], minimums[4 * li + 1], group_size, w4a8))
-        h = F.rms_norm(x, hidden, norms[2 * li + 1], eps)
-        gate_up = _native_mm(h, packed[4 * li + 2], scales[4 * li + 2], minimums[4 * li + 2], group_size, w4a8)
-        act = F.silu(gate_up[:, :intermediate]).mul_(gate_up[:, intermediate:])
-        x.add_(_native_mm(act, packed[4 * li + 3], scales[4 * li + 3], minimums[4 * li + 3], group_size, w4a8))
+        x.add_(torch.ops.outrider.int4_mm(attn.to(torch.bfloat16), packed[4 * li + 1], scales[4 * li + 1],
+                                          minimums[4 * li + 1], group_size))
+        h = F.rms_norm(x, hidden, norms[2 * li + 1], eps).to(torch.bfloat16)
+        gate_up = torch.ops.outrider.int4_mm(h, packed[4 * li + 2], scales[4 * li + 2], minimums[4 * li + 2],
+                                             group_size)
+        act = F.silu(gate_up[:, :intermediate]).mul_(gate_up[:, intermediate:]).to(torch.bfloat16)
+        x.add_(torch.ops.outrider.int4_mm(act, packed[4 * li + 3], scales[4 * li + 3], minimums[4 * li + 3],
+                                          group_size))
     return x
 
 
 def _w4a8_layers(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor, chunks: torch.Tensor,
     visible: torch.Tensor, norms: List[torch.Tensor], packed: List[torch.Tensor], scales: List[torch.Tensor],
-    minimums: List[torch.Tensor], group_size: int, w4a8: bool, num_heads: int, num_kv_heads: int, head_dim: int,
+    minimums: List[torch.Tensor], group_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
     intermediate: int, eps: float,
 ) -> torch.Tensor:
     """`_native_int4_chunk_layers` for w4a8 weights, as one native call (csrc/w4a8_layers.cpp)."""
@@ -251,11 +245,11 @@ def _w4a8_layers(
     return x
 
 
-def _w8a8_head(table: torch.Tensor) -> "W8A8Linear":
+def _w8a8_head(table: torch.Tensor, exact: Optional[Int8BlockTable]) -> "W8A8Linear":
     """The LM head in blocks of 32 int8 values with one scale each: the GGUF's own Q8_0 values when
-    the table is such (Int8BlockTable.exact), else quantized so (scale amax / 127, kept in fp16)."""
-    exact = Int8BlockTable.exact(table)
-    if exact is not None:
+    the table is such (`exact`, from Int8BlockTable.exact), else quantized so (scale amax / 127,
+    kept in fp16)."""
+    if exact is not None and exact.block == 32:
         return W8A8Linear(exact.q, exact.scale)
     blocks = table.float().view(table.shape[0], -1, 32)
     scale = (blocks.abs().amax(dim=2) / 127).half().float()
@@ -426,6 +420,9 @@ class LlamaModel(torch.nn.Module):
         self.final_norm = own(get("model.norm.weight"))
         # Embedding lookups read a few rows: keep them fp32 whatever the compute dtype.
         self.embed_weight = own(get("model.embed_tokens.weight"))
+        # The GGUF's Q8_0 table, dequantized, is exactly int8 blocks times a scale: the compact
+        # form serves lookups, and a w4a8 model's tied head reads the same values.
+        compact = Int8BlockTable.exact(self.embed_weight) if self.device.type == "cpu" else None
         head_quant = QuantTensor.from_state_dict(sd, "lm_head.weight")
         if cfg.tie_word_embeddings:
             self.head_weight = None
@@ -434,7 +431,7 @@ class LlamaModel(torch.nn.Module):
             if head_quant is not None:
                 self.head = linear(head_quant)
             elif self._w4a8_head_fits():
-                self.head = _w8a8_head(self.embed_weight)
+                self.head = _w8a8_head(self.embed_weight, compact)
             else:
                 self.head = _Linear(self.embed_weight, dt, onednn)
         elif head_quant is not None:
@@ -444,8 +441,7 @@ class LlamaModel(torch.nn.Module):
         else:
             self.head_weight = own(get("lm_head.weight"))
             self.head = _Linear(self.head_weight, dt, onednn)
-        # The head is built (it packed its own copy): lookups may now read a compact exact form.
-        compact = Int8BlockTable.exact(self.embed_weight) if self.device.type == "cpu" else None
+        # The head is built (it packed its own copy): lookups may now read the compact form.
         if compact is not None:
             self.embed_weight = compact
 
@@ -486,8 +482,7 @@ class LlamaModel(torch.nn.Module):
             return None
         norms = [w for layer in self.layers for w in (layer.attn_norm, layer.mlp_norm)]
         minimums = [k.minimums for k in linears] if native else []
-        return (fn, norms, [k.packed for k in linears], [k.scales_zeros for k in linears], minimums, linears[0].group,
-                linears[0].kernel == "w4a8")
+        return fn, norms, [k.packed for k in linears], [k.scales_zeros for k in linears], minimums, linears[0].group
 
     def weight_bytes(self) -> int:
         """Bytes held by the matmul kernels (embeddings and norms not counted)."""
@@ -645,12 +640,12 @@ class LlamaModel(torch.nn.Module):
         else:  # the aten stack: one chunk
             fast = fast if batch is None and len(plan) == 1 and not plan[0].use_sdpa else None
         if fast is not None:
-            fn, norms, packed, scales, minimums, group_size, w4a8 = fast
+            fn, norms, packed, scales, minimums, group_size = fast
             if self.native_attention:
                 where: tuple = (batch.chunks, batch.visible)
             else:
                 where = (plan[0].slot, plan[0].length, plan[0].mask)
-            fn(x, cos, sin, cache.kv, *where, norms, packed, scales, minimums, group_size, w4a8,
+            fn(x, cos, sin, cache.kv, *where, norms, packed, scales, minimums, group_size,
                cfg.num_heads, cfg.num_kv_heads, d, inter, eps)
         for li, layer in enumerate(self.layers if fast is None else ()):
             qkv = self._qkv_rope(layer, x, cos, sin, low)
