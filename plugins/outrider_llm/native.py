@@ -125,12 +125,18 @@ def _per_tile(*values: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 def dequantize_tiles(w: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """fp32 [out, in] weight that `pack_int4_tiles` output stands for (the tests' reference)."""
-    tiles, quads, _ = w.shape
+    return _dequantize_nibble_tiles(w, d, m, 2)
+
+
+def _dequantize_nibble_tiles(w: torch.Tensor, d: torch.Tensor, m: torch.Tensor, width: int) -> torch.Tensor:
+    """fp32 [out, in] from tiles whose block holds, per output i, `width` bytes: inputs k0..k0+width-1
+    in the low nibbles, the next `width` in the high ones (int4_mm: 2, w4a8: 4)."""
+    tiles, blocks, _ = w.shape
     groups = d.shape[1]
-    b = w.view(tiles, quads, TILE, 2)
-    q = torch.stack([b & 15, b >> 4], dim=3)  # [t, quad, i, half, p]
-    q = q.permute(0, 2, 1, 3, 4).reshape(tiles * TILE, quads * 4).float()
-    group = quads * 4 // groups
+    b = w.view(tiles, blocks, TILE, width)
+    q = torch.stack([b & 15, b >> 4], dim=3)  # [t, block, i, half, p]
+    q = q.permute(0, 2, 1, 3, 4).reshape(tiles * TILE, blocks * 2 * width).float()
+    group = blocks * 2 * width // groups
     scale = d.float().transpose(1, 2).reshape(tiles * TILE, groups).repeat_interleave(group, dim=1)
     minimum = m.float().transpose(1, 2).reshape(tiles * TILE, groups).repeat_interleave(group, dim=1)
     return q * scale + minimum
@@ -161,15 +167,7 @@ def pack_w4a8(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple
 
 def dequantize_w4a8(w: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """fp32 [out, in] weight that `pack_w4a8` output stands for (the tests' reference)."""
-    tiles, octs, _ = w.shape
-    groups = d.shape[1]
-    b = w.view(tiles, octs, TILE, 4)
-    q = torch.stack([b & 15, b >> 4], dim=3)  # [t, oct, i, half, p]
-    q = q.permute(0, 2, 1, 3, 4).reshape(tiles * TILE, octs * 8).float()
-    group = octs * 8 // groups
-    scale = d.float().transpose(1, 2).reshape(tiles * TILE, groups).repeat_interleave(group, dim=1)
-    minimum = m.float().transpose(1, 2).reshape(tiles * TILE, groups).repeat_interleave(group, dim=1)
-    return q * scale + minimum
+    return _dequantize_nibble_tiles(w, d, m, 4)
 
 
 def w4a8_mm(x: torch.Tensor, w: torch.Tensor, d: torch.Tensor, m: torch.Tensor, group_size: int) -> torch.Tensor:
