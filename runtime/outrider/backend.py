@@ -253,22 +253,23 @@ def check_request(manifest: Manifest, tensors: list[TensorFrame]) -> None:
 def check_limits(manifest: Manifest, tensors: list[TensorFrame]) -> None:
     """TooLargeError naming the limit (`limits.*`) and the value, for the first one exceeded."""
     limits = manifest.limits
-    where = f"model {manifest.name!r}"
+    elements = size = 0
     for t in tensors:
-        if t.rows is not None and t.rows > limits.max_rows:
+        if t.shape and t.shape[0] > limits.max_rows:
             raise TooLargeError(
-                f"{where}: input {t.name!r} has {t.rows} rows (first dimension); the limit is "
+                f"model {manifest.name!r}: input {t.name!r} has {t.shape[0]} rows (first dimension); the limit is "
                 f"limits.max_rows = {limits.max_rows}"
             )
-    elements = sum(t.count for t in tensors)
+        elements += t.count
+        size += len(t.buffer)
     if elements > limits.max_elements:
         raise TooLargeError(
-            f"{where}: the request has {elements} elements; the limit is limits.max_elements = {limits.max_elements}"
+            f"model {manifest.name!r}: the request has {elements} elements; the limit is "
+            f"limits.max_elements = {limits.max_elements}"
         )
-    size = sum(t.nbytes for t in tensors)
     if size > limits.max_request_bytes:
         raise TooLargeError(
-            f"{where}: the request's tensors hold {size} bytes; the limit is "
+            f"model {manifest.name!r}: the request's tensors hold {size} bytes; the limit is "
             f"limits.max_request_bytes = {limits.max_request_bytes}"
         )
     for t in tensors:
@@ -276,8 +277,8 @@ def check_limits(manifest: Manifest, tensors: list[TensorFrame]) -> None:
         # at most max_element_bytes, one is over the limit (which one is found when decoding).
         if t.datatype == "BYTES" and t.nbytes - 4 * t.count > t.count * limits.max_element_bytes:
             raise TooLargeError(
-                f"{where}: input {t.name!r} carries {t.nbytes - 4 * t.count} bytes in {t.count} BYTES "
-                f"element(s); the limit is limits.max_element_bytes = {limits.max_element_bytes} per element"
+                f"model {manifest.name!r}: input {t.name!r} carries {t.nbytes - 4 * t.count} bytes in {t.count} "
+                f"BYTES element(s); the limit is limits.max_element_bytes = {limits.max_element_bytes} per element"
             )
 
 

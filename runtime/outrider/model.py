@@ -107,7 +107,10 @@ class PendingRequest:
     @property
     def rows(self) -> int:
         """The first dimension of the first input (1 for a scalar or a request without tensors)."""
-        shape = next(iter(self.shapes().values()), ())
+        if self.tensors is not None:
+            shape = self.tensors[0].shape if self.tensors else ()
+        else:
+            shape = next(iter(self.inputs.values())).shape if self.inputs else ()
         return shape[0] if shape else 1
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
@@ -614,8 +617,13 @@ class ServedModel:
         self.accelerators = accelerators or {}
         self.name = manifest.name
         self.choice = choice
+        #: the backend keeps sequences and answers `generate`, never `infer`
+        self.generates = bool(getattr(choice.backend, "generates", False))
         self.make_task = make_task
         self.scheduler = scheduler or Scheduler(manifest)
+        # Requests may run on the caller's thread (`_run_inline`) only under the default policy
+        # and in-process instances; whether an instance's backend allows it is asked per request.
+        self._inline_policy = type(self.scheduler) is Scheduler and manifest.scheduling.instance_kind == "thread"
         self.queue = RequestQueue(manifest.scheduling.max_queue_size, manifest.scheduling.max_queue_bytes)
         self.stats = ModelStats()
         self.instances: list[Instance] = []
@@ -798,7 +806,10 @@ class ServedModel:
         self._failures.pop(inst.index, None)
 
     def submit(self, request: PendingRequest) -> None:
-        """Queue a request or raise (not ready, overloaded, unavailable)."""
+        """Queue a request, or answer it here when it can run inline (`_run_inline`); raise when
+        it cannot be taken (not ready, overloaded, unavailable)."""
+        if self._inline_policy and self._run_inline(request):
+            return
         if not self.ready:
             detail = f": {self.reason}" if self.reason else ""
             if self._ever_ready and self.state == ModelState.DEGRADED:
@@ -811,8 +822,6 @@ class ServedModel:
             request.deadline = request.received + self.manifest.scheduling.timeout_ms / 1000
         self.stats.request()
         request._on_claim.append(self._answered)
-        if self._run_inline(request):
-            return
         try:
             self.queue.put(request)
         except OutriderError as exc:
@@ -820,13 +829,20 @@ class ServedModel:
             raise
 
     def _run_inline(self, request: PendingRequest) -> bool:
-        """Run a request on the calling (I/O) thread when the model's backend says that is cheap
-        (`Backend.runs_inline`), the default one-request policy applies and nothing waits ahead of
-        it; False when it must be queued. Answers the request itself, success or failure."""
-        if self.queue or request.kind != "infer" or type(self.scheduler) is not Scheduler:
+        """Run a request on the calling (I/O) thread when a serving instance's backend says that is
+        cheap (`Backend.runs_inline`), the default one-request policy applies (`_inline_policy`)
+        and nothing waits ahead of it; False when it must be queued. Answers the request itself, success or failure.
+
+        The reply is sent first and counted after: the echo round trip is mostly this path, and
+        the caller (the I/O loop, or a front's event loop) reads no other request in between, so
+        a client's next request (a health check) still sees the counts.
+        """
+        if self.queue or request.kind != "infer":
             return False
-        instance = next((i for i in self.instances if i.serving and getattr(i.backend, "runs_inline", False)), None)
-        if instance is None or self.manifest.scheduling.instance_kind != "thread":
+        for instance in self.instances:
+            if instance.serving and getattr(instance.backend, "runs_inline", False):
+                break
+        else:
             return False
         start = time.monotonic()
         try:
@@ -837,8 +853,22 @@ class ServedModel:
         except Exception as exc:
             log.exception("model %s: inline execute failed", self.name)
             result = ExecutionError(f"model {self.name!r}: {type(exc).__name__}: {exc}")
-        self.stats.batch(1, [start - request.received], time.monotonic() - start)
-        self.answer(request, result)
+        computed = time.monotonic()
+        if not request.claim():  # never queued, so nobody else answers it; but never answer twice
+            return True
+        failed = isinstance(result, OutriderError)
+        if failed:
+            request.fail(result, claimed=True)
+        else:
+            request.reply(result, claimed=True)
+        stats = self.stats
+        stats.request()
+        stats.batch(1, (start - request.received,), computed - start)
+        if failed:
+            stats.failure(result.code)
+        else:
+            stats.success(rows=request.rows)
+        stats.observe("request_seconds", computed - request.received)
         return True
 
     def answer(self, request: PendingRequest, result: Any) -> None:
@@ -862,7 +892,7 @@ class ServedModel:
 
     def running(self) -> int:
         """Requests being executed now: generations holding a slot, or the batches instances run."""
-        if getattr(self.choice.backend, "generates", False):
+        if self.generates:
             return self.stats.running
         return sum(len(i.current) for i in self.instances)
 
@@ -921,7 +951,7 @@ class ServedModel:
             "inputs": [t.model_dump() for t in m.inputs],
             "outputs": [t.model_dump() for t in m.outputs],
             "batching": m.batching.model_dump() if m.batching else None,
-            "generate": bool(getattr(self.choice.backend, "generates", False)),
+            "generate": self.generates,
             **({"metadata": meta} if meta else {}),
         }
 

@@ -36,6 +36,8 @@ _DTYPES: dict[str, str] = {
     "FP64": "<f8",
 }
 DATATYPES = frozenset([*_DTYPES, "BF16", "BYTES"])
+_NUMPY_DTYPES = {name: np.dtype(dt) for name, dt in _DTYPES.items()}
+_ITEMSIZE = {**{name: dt.itemsize for name, dt in _NUMPY_DTYPES.items()}, "BF16": 2}
 _MAX_DIMS = 16
 _MAX_NAME = 256
 
@@ -67,7 +69,7 @@ def numpy_dtype(datatype: str) -> np.dtype:
     if datatype == "BF16":
         return _bf16_dtype()
     try:
-        return np.dtype(_DTYPES[datatype])
+        return _NUMPY_DTYPES[datatype]
     except KeyError:
         raise ProtocolError(
             f"unknown datatype {datatype!r}; expected one of {sorted(DATATYPES)}"
@@ -208,25 +210,26 @@ def _check_shape(name: str, shape: Any, limits: Limits) -> tuple[int, ...]:
             f"tensor {name!r}: shape must be a list of at most {_MAX_DIMS} integers, "
             f"got {_preview(shape)}"
         )
-    for index, dim in enumerate(shape):
-        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
-            raise ProtocolError(
-                f"tensor {name!r}: shape dimension {index} is {_preview(dim)}; expected non-negative "
-                f"integers (0 to {limits.max_tensor_elements})"
-            )
-        if dim > limits.max_tensor_elements:
-            raise TooLargeError(
-                f"tensor {name!r}: shape dimension {index} is {dim}; the limit is "
-                f"{limits.max_tensor_elements} elements per tensor"
-            )
+    most = limits.max_tensor_elements
     # A zero dimension makes the count 0, but numpy still multiplies the others: bound them too,
     # so `[0, 2**62, 2**62]` is refused here rather than overflowing in reshape.
-    spread = math.prod(d for d in shape if d)
-    if spread > limits.max_tensor_elements:
+    spread = 1
+    for index, dim in enumerate(shape):
+        if type(dim) is not int or dim < 0:  # `type`: a bool is an int to isinstance
+            raise ProtocolError(
+                f"tensor {name!r}: shape dimension {index} is {_preview(dim)}; expected non-negative "
+                f"integers (0 to {most})"
+            )
+        if dim > most:
+            raise TooLargeError(
+                f"tensor {name!r}: shape dimension {index} is {dim}; the limit is {most} elements per tensor"
+            )
+        if dim:
+            spread *= dim
+    if spread > most:
         raise TooLargeError(
             f"tensor {name!r}: shape {list(shape)} spans {spread} elements"
-            f"{' (not counting its zero dimensions)' if 0 in shape else ''}; the limit is "
-            f"{limits.max_tensor_elements}"
+            f"{' (not counting its zero dimensions)' if 0 in shape else ''}; the limit is {most}"
         )
     return tuple(shape)
 
@@ -236,22 +239,26 @@ def _preview(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-@dataclass(frozen=True)
 class TensorFrame:
     """A tensor described by a header and checked against its frame, not yet decoded.
 
     Everything here is O(1) per tensor, so the I/O thread can check a request's sizes without
     touching its buffers; `decode()` (O(elements) for BYTES) runs where the request is executed.
+    A plain slotted class: one is made per tensor of every request.
     """
 
-    name: str
-    datatype: str
-    shape: tuple[int, ...]
-    buffer: memoryview
+    __slots__ = ("name", "datatype", "shape", "buffer", "count")
 
-    @property
-    def count(self) -> int:
-        return math.prod(self.shape)
+    def __init__(self, name: str, datatype: str, shape: tuple[int, ...], buffer: memoryview) -> None:
+        self.name = name
+        self.datatype = datatype
+        self.shape = shape
+        self.buffer = buffer
+        #: elements (the product of the shape)
+        self.count = math.prod(shape)
+
+    def __repr__(self) -> str:
+        return f"TensorFrame({self.name!r}, {self.datatype}, {list(self.shape)}, {len(self.buffer)} bytes)"
 
     @property
     def nbytes(self) -> int:
@@ -268,7 +275,8 @@ class TensorFrame:
             return decode_bytes_tensor(
                 self.buffer, self.count, self.name, max_element_bytes, limit_name
             ).reshape(self.shape)
-        return np.frombuffer(self.buffer, dtype=numpy_dtype(self.datatype), count=self.count).reshape(self.shape)
+        # parse_tensors checked that the frame holds exactly shape x item size bytes.
+        return np.ndarray(self.shape, numpy_dtype(self.datatype), self.buffer)
 
 
 def parse_tensors(specs: Any, frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> list[TensorFrame]:
@@ -303,7 +311,8 @@ def parse_tensors(specs: Any, frames: Sequence[Any], limits: Limits = DEFAULT_LI
             )
         shape = _check_shape(name, spec.get("shape"), limits)
         buffer = _buffer(frame)
-        count = math.prod(shape)
+        tensor = TensorFrame(name, datatype, shape, buffer)
+        count = tensor.count
         if datatype == "BYTES":
             if len(buffer) < 4 * count:
                 raise ProtocolError(
@@ -311,14 +320,14 @@ def parse_tensors(specs: Any, frames: Sequence[Any], limits: Limits = DEFAULT_LI
                     f"element: {count} elements need at least {4 * count} bytes"
                 )
         else:
-            itemsize = 2 if datatype == "BF16" else np.dtype(_DTYPES[datatype]).itemsize
+            itemsize = _ITEMSIZE[datatype]
             expected = count * itemsize
             if len(buffer) != expected:
                 raise ProtocolError(
                     f"tensor {name!r}: shape {list(shape)} x {itemsize} bytes ({datatype}) = "
                     f"{expected} bytes, but its frame has {len(buffer)}"
                 )
-        out.append(TensorFrame(name, datatype, shape, buffer))
+        out.append(tensor)
     return out
 
 
@@ -357,12 +366,18 @@ def encode_message(
     return [MAGIC + b" " + kind.encode("ascii"), pack_header(header), *buffers]
 
 
+_TYPE_FRAMES = {MAGIC + b" " + kind.encode("ascii"): kind for kind in REQUEST_KINDS | REPLY_KINDS}
+
+
 def parse_type_frame(frame: Any, allowed: Iterable[str]) -> str:
     """Check the type/version frame and return the message kind."""
     buffer = _buffer(frame)
     if len(buffer) > 64:  # checked before copying: the frame may be megabytes long
         raise ProtocolError(f"type frame is {len(buffer)} bytes; at most 64 expected")
     raw = bytes(buffer)
+    known = _TYPE_FRAMES.get(raw)
+    if known is not None and known in allowed:
+        return known
     magic, _, kind = raw.partition(b" ")
     if magic != MAGIC:
         if magic.startswith(b"outrider/"):

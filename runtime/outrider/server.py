@@ -48,7 +48,6 @@ from .protocol import (
     REQUEST_KINDS,
     Limits,
     encode_message,
-    message_size,
     parse_tensors,
     parse_type_frame,
     unpack_header,
@@ -107,6 +106,7 @@ class Server:
         self._io_stop = threading.Event()
         self._stop_requested = threading.Event()
         self._io_thread: Optional[threading.Thread] = None
+        self._io_ident: Optional[int] = None
         # Reentrant: a reply sent while handling a request (a cancel answering its target) nests.
         self._socket_lock = threading.RLock()
         self._auth = None
@@ -210,6 +210,7 @@ class Server:
     # -- the I/O loop ----------------------------------------------------------------------
 
     def _io_loop(self) -> None:
+        self._io_ident = threading.get_ident()
         waiter = select.poll()
         waiter.register(self.router.getsockopt(zmq.FD), select.POLLIN)
         waiter.register(self._wake_read, select.POLLIN)
@@ -227,8 +228,8 @@ class Server:
             # instance sending a reply never waits for the I/O thread to finish a burst.
             with self._socket_lock:
                 messages, cut_short = self._receive_burst()
-            for frames, dropped in messages:
-                self._handle(frames, dropped)
+            for frames, dropped, size in messages:
+                self._handle(frames, dropped, size)
             if cut_short:
                 continue  # more may be waiting
             # The burst read until ZMQ_EVENTS said nothing was left, which re-arms the router's
@@ -257,10 +258,10 @@ class Server:
             self.router.disable_monitor()
         self._monitor.close(0)
 
-    def _receive_burst(self) -> tuple[list[tuple[list[Any], int]], bool]:
+    def _receive_burst(self) -> tuple[list[tuple[list[Any], int, int]], bool]:
         """Up to _BURST waiting messages, or until they hold _BURST_BYTES, as (frames, frames dropped
-        past the limit), and whether it was cut short. Caller holds the socket lock; otherwise it
-        reads until ZMQ_EVENTS says nothing is left."""
+        past the limit, bytes of the frames kept), and whether it was cut short. Caller holds the
+        socket lock; otherwise it reads until ZMQ_EVENTS says nothing is left."""
         max_frames = self.limits.max_tensors + 3  # identity, type, header, tensors
         messages = []
         held = 0
@@ -268,8 +269,10 @@ class Server:
             received = recv_message(self.router, max_frames)
             if received is None:
                 return messages, False
-            messages.append(received)
-            held += sum(len(frame) for frame in received[0])
+            frames, dropped = received
+            size = sum(map(len, frames))  # zmq.Frame: its length in bytes
+            messages.append((frames, dropped, size))
+            held += size
             if held >= _BURST_BYTES:
                 return messages, True
         return messages, True
@@ -349,7 +352,8 @@ class Server:
             if departed:
                 log.info("a client disconnected: cancelled its %d request(s) in flight", len(departed))
 
-    def _handle(self, frames: list[Any], dropped: int = 0) -> None:
+    def _handle(self, frames: list[Any], dropped: int, size: int) -> None:
+        # `size`: bytes of all the frames, the routing identity's included.
         route = frames[0].bytes
         request_id = None
         if dropped:
@@ -366,13 +370,16 @@ class Server:
                 raise ProtocolError(
                     f"a message needs a type frame and a header frame; got {len(frames) - 1} frame(s)"
                 )
-            size = message_size(frames[1:])
+            size -= len(route)
             if size > self.limits.max_message_bytes:
                 raise TooLargeError(f"message is {size} bytes; the limit is {self.limits.max_message_bytes}")
             kind = parse_type_frame(frames[1], REQUEST_KINDS)
             header = unpack_header(frames[2].buffer, self.limits)
             request_id = _request_id(header)
-            if kind in ("infer", "generate"):
+            # A routing id the ROUTER made (a zero byte, then a counter) names one connection for
+            # the socket's life: its descriptor is noted once. A client's own id may come back on
+            # a new connection, so it is noted every time.
+            if kind in ("infer", "generate") and not (route[0] == 0 and route in self._route_fd):
                 self._note_connection(route, frames[1])
             getattr(self, "_on_" + kind)(route, request_id, header, frames[3:])
         except OutriderError as exc:
@@ -461,7 +468,7 @@ class Server:
         # the protocol and the model's limits; the buffers are decoded by the instance that runs
         # the request (PendingRequest.decode), never on this thread.
         model = self._model(model_name)
-        generates = getattr(model.choice.backend, "generates", False)
+        generates = model.generates
         if kind == "infer" and generates:
             raise BadRequestError(f"model {model.name!r} generates text; send generate")
         if kind == "generate" and not generates:
@@ -557,8 +564,9 @@ class Server:
             if not final and request.done:
                 return
             status = self._send_frames(frames, final)
-            # Sending may have consumed the ZMQ_FD edge that announced new input.
-            pending = self.router.getsockopt(_EVENTS) & _POLLIN
+            # Sending may have consumed the ZMQ_FD edge that announced new input. The I/O thread
+            # reads ZMQ_EVENTS again after handling a burst anyway: only other threads look here.
+            pending = threading.get_ident() != self._io_ident and self.router.getsockopt(_EVENTS) & _POLLIN
         if pending:
             self._wake()
         if status == errno.EHOSTUNREACH and not final:
