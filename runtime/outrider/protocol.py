@@ -19,6 +19,8 @@ from .errors import ProtocolError, TooLargeError
 MAGIC = b"outrider/1"
 REQUEST_KINDS = frozenset({"infer", "generate", "health", "models", "cancel"})
 REPLY_KINDS = frozenset({"reply", "chunk"})
+_TYPE_FRAME_OF = {kind: MAGIC + b" " + kind.encode("ascii") for kind in REQUEST_KINDS | REPLY_KINDS}
+_TYPE_FRAMES = {frame: kind for kind, frame in _TYPE_FRAME_OF.items()}
 
 # Open Inference Protocol datatype names -> little-endian numpy dtypes.
 _DTYPES: dict[str, str] = {
@@ -363,10 +365,10 @@ def encode_message(
     if tensors is not None:
         header = dict(header)
         header[key], buffers = encode_tensors(tensors)
-    return [MAGIC + b" " + kind.encode("ascii"), pack_header(header), *buffers]
+    type_frame = _TYPE_FRAME_OF.get(kind) or MAGIC + b" " + kind.encode("ascii")
+    return [type_frame, pack_header(header), *buffers]
 
 
-_TYPE_FRAMES = {MAGIC + b" " + kind.encode("ascii"): kind for kind in REQUEST_KINDS | REPLY_KINDS}
 
 
 def parse_type_frame(frame: Any, allowed: Iterable[str]) -> str:
