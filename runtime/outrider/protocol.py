@@ -150,6 +150,9 @@ def decode_bytes_tensor(
 
 
 _U32 = struct.Struct("<I")
+# Tensors of this many bytes or more are sent as views of the array; smaller ones as a copy,
+# which costs less than making the view (pyzmq copies frames under 64 KiB in any case).
+_VIEW_FROM = 64 * 1024
 
 
 def _buffer(frame: Any) -> memoryview:
@@ -353,7 +356,10 @@ def encode_tensors(tensors: dict[str, np.ndarray]) -> tuple[list[dict], list[Any
         else:
             if array.dtype.byteorder == ">":
                 array = array.astype(array.dtype.newbyteorder("<"))
-            buffers.append(memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8)))
+            if array.nbytes < _VIEW_FROM:
+                buffers.append(array.tobytes())  # pyzmq copies a frame this small anyway
+            else:
+                buffers.append(memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8)))
     return specs, buffers
 
 
