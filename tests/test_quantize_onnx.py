@@ -24,8 +24,8 @@ pytest.importorskip("onnx")
 
 from outrider_quantize.config import QuantizeConfig  # noqa: E402
 from outrider_quantize.onnx import (  # noqa: E402
-    CALIBRATION_SENTENCES, HELDOUT_SENTENCES, OnnxQuantizer, choose_nodes, embedding_quality, quantize_onnx,
-    sensitive_matmuls,
+    CALIBRATION_SENTENCES, HELDOUT_SENTENCES, OnnxQuantizer, activation_ranges, calibration_feeds, choose_nodes,
+    embedding_quality, quantize_onnx, sensitive_matmuls, split_outlier_channels,
 )
 
 
@@ -125,8 +125,15 @@ def test_int8_keeps_the_contract_and_the_planned_nodes(quantized, fp32):
     ops = {n.op_type for n in graph.graph.node}
     assert "MatMulInteger" in ops or "DynamicQuantizeMatMul" in ops
     kept = artifact.provenance["float_nodes"]
-    assert kept == sensitive_matmuls(onnx.load(str(fp32))) and len(kept) == 6
+    sensitive = sensitive_matmuls(onnx.load(str(fp32)))
+    assert len(sensitive) == 6
+    # The shipped recipe splits the FFN output projections: their few outlier input channels
+    # stay in a float MatMul of their own, the rest is quantized.
+    assert artifact.provenance["outlier_channels"] == 16
+    assert kept == [f"{n}_outlier" for n in sensitive]
     assert all(n.op_type == "MatMul" for n in graph.graph.node if n.name in kept)
+    weights = {i.name: i for i in graph.graph.initializer}
+    assert all(list(weights[n.input[1]].dims) == [16, 384] for n in graph.graph.node if n.name in kept)
     session = onnxruntime.InferenceSession(str(artifact.path), providers=["CPUExecutionProvider"])
     assert [o.name for o in session.get_outputs()] == ["embedding"]
     assert {i.name for i in session.get_inputs()} <= {"input_ids", "attention_mask", "token_type_ids"}
@@ -187,3 +194,44 @@ def test_exclude_patterns_stay_float_after_quantize_dynamic(fp32, tmp_path):
     out = onnx.load(str(tmp_path / "q.onnx"))
     assert [n.op_type for n in out.graph.node if n.name in done["float_nodes"]] == ["MatMul"]
     assert done["quantized_nodes"] == 35  # 6 layers x (Q, K, V, attention out, FFN in, FFN out) - 1
+
+
+def test_outlier_split_is_exact_in_float_and_keeps_the_largest_channels(fp32, helpers):
+    import onnx
+    import onnxruntime
+
+    model = onnx.load(str(fp32))
+    sensitive = sensitive_matmuls(model)
+    inputs = {n.name: n.input[0] for n in model.graph.node if n.name in sensitive}
+    feeds = calibration_feeds(helpers["feeds"], 8)
+    amax = activation_ranges(model, sorted(inputs.values()), feeds)
+    inliers, outliers = split_outlier_channels(model, sensitive, amax, 4)
+    assert inliers == [f"{n}_inlier" for n in sensitive] and outliers == [f"{n}_outlier" for n in sensitive]
+    inits = {i.name: onnx.numpy_helper.to_array(i) for i in model.graph.initializer}
+    for name, tensor in inputs.items():
+        index = inits[f"{name}_outlier_index"]
+        # The four channels with the largest calibrated max |x|, and only those, are taken out.
+        assert set(index) == set(np.argsort(amax[tensor])[-4:])
+        assert set(np.flatnonzero(inits[f"{name}_inlier_mask"] == 0)) == set(index)
+    # Before quantization the split graph computes the same function: (x * mask) W + x[idx] W[idx].
+    original = onnxruntime.InferenceSession(str(fp32), providers=["CPUExecutionProvider"])
+    split = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    names = [i.name for i in original.get_inputs()]
+    for batch in feeds[-2:]:
+        feed = {n: batch[n] for n in names}
+        np.testing.assert_allclose(split.run(None, feed)[0], original.run(None, feed)[0], atol=2e-5)
+
+
+def test_outlier_split_options_are_checked(fp32, tmp_path):
+    import onnx
+
+    with pytest.raises(ManifestError, match=r"quantize\.outlier_channels.*dynamic"):
+        quantize_onnx(fp32, tmp_path / "x.onnx", QuantizeConfig(mode="int8", method="static", outlier_channels=8))
+    with pytest.raises(ManifestError, match=r"quantize\.outlier_channels.*keep_sensitive: true"):
+        quantize_onnx(fp32, tmp_path / "x.onnx", QuantizeConfig(mode="int8", keep_sensitive=False, outlier_channels=8))
+    with pytest.raises(ManifestError, match=r"outlier_channels needs calibration feeds"):
+        quantize_onnx(fp32, tmp_path / "x.onnx", QuantizeConfig(mode="int8", outlier_channels=8))
+    model = onnx.load(str(fp32))
+    sensitive = sensitive_matmuls(model)[:1]
+    with pytest.raises(ManifestError, match=r"not fewer than the 1536 input channels"):
+        split_outlier_channels(model, sensitive, {}, 1536)

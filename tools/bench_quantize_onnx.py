@@ -28,7 +28,7 @@ from outrider.manifest import load_manifest  # noqa: E402
 from outrider_onnxruntime.onnx_artifact import onnx_model  # noqa: E402
 from outrider_quantize.config import QuantizeConfig  # noqa: E402
 from outrider_quantize.onnx import (  # noqa: E402
-    HELDOUT_SENTENCES, calibration_feeds, embedding_quality, quantize_onnx, session,
+    HELDOUT_SENTENCES, needs_calibration, calibration_feeds, embedding_quality, quantize_onnx, session,
 )
 from outrider_text import SentenceEmbeddingTask  # noqa: E402
 
@@ -46,6 +46,14 @@ CANDIDATES = (
     ("dynamic, per-channel, SmoothQuant 0.5, FFN out of layers 0-4 fp32",
      {"method": "dynamic", "smooth_alpha": 0.5, "keep_sensitive": False,
       "exclude": ["/encoder/encoder/layer.[0-4]/output/dense/MatMul"]}),
+    # FFN output projections quantized too, but for their N largest input channels (LLM.int8()).
+    ("dynamic, per-channel, SmoothQuant 0.5, FFN out split, 4 float channels",
+     {"method": "dynamic", "smooth_alpha": 0.5, "outlier_channels": 4}),
+    ("dynamic, per-channel, SmoothQuant 0.5, FFN out split, 8 float channels",
+     {"method": "dynamic", "smooth_alpha": 0.5, "outlier_channels": 8}),
+    ("dynamic, per-channel, SmoothQuant 0.5, FFN out split, 16 float channels",
+     {"method": "dynamic", "smooth_alpha": 0.5, "outlier_channels": 16}),
+    ("dynamic, per-channel, FFN out split, 8 float channels", {"method": "dynamic", "outlier_channels": 8}),
 )
 
 
@@ -85,8 +93,7 @@ def bench_rows(configs: list[tuple[str, dict[str, Any]]], rounds: int = 5) -> li
         for label, fields in configs:
             config = QuantizeConfig(mode="int8", **fields)
             dst = Path(tmp) / f"{len(rows)}.onnx"
-            calibrated = config.method == "static" or config.smooth_alpha is not None
-            calibration = calibration_feeds(feeds, config.calibration_sentences) if calibrated else None
+            calibration = calibration_feeds(feeds, config.calibration_sentences) if needs_calibration(config) else None
             done = quantize_onnx(fp32, dst, config, calibration)
             quality = embedding_quality(fp32, dst, HELDOUT_SENTENCES, feeds=feeds, threads=2)
             b1 = throughput({"fp32": fp32, "int8": dst}, feeds, 1, rounds)
@@ -115,6 +122,7 @@ def main() -> None:
     parser.add_argument("--no-keep-sensitive", action="store_true", help="quantize the FFN output projections too")
     parser.add_argument("--per-tensor", action="store_true")
     parser.add_argument("--smooth-alpha", type=float, help="SmoothQuant strength (dynamic only)")
+    parser.add_argument("--outlier-channels", type=int, help="split the FFN output projections, N float channels")
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     if args.all:
@@ -132,6 +140,8 @@ def main() -> None:
             fields["keep_sensitive"] = False
         if args.smooth_alpha is not None:
             fields["smooth_alpha"] = args.smooth_alpha
+        if args.outlier_channels is not None:
+            fields["outlier_channels"] = args.outlier_channels
         if args.per_tensor:
             fields["per_channel"] = False
         configs = [(", ".join(f"{k}={v}" for k, v in fields.items()) or "default", fields)]

@@ -56,6 +56,11 @@ class QuantizeConfig(_Strict):
     # ONNX int8: also keep the linear MatMuls fed by an activation (BERT's FFN output projections)
     # in float; found by graph structure, so it survives any exporter's node naming.
     keep_sensitive: bool = True
+    # ONNX int8, method dynamic: quantize those sensitive MatMuls too, except the N input channels
+    # with the largest calibrated max |x| (LLM.int8()'s decomposition: an outlier channel alone
+    # would set the per-tensor activation scale); those N stay float beside the int8 MatMul.
+    # None: the sensitive MatMuls stay float whole (with keep_sensitive).
+    outlier_channels: Optional[int] = Field(None, ge=1, le=256)
     # ONNX int8, method dynamic: SmoothQuant strength (None: off). Moves activation outliers into
     # the weights (x / s, W * s, s = max|x|^a / max|W|^(1-a), from the calibration sentences).
     smooth_alpha: Optional[float] = Field(None, ge=0.0, le=1.0)

@@ -4,7 +4,8 @@
       mode: int8
       method: dynamic            # or static (QDQ, calibrated on CALIBRATION_SENTENCES)
       per_channel: true
-      keep_sensitive: true       # FFN output projections stay float
+      keep_sensitive: true       # FFN output projections stay float...
+      outlier_channels: 8        # ...or are quantized but for their 8 largest input channels
       smooth_alpha: 0.5          # SmoothQuant before dynamic quantization (calibrated)
       gate: {min_cosine: 0.99, on_fail: fail}
 
@@ -12,7 +13,10 @@ Only the "linear" MatMuls (those whose B input is a weight initializer) are quan
 attention score MatMuls, LayerNorm, GELU, Softmax, the residual Adds and the pooling stay in
 float, as optimum leaves them. On top of that the FFN output projections (the MatMul fed by
 the GELU) stay in float by default: their input is the GELU output, whose long positive tail
-is what per-tensor uint8 activations represent worst (see `sensitive_matmuls`). With
+is what per-tensor uint8 activations represent worst (see `sensitive_matmuls`). That tail
+sits in a few channels (one channel's calibrated max is 14-25 in MiniLM's first four layers,
+the next largest 5-7), so `outlier_channels: N` quantizes those MatMuls after all, except their
+N largest input channels, which stay float beside them (`split_outlier_channels`). With
 `smooth_alpha`, SmoothQuant first divides the few huge LayerNorm-output channels out of each
 quantized MatMul's input (a Mul before its DynamicQuantizeLinear) and multiplies them into its
 weight rows, so the per-tensor activation scale no longer wastes its 256 levels on them.
@@ -292,11 +296,16 @@ class _Calibration:
         return Reader()
 
 
-def activation_ranges(src: Path, tensors: Sequence[str], feeds: Iterable[Feeds]) -> dict[str, np.ndarray]:
+def activation_ranges(src: Union[Path, "onnx.ModelProto"], tensors: Sequence[str],
+                      feeds: Iterable[Feeds]) -> dict[str, np.ndarray]:
     """Per-channel max |x| of each named tensor of `src` over the feeds (last axis = channels)."""
     import onnx
 
-    model = onnx.load(str(src))
+    if isinstance(src, onnx.ModelProto):
+        model = onnx.ModelProto()
+        model.CopyFrom(src)  # the outputs added below stay out of the caller's graph
+    else:
+        model = onnx.load(str(src))
     have = {o.name for o in model.graph.output}
     model.graph.output.extend(onnx.helper.make_tensor_value_info(t, onnx.TensorProto.FLOAT, None)
                               for t in tensors if t not in have)
@@ -340,6 +349,53 @@ def _smooth_weights(model: "onnx.ModelProto", nodes: Sequence[str], amax: dict[s
     return scales
 
 
+def split_outlier_channels(model: "onnx.ModelProto", nodes: Sequence[str], amax: dict[str, np.ndarray],
+                           channels: int) -> tuple[list[str], list[str]]:
+    """Split each MatMul y = x W in `nodes` in two, in place: the `channels` input channels with
+    the largest max |x| (`amax`, calibrated) go through a float MatMul of their own, and the
+    rest (x with those channels zeroed) through the original weight, which is then quantized:
+    y = (x * mask) W + x[..., idx] W[idx]. This is LLM.int8()'s decomposition: dynamic int8
+    activations have one scale per tensor, and a single channel ten times larger than the others
+    (BERT's FFN output projections have them) would spend most of the 256 levels on itself.
+    Returns (the inlier MatMuls, to quantize; the outlier MatMuls, to keep in float)."""
+    from onnx import helper, numpy_helper
+
+    inits = {i.name: i for i in model.graph.initializer}
+    inliers, outliers = [], []
+    rewritten = []
+    for node in model.graph.node:
+        if node.name not in nodes:
+            rewritten.append(node)
+            continue
+        x, weight = node.input[0], numpy_helper.to_array(inits[node.input[1]])
+        if channels >= weight.shape[0]:
+            raise ManifestError(f"field 'quantize.outlier_channels': {channels} is not fewer than the "
+                                f"{weight.shape[0]} input channels of {node.name}")
+        index = np.sort(np.argsort(amax[x])[::-1][:channels]).astype(np.int64)
+        mask = np.ones(weight.shape[0], np.float32)
+        mask[index] = 0.0
+        p = node.name
+        model.graph.initializer.extend([
+            numpy_helper.from_array(mask, f"{p}_inlier_mask"),
+            numpy_helper.from_array(index, f"{p}_outlier_index"),
+            numpy_helper.from_array(np.ascontiguousarray(weight[index]), f"{p}_outlier_weight"),
+        ])
+        rewritten += [
+            helper.make_node("Mul", [x, f"{p}_inlier_mask"], [f"{p}_inlier_x"], name=f"{p}_inlier_Mul"),
+            helper.make_node("MatMul", [f"{p}_inlier_x", node.input[1]], [f"{p}_inlier_y"], name=f"{p}_inlier"),
+            helper.make_node("Gather", [x, f"{p}_outlier_index"], [f"{p}_outlier_x"], name=f"{p}_outlier_Gather",
+                             axis=-1),
+            helper.make_node("MatMul", [f"{p}_outlier_x", f"{p}_outlier_weight"], [f"{p}_outlier_y"],
+                             name=f"{p}_outlier"),
+            helper.make_node("Add", [f"{p}_inlier_y", f"{p}_outlier_y"], list(node.output), name=f"{p}_sum"),
+        ]
+        inliers.append(f"{p}_inlier")
+        outliers.append(f"{p}_outlier")
+    del model.graph.node[:]
+    model.graph.node.extend(rewritten)
+    return inliers, outliers
+
+
 def _insert_smoothing(path: Path, scales: dict[str, np.ndarray]) -> None:
     """Put x * (1/s) in front of each DynamicQuantizeLinear that reads a smoothed tensor."""
     import onnx
@@ -367,16 +423,24 @@ def quantize_onnx(src: Path, dst: Path, config: QuantizeConfig,
     import onnx
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_dynamic, quantize_static
 
-    check_mode(config)
-    if config.smooth_alpha is not None and config.method != "dynamic":
-        raise ManifestError(f"field 'quantize.smooth_alpha': applies to method 'dynamic' only, got method "
-                            f"{config.method!r}; remove it or use method: dynamic")
+    check_config(config)
     model = onnx.load(str(src))
     quantize, kept = choose_nodes(model, config)
     if not quantize:
         raise ManifestError(f"{src}: no MatMul with a weight initializer to quantize (op types: MatMul)")
     dst.parent.mkdir(parents=True, exist_ok=True)
     feeds = list(calibration_feeds or [])
+    split: Optional[dict[str, Any]] = None
+    if config.outlier_channels is not None:
+        if not feeds:
+            raise ManifestError("quantize.outlier_channels needs calibration feeds; none were given")
+        sensitive = [n for n in sensitive_matmuls(model) if n in kept and not _excluded(n, config)]
+        inputs = {n.name: n.input[0] for n in model.graph.node if n.name in sensitive}
+        amax = activation_ranges(model, sorted(set(inputs.values())), feeds)
+        inliers, outliers = split_outlier_channels(model, sensitive, amax, config.outlier_channels)
+        quantize = quantize + inliers
+        kept = [n for n in kept if n not in sensitive] + outliers
+        split = {"split_nodes": len(inliers), "outlier_channels": config.outlier_channels}
     common = dict(op_types_to_quantize=["MatMul"], per_channel=config.per_channel, nodes_to_quantize=quantize,
                   weight_type=QuantType.QInt8)
     quiet = logging.getLogger()
@@ -385,10 +449,10 @@ def quantize_onnx(src: Path, dst: Path, config: QuantizeConfig,
     scales: dict[str, np.ndarray] = {}
     try:
         if config.method == "dynamic":
-            source: Union[Path, "onnx.ModelProto"] = src
+            source: Union[Path, "onnx.ModelProto"] = src if split is None else model
             if config.smooth_alpha is not None:
                 inputs = sorted({n.input[0] for n in model.graph.node if n.name in quantize})
-                scales = _smooth_weights(model, quantize, activation_ranges(src, inputs, feeds), config.smooth_alpha)
+                scales = _smooth_weights(model, quantize, activation_ranges(model, inputs, feeds), config.smooth_alpha)
                 source = model
             quantize_dynamic(source, dst, **common, extra_options={"MatMulConstBOnly": True})
             if scales:
@@ -404,13 +468,38 @@ def quantize_onnx(src: Path, dst: Path, config: QuantizeConfig,
         quiet.setLevel(level)
     check_quantized(dst, quantize, kept)
     return {"method": config.method, "per_channel": config.per_channel, "op_types": ["MatMul"],
-            "smooth_alpha": config.smooth_alpha, "quantized_nodes": len(quantize), "float_nodes": kept}
+            "smooth_alpha": config.smooth_alpha, "quantized_nodes": len(quantize), "float_nodes": kept,
+            **(split or {})}
+
+
+def _excluded(node: str, config: QuantizeConfig) -> bool:
+    return any(fnmatch.fnmatchcase(node, p) for p in config.exclude)
+
+
+def check_config(config: QuantizeConfig) -> None:
+    """ManifestError for ONNX quantize options that cannot go together."""
+    check_mode(config)
+    if config.smooth_alpha is not None and config.method != "dynamic":
+        raise ManifestError(f"field 'quantize.smooth_alpha': applies to method 'dynamic' only, got method "
+                            f"{config.method!r}; remove it or use method: dynamic")
+    if config.outlier_channels is not None:
+        if config.method != "dynamic":
+            raise ManifestError(f"field 'quantize.outlier_channels': applies to method 'dynamic' only, got "
+                                f"method {config.method!r}; remove it or use method: dynamic")
+        if not config.keep_sensitive:
+            raise ManifestError("field 'quantize.outlier_channels': splits the sensitive MatMuls that "
+                                "keep_sensitive holds back; it needs keep_sensitive: true")
 
 
 def calibration_feeds(feeds: Callable[[list[str]], Feeds], count: int = len(CALIBRATION_SENTENCES)) -> list[Feeds]:
     """The first `count` calibration sentences (cycled), alone and in padded batches of 16."""
     sentences = [CALIBRATION_SENTENCES[i % len(CALIBRATION_SENTENCES)] for i in range(count)]
     return batches(sentences, feeds, 1) + batches(sentences, feeds, 16)
+
+
+def needs_calibration(config: QuantizeConfig) -> bool:
+    """Whether the recipe reads calibration sentences (their number is then part of the cache key)."""
+    return config.method == "static" or config.smooth_alpha is not None or config.outlier_channels is not None
 
 
 def check_mode(config: QuantizeConfig) -> str:
@@ -497,10 +586,7 @@ class OnnxQuantizer:
         self.config = config
         where = getattr(manifest, "source_file", None) or getattr(manifest, "name", "<manifest>")
         try:
-            check_mode(config)
-            if config.smooth_alpha is not None and config.method != "dynamic":
-                raise ManifestError(f"field 'quantize.smooth_alpha': applies to method 'dynamic' only, "
-                                    f"got method {config.method!r}")
+            check_config(config)
         except ManifestError as exc:
             raise ManifestError(f"{where}: {exc.message}") from None
 
@@ -508,9 +594,9 @@ class OnnxQuantizer:
         """The config fields that shape the built model and its figures (part of the cache key)."""
         c = self.config
         return {"mode": check_mode(c), "method": c.method, "per_channel": c.per_channel, "exclude": sorted(c.exclude),
-                "keep_sensitive": c.keep_sensitive, "smooth_alpha": c.smooth_alpha, "recipe": RECIPE,
-                "calibration_sentences": c.calibration_sentences
-                if c.method == "static" or c.smooth_alpha is not None else None}
+                "keep_sensitive": c.keep_sensitive, "smooth_alpha": c.smooth_alpha,
+                "outlier_channels": c.outlier_channels, "recipe": RECIPE,
+                "calibration_sentences": c.calibration_sentences if needs_calibration(c) else None}
 
     def apply(self, artifact: Artifact, context: Any) -> Artifact:
         """Quantize `artifact` (kind 'onnx', a .onnx file) through the cache; check the gate."""
@@ -527,7 +613,7 @@ class OnnxQuantizer:
         def build(directory: Path, progress: Any) -> dict[str, Any]:
             progress.set_total(2)
             calibration = None
-            if self.config.method == "static" or self.config.smooth_alpha is not None:
+            if needs_calibration(self.config):
                 calibration = calibration_feeds(feeds, self.config.calibration_sentences)
             done = quantize_onnx(src, directory / "model.onnx", self.config, calibration)
             progress.update(1, "quantized")
