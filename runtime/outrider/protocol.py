@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import struct
+import threading
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Sequence
 
@@ -40,6 +41,7 @@ _DTYPES: dict[str, str] = {
 DATATYPES = frozenset([*_DTYPES, "BF16", "BYTES"])
 _NUMPY_DTYPES = {name: np.dtype(dt) for name, dt in _DTYPES.items()}
 _ITEMSIZE = {**{name: dt.itemsize for name, dt in _NUMPY_DTYPES.items()}, "BF16": 2}
+_ITEMSIZE_OR_BYTES = {**_ITEMSIZE, "BYTES": 0}  # every datatype, in one lookup (BYTES: variable)
 _MAX_DIMS = 16
 _MAX_NAME = 256
 
@@ -177,8 +179,18 @@ def _depth(obj: Any, limit: int, level: int = 1) -> None:
 _CONTAINERS = (dict, list)
 
 
+# One Packer per thread: msgpack.packb builds (and allocates the buffer of) a new Packer per call,
+# which is half its cost for a small header; a Packer is not thread-safe, and replies are encoded
+# by every instance thread.
+_packers = threading.local()
+
+
 def pack_header(header: dict) -> bytes:
-    return msgpack.packb(header, use_bin_type=True)
+    try:
+        packer = _packers.packer
+    except AttributeError:
+        packer = _packers.packer = msgpack.Packer(use_bin_type=True)
+    return packer.pack(header)
 
 
 def unpack_header(raw: memoryview | bytes, limits: Limits = DEFAULT_LIMITS) -> dict:
@@ -281,7 +293,8 @@ class TensorFrame:
                 self.buffer, self.count, self.name, max_element_bytes, limit_name
             ).reshape(self.shape)
         # parse_tensors checked that the frame holds exactly shape x item size bytes.
-        return np.ndarray(self.shape, numpy_dtype(self.datatype), self.buffer)
+        dtype = _NUMPY_DTYPES.get(self.datatype) or numpy_dtype(self.datatype)
+        return np.ndarray(self.shape, dtype, self.buffer)
 
 
 def parse_tensors(specs: Any, frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> list[TensorFrame]:
@@ -310,7 +323,8 @@ def parse_tensors(specs: Any, frames: Sequence[Any], limits: Limits = DEFAULT_LI
             raise ProtocolError(f"tensor {name!r} appears twice")
         names.add(name)
         datatype = spec.get("datatype")
-        if not isinstance(datatype, str) or datatype not in DATATYPES:
+        itemsize = _ITEMSIZE_OR_BYTES.get(datatype) if type(datatype) is str else None
+        if itemsize is None:
             raise ProtocolError(
                 f"tensor {name!r}: unknown datatype {_preview(datatype)}; expected one of {sorted(DATATYPES)}"
             )
@@ -318,14 +332,13 @@ def parse_tensors(specs: Any, frames: Sequence[Any], limits: Limits = DEFAULT_LI
         buffer = _buffer(frame)
         tensor = TensorFrame(name, datatype, shape, buffer)
         count = tensor.count
-        if datatype == "BYTES":
+        if not itemsize:  # BYTES
             if len(buffer) < 4 * count:
                 raise ProtocolError(
                     f"tensor {name!r}: BYTES frame of {len(buffer)} bytes ends inside the length of an "
                     f"element: {count} elements need at least {4 * count} bytes"
                 )
         else:
-            itemsize = _ITEMSIZE[datatype]
             expected = count * itemsize
             if len(buffer) != expected:
                 raise ProtocolError(
