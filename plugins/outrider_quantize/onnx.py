@@ -5,7 +5,7 @@
       method: dynamic            # or static (QDQ, calibrated on CALIBRATION_SENTENCES)
       per_channel: true
       keep_sensitive: true       # FFN output projections stay float...
-      outlier_channels: 8        # ...or are quantized but for their 8 largest input channels
+      outlier_channels: 16       # ...or are quantized but for their 16 largest input channels
       smooth_alpha: 0.5          # SmoothQuant before dynamic quantization (calibrated)
       gate: {min_cosine: 0.99, on_fail: fail}
 
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence, Union
 
@@ -361,6 +362,7 @@ def split_outlier_channels(model: "onnx.ModelProto", nodes: Sequence[str], amax:
     from onnx import helper, numpy_helper
 
     inits = {i.name: i for i in model.graph.initializer}
+    readers = Counter(name for n in model.graph.node for name in n.input)
     inliers, outliers = [], []
     rewritten = []
     for node in model.graph.node:
@@ -375,6 +377,11 @@ def split_outlier_channels(model: "onnx.ModelProto", nodes: Sequence[str], amax:
         mask = np.ones(weight.shape[0], np.float32)
         mask[index] = 0.0
         p = node.name
+        if readers[node.input[1]] != 1:
+            raise ManifestError(f"quantize.outlier_channels: the weight of {node.name} is shared; cannot split it")
+        inlier_weight = weight.copy()
+        inlier_weight[index] = 0.0  # read only through zeros; left out, they no longer widen a column's scale
+        inits[node.input[1]].CopyFrom(numpy_helper.from_array(inlier_weight, node.input[1]))
         model.graph.initializer.extend([
             numpy_helper.from_array(mask, f"{p}_inlier_mask"),
             numpy_helper.from_array(index, f"{p}_outlier_index"),
