@@ -28,7 +28,7 @@ from outrider.manifest import load_manifest  # noqa: E402
 from outrider_onnxruntime.onnx_artifact import onnx_model  # noqa: E402
 from outrider_quantize.config import QuantizeConfig  # noqa: E402
 from outrider_quantize.onnx import (  # noqa: E402
-    HELDOUT_SENTENCES, needs_calibration, calibration_feeds, embedding_quality, quantize_onnx, session,
+    HELDOUT_SENTENCES, calibration_feeds, embedding_quality, needs_calibration, quantize_onnx, session,
 )
 from outrider_text import SentenceEmbeddingTask  # noqa: E402
 

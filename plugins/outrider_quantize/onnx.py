@@ -254,7 +254,7 @@ def choose_nodes(model: "onnx.ModelProto", config: QuantizeConfig) -> tuple[list
             f"field 'quantize.exclude': patterns {unmatched} match no quantizable MatMul node; "
             f"the graph's are named like {linear[:3]}"
         )
-    keep |= {n for n in linear if any(fnmatch.fnmatchcase(n, p) for p in config.exclude)}
+    keep |= {n for n in linear if _excluded(n, config)}
     return [n for n in linear if n not in keep], [n for n in linear if n in keep]
 
 
@@ -369,6 +369,8 @@ def split_outlier_channels(model: "onnx.ModelProto", nodes: Sequence[str], amax:
         if node.name not in nodes:
             rewritten.append(node)
             continue
+        if readers[node.input[1]] != 1:
+            raise ManifestError(f"quantize.outlier_channels: the weight of {node.name} is shared; cannot split it")
         x, weight = node.input[0], numpy_helper.to_array(inits[node.input[1]])
         if channels >= weight.shape[0]:
             raise ManifestError(f"field 'quantize.outlier_channels': {channels} is not fewer than the "
@@ -377,8 +379,6 @@ def split_outlier_channels(model: "onnx.ModelProto", nodes: Sequence[str], amax:
         mask = np.ones(weight.shape[0], np.float32)
         mask[index] = 0.0
         p = node.name
-        if readers[node.input[1]] != 1:
-            raise ManifestError(f"quantize.outlier_channels: the weight of {node.name} is shared; cannot split it")
         inlier_weight = weight.copy()
         inlier_weight[index] = 0.0  # read only through zeros; left out, they no longer widen a column's scale
         inits[node.input[1]].CopyFrom(numpy_helper.from_array(inlier_weight, node.input[1]))
@@ -441,9 +441,10 @@ def quantize_onnx(src: Path, dst: Path, config: QuantizeConfig,
     if config.outlier_channels is not None:
         if not feeds:
             raise ManifestError("quantize.outlier_channels needs calibration feeds; none were given")
-        sensitive = [n for n in sensitive_matmuls(model) if n in kept and not _excluded(n, config)]
-        inputs = {n.name: n.input[0] for n in model.graph.node if n.name in sensitive}
-        amax = activation_ranges(model, sorted(set(inputs.values())), feeds)
+        # keep_sensitive is on (check_config), so what is kept and not excluded is the sensitive set.
+        sensitive = [n for n in kept if not _excluded(n, config)]
+        inputs = sorted({n.input[0] for n in model.graph.node if n.name in sensitive})
+        amax = activation_ranges(model, inputs, feeds)
         inliers, outliers = split_outlier_channels(model, sensitive, amax, config.outlier_channels)
         quantize = quantize + inliers
         kept = [n for n in kept if n not in sensitive] + outliers

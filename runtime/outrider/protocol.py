@@ -293,7 +293,9 @@ class TensorFrame:
                 self.buffer, self.count, self.name, max_element_bytes, limit_name
             ).reshape(self.shape)
         # parse_tensors checked that the frame holds exactly shape x item size bytes.
-        dtype = _NUMPY_DTYPES.get(self.datatype) or numpy_dtype(self.datatype)
+        dtype = _NUMPY_DTYPES.get(self.datatype)
+        if dtype is None:  # BF16
+            dtype = numpy_dtype(self.datatype)
         return np.ndarray(self.shape, dtype, self.buffer)
 
 
