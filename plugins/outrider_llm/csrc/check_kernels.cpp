@@ -1,0 +1,234 @@
+// Every kernel set this CPU runs against the scalar reference, bit for bit, without torch: the
+// check that runs natively on x86 and, cross-compiled, under qemu-user on ARM
+// (tests/test_native_isa.py builds and runs it).
+//
+//   check_kernels          run every check; prints one line per failure and "N passed, M failed"
+//   check_kernels --active print the set the dispatcher picks here, and the CPU features it read
+
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "kernels.h"
+
+namespace outrider_native {
+// Serial, in uneven chunks (as several threads would split the range).
+void parallel_for(int64_t n, const std::function<void(int64_t, int64_t)>& fn) {
+  for (int64_t begin = 0; begin < n; begin += 3) fn(begin, begin + 3 < n ? begin + 3 : n);
+}
+}  // namespace outrider_native
+
+using namespace outrider_native;
+
+namespace {
+
+uint64_t g_state = 0x9E3779B97F4A7C15ull;
+uint32_t next_u32() {  // xorshift64*
+  g_state ^= g_state >> 12;
+  g_state ^= g_state << 25;
+  g_state ^= g_state >> 27;
+  return static_cast<uint32_t>((g_state * 0x2545F4914F6CDD1Dull) >> 32);
+}
+float uniform(float lo, float hi) { return lo + (hi - lo) * (next_u32() >> 8) * (1.f / 16777216.f); }
+std::vector<float> floats(int64_t n, float lo, float hi) {
+  std::vector<float> v(n);
+  for (float& x : v) x = uniform(lo, hi);
+  return v;
+}
+std::vector<uint8_t> bytes(int64_t n) {
+  std::vector<uint8_t> v(n);
+  for (uint8_t& x : v) x = static_cast<uint8_t>(next_u32());
+  return v;
+}
+std::vector<uint16_t> halves(int64_t n, bool negative) {  // normal fp16 values of magnitude ~2^-9 .. 2^-3
+  std::vector<uint16_t> v(n);
+  for (uint16_t& h : v) {
+    const uint32_t r = next_u32();
+    h = static_cast<uint16_t>(((negative && (r & 1)) ? 0x8000 : 0) | ((6 + (r >> 1) % 7) << 10) | ((r >> 8) & 0x3FF));
+  }
+  return v;
+}
+
+int g_passed = 0, g_failed = 0;
+
+template <class T>
+void expect_same(const std::string& what, const std::vector<T>& got, const std::vector<T>& want) {
+  if (got.size() == want.size() && std::memcmp(got.data(), want.data(), got.size() * sizeof(T)) == 0) {
+    ++g_passed;
+    return;
+  }
+  ++g_failed;
+  size_t first = 0;
+  while (first < got.size() && std::memcmp(&got[first], &want[first], sizeof(T)) == 0) ++first;
+  std::printf("FAIL %s: differs from scalar at element %zu of %zu\n", what.c_str(), first, got.size());
+}
+
+using Run = std::function<std::vector<float>()>;
+
+// Runs `run` on the scalar reference and on `set`, and compares the bytes.
+void against_scalar(const KernelSet& set, const std::string& what, const Run& run) {
+  select_kernels("scalar");
+  const std::vector<float> want = run();
+  select_kernels(set.name);
+  const std::vector<float> got = run();
+  expect_same(std::string(set.name) + " " + what, got, want);
+}
+
+void check_set(const KernelSet& set) {
+  // Quantization of activations, and the matmuls on 4- and 8-bit weights.
+  for (int64_t in : {64, 576, 1536}) {
+    const int64_t group = 32, out = 80;  // 5 tiles: AVX-512's 4-tile step and its tail
+    for (int bits : {4, 8}) {
+      const std::vector<uint8_t> w = bytes(out * in * bits / 8);
+      const std::vector<uint16_t> d = halves(out * in / group, false), m = halves(out * in / group, true);
+      for (int64_t rows : {1, 2, 3, 4, 5, 8, 9, 17}) {
+        const std::vector<float> x = floats(rows * in, -3.f, 3.f);
+        against_scalar(set, "matmul w" + std::to_string(bits) + " rows " + std::to_string(rows) + " in " +
+                                std::to_string(in), [&] {
+          std::vector<float> y(rows * out);
+          a8_matmul(x.data(), rows, in, group, w.data(), d.data(), m.data(), out, bits, y.data());
+          return y;
+        });
+      }
+    }
+    const int64_t rows = 3;
+    std::vector<float> x = floats(rows * in, -2.f, 2.f);
+    x[5] = 0.f;
+    for (int64_t k = 0; k < group; ++k) x[in + k] = 0.f;  // an all-zero group (scale 0)
+    auto quantized = [&](const KernelSet& ks) {
+      std::vector<int8_t> xq(rows * in);
+      std::vector<float> scale(rows * in / group), sum(rows * in / group);
+      std::vector<int32_t> isum(rows * in / group);
+      ks.quantize_rows(x.data(), rows, in, group, xq.data(), scale.data(), sum.data(), isum.data());
+      std::vector<float> all(xq.begin(), xq.end());
+      all.insert(all.end(), scale.begin(), scale.end());
+      all.insert(all.end(), sum.begin(), sum.end());
+      all.insert(all.end(), isum.begin(), isum.end());
+      return all;
+    };
+    expect_same(std::string(set.name) + " quantize in " + std::to_string(in), quantized(set), quantized(kScalar));
+  }
+
+  // Attention of one row and KV head over a subset of the keys.
+  for (int64_t dim : {16, 32, 64, 128}) {
+    for (int64_t group : {1, 3, 4, 5}) {
+      for (int64_t count : {1, 7, 16, 17, 33, 300}) {
+        const int64_t keys = count + 11;
+        const std::vector<float> k = floats(keys * dim, -1.f, 1.f), v = floats(keys * dim, -1.f, 1.f);
+        const std::vector<float> q = floats(group * dim, -4.f, 4.f);
+        std::vector<int64_t> pos;
+        for (int64_t i = 0; i < keys && static_cast<int64_t>(pos.size()) < count; ++i)
+          if (next_u32() % 8 || keys - i <= count - static_cast<int64_t>(pos.size())) pos.push_back(i);
+        const std::string what = "attend dim " + std::to_string(dim) + " group " + std::to_string(group) +
+                                 " keys " + std::to_string(count);
+        auto run = [&](const KernelSet& ks) {
+          std::vector<float> scores(group * (count + 16)), out(group * dim);
+          ks.attend_group(q.data(), group, dim, k.data(), v.data(), pos.data(), count, scores.data(), out.data());
+          return out;
+        };
+        expect_same(std::string(set.name) + " " + what, run(set), run(kScalar));
+      }
+    }
+  }
+
+  // RMSNorm, SwiGLU (gates far enough out to reach exp's clamps), the residual add.
+  {
+    const int64_t rows = 3, hidden = 576, inter = 1536;
+    const std::vector<float> x = floats(rows * hidden, -5.f, 5.f), w = floats(hidden, -1.f, 1.f);
+    const std::vector<float> gu = floats(rows * 2 * inter, -100.f, 100.f);
+    auto norm = [&](const KernelSet& ks) {
+      std::vector<float> y(rows * hidden);
+      ks.rms_norm_rows(x.data(), w.data(), 1e-5f, rows, hidden, y.data());
+      return y;
+    };
+    auto swiglu = [&](const KernelSet& ks) {
+      std::vector<float> y(rows * inter);
+      ks.swiglu_rows(gu.data(), rows, inter, y.data());
+      return y;
+    };
+    auto add = [&](const KernelSet& ks) {
+      std::vector<float> y(x);
+      ks.add_rows(y.data(), gu.data(), 37);
+      return y;
+    };
+    expect_same(std::string(set.name) + " rms_norm", norm(set), norm(kScalar));
+    expect_same(std::string(set.name) + " swiglu", swiglu(set), swiglu(kScalar));
+    expect_same(std::string(set.name) + " add", add(set), add(kScalar));
+  }
+
+  // A whole step of a small model: two sequences, one decoding a token, one verifying a tree of 4.
+  {
+    const int64_t hidden = 64, inter = 128, heads = 4, kv_heads = 2, dim = 16, num_layers = 2, group = 32;
+    const int64_t width = (heads + 2 * kv_heads) * dim, slots = 2, capacity = 40;
+    struct Owned {
+      std::vector<uint8_t> w[4];
+      std::vector<uint16_t> d[4], m[4];
+      std::vector<float> norms[2];
+    } owned[num_layers];
+    std::vector<LayerWeights> layers(num_layers);
+    const int64_t shapes[4][2] = {{width, hidden}, {hidden, heads * dim}, {2 * inter, hidden}, {hidden, inter}};
+    for (int64_t li = 0; li < num_layers; ++li) {
+      for (int j = 0; j < 4; ++j) {
+        owned[li].w[j] = bytes(shapes[j][0] * shapes[j][1] / 2);
+        owned[li].d[j] = halves(shapes[j][0] * shapes[j][1] / group, false);
+        owned[li].m[j] = halves(shapes[j][0] * shapes[j][1] / group, true);
+        layers[li].w[j] = owned[li].w[j].data();
+        layers[li].d[j] = owned[li].d[j].data();
+        layers[li].m[j] = owned[li].m[j].data();
+      }
+      owned[li].norms[0] = floats(hidden, 0.5f, 1.5f);
+      owned[li].norms[1] = floats(hidden, 0.5f, 1.5f);
+      layers[li].attn_norm = owned[li].norms[0].data();
+      layers[li].mlp_norm = owned[li].norms[1].data();
+    }
+    const int64_t rows = 5;
+    const std::vector<float> x0 = floats(rows * hidden, -1.f, 1.f);
+    const std::vector<float> cos = floats(rows * dim, -1.f, 1.f), sin = floats(rows * dim, -1.f, 1.f);
+    const std::vector<float> kv0 = floats(num_layers * 2 * slots * kv_heads * capacity * dim, -1.f, 1.f);
+    const int64_t chunks[8] = {0, 0, 1, 12, 1, 1, 4, 20};  // (slot, start, n, length)
+    std::vector<char> visible_store(rows * 4, 0);
+    const int tree[4][4] = {{1, 0, 0, 0}, {1, 1, 0, 0}, {1, 0, 1, 0}, {1, 1, 0, 1}};
+    visible_store[0] = 1;
+    for (int r = 0; r < 4; ++r)
+      for (int c = 0; c < 4; ++c) visible_store[(1 + r) * 4 + c] = static_cast<char>(tree[r][c]);
+    const bool* visible = reinterpret_cast<const bool*>(visible_store.data());
+    auto step = [&]() {
+      std::vector<float> x(x0), kv(kv0);
+      std::vector<KvLayer> cache(num_layers);
+      const int64_t per_layer = 2 * slots * kv_heads * capacity * dim;
+      for (int64_t li = 0; li < num_layers; ++li)
+        cache[li] = {kv.data() + li * per_layer, slots, capacity, slots * kv_heads * capacity * dim,
+                     kv_heads * capacity * dim, capacity * dim};
+      w4a8_layers(x.data(), rows, hidden, cos.data(), sin.data(), cache.data(), layers.data(), num_layers, chunks, 2,
+                  visible, 4, group, heads, kv_heads, dim, inter, 1e-5f);
+      x.insert(x.end(), kv.begin(), kv.end());
+      return x;
+    };
+    against_scalar(set, "w4a8_layers", step);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc > 1 && std::strcmp(argv[1], "--active") == 0) {
+    std::printf("%s\n%s\n", active_kernels().name, cpu_features());
+    return 0;
+  }
+  int ran = 0;
+  for (int i = 0; i < kernel_set_count(); ++i) {
+    const KernelSet& set = kernel_set(i);
+    if (std::strcmp(set.name, "scalar") == 0) continue;
+    if (!cpu_runs(set)) {
+      std::printf("skip %s: this CPU lacks it\n", set.name);
+      continue;
+    }
+    std::printf("check %s\n", set.name);
+    check_set(set);
+    ++ran;
+  }
+  std::printf("%d passed, %d failed\n", g_passed, g_failed);
+  return g_failed == 0 && ran > 0 ? 0 : 1;
+}

@@ -1,0 +1,92 @@
+// The NEON vector type (four q registers per 16 lanes), shared by isa_arm_neon.cpp (ARMv8.0:
+// Cortex-A53/A57/A72, the Raspberry Pi 4, older Jetsons) and isa_arm_dotprod.cpp (ARMv8.2 dotprod:
+// Cortex-A76/A78, the Pi 5, Jetson Orin, Graviton 2+), each including it after its target pragma.
+
+struct NeonBase {
+  struct F { float32x4_t q[4]; };
+  struct I { int32x4_t q[4]; };
+  struct W { uint8x16_t q[4]; };
+  static constexpr bool kDot8Offset = true;  // weights are multiplied as signed bytes (w - 128)
+
+#define OUTRIDER_Q4(expr) \
+  F r;                    \
+  for (int i = 0; i < 4; ++i) r.q[i] = (expr); \
+  return r;
+  static F fzero() { OUTRIDER_Q4(vdupq_n_f32(0.f)) }
+  static F fset(float v) { OUTRIDER_Q4(vdupq_n_f32(v)) }
+  static F fload(const float* p) { OUTRIDER_Q4(vld1q_f32(p + 4 * i)) }
+  static void fstore(float* p, F v) {
+    for (int i = 0; i < 4; ++i) vst1q_f32(p + 4 * i, v.q[i]);
+  }
+  static F add(F a, F b) { OUTRIDER_Q4(vaddq_f32(a.q[i], b.q[i])) }
+  static F sub(F a, F b) { OUTRIDER_Q4(vsubq_f32(a.q[i], b.q[i])) }
+  static F mul(F a, F b) { OUTRIDER_Q4(vmulq_f32(a.q[i], b.q[i])) }
+  static F div(F a, F b) { OUTRIDER_Q4(vdivq_f32(a.q[i], b.q[i])) }
+  static F fma(F a, F b, F c) { OUTRIDER_Q4(vfmaq_f32(c.q[i], a.q[i], b.q[i])) }
+  static F fnma(F a, F b, F c) { OUTRIDER_Q4(vfmsq_f32(c.q[i], a.q[i], b.q[i])) }
+  // As the reference's a > b ? a : b (vmaxq differs only for NaN and signed zeros, which the
+  // kernels never compare).
+  static F fmax(F a, F b) { OUTRIDER_Q4(vbslq_f32(vcgtq_f32(a.q[i], b.q[i]), a.q[i], b.q[i])) }
+  static F fmin(F a, F b) { OUTRIDER_Q4(vbslq_f32(vcltq_f32(a.q[i], b.q[i]), a.q[i], b.q[i])) }
+  static F fabs(F a) { OUTRIDER_Q4(vabsq_f32(a.q[i])) }
+  static F round_even(F a) { OUTRIDER_Q4(vrndnq_f32(a.q[i])) }
+  static F scale2n(F y, F n) {
+    OUTRIDER_Q4(vmulq_f32(y.q[i], vreinterpretq_f32_s32(vshlq_n_s32(vaddq_s32(vcvtq_s32_f32(n.q[i]), vdupq_n_s32(127)), 23))))
+  }
+  static F load_half(const uint16_t* p) { OUTRIDER_Q4(vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p + 4 * i)))) }
+  static F cvt(I a) { OUTRIDER_Q4(vcvtq_f32_s32(a.q[i])) }
+#undef OUTRIDER_Q4
+  static float max_lanes(F a) {
+    float m = vgetq_lane_f32(a.q[0], 0);
+    alignas(16) float v[16];
+    fstore(v, a);
+    for (int i = 1; i < 16; ++i) m = v[i] > m ? v[i] : m;
+    return m;
+  }
+
+  static I izero() { return iset(0); }
+  static I iset(int32_t v) {
+    I r;
+    for (int i = 0; i < 4; ++i) r.q[i] = vdupq_n_s32(v);
+    return r;
+  }
+  static I iadd(I a, I b) {
+    for (int i = 0; i < 4; ++i) a.q[i] = vaddq_s32(a.q[i], b.q[i]);
+    return a;
+  }
+  static I cvt_round(F a) {
+    I r;
+    for (int i = 0; i < 4; ++i) r.q[i] = vcvtnq_s32_f32(a.q[i]);
+    return r;
+  }
+  static int32_t sum_lanes(I a) {
+    int32_t s = 0;
+    for (int i = 0; i < 4; ++i) s += vaddvq_s32(a.q[i]);
+    return s;
+  }
+  static void store_i8(int8_t* p, I a) {
+    const int16x8_t lo = vcombine_s16(vmovn_s32(a.q[0]), vmovn_s32(a.q[1]));
+    const int16x8_t hi = vcombine_s16(vmovn_s32(a.q[2]), vmovn_s32(a.q[3]));
+    vst1q_s8(p, vcombine_s8(vmovn_s16(lo), vmovn_s16(hi)));
+  }
+
+  static W wload(const uint8_t* p) {
+    W r;
+    for (int i = 0; i < 4; ++i) r.q[i] = vld1q_u8(p + 16 * i);
+    return r;
+  }
+  static W lo_nibbles(W w) {
+    for (int i = 0; i < 4; ++i) w.q[i] = vandq_u8(w.q[i], vdupq_n_u8(0x0F));
+    return w;
+  }
+  static W hi_nibbles(W w) {
+    for (int i = 0; i < 4; ++i) w.q[i] = vshrq_n_u8(w.q[i], 4);
+    return w;
+  }
+  // 4-bit weights (0..15) are signed bytes as they are; 8-bit ones become w - 128.
+  static int8x16_t as_signed4(uint8x16_t w) { return vreinterpretq_s8_u8(w); }
+  static int8x16_t as_signed8(uint8x16_t w) { return vreinterpretq_s8_u8(veorq_u8(w, vdupq_n_u8(0x80))); }
+  static int8x16_t broadcast(int32_t x) { return vreinterpretq_s8_s32(vdupq_n_s32(x)); }
+
+  static F sum16(const F* v);
+};

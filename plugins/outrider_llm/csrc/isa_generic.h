@@ -1,0 +1,360 @@
+// The kernels, written once over a 16-lane vector type `A` that each instruction set supplies
+// (isa_*.cpp); this arithmetic, run by the scalar `A`, is the definition every path must match.
+//
+// Included by each isa_*.cpp inside an anonymous namespace, after that file's target pragma, so
+// every instantiation is local to its file and compiled for its instruction set. It includes no
+// header itself (the standard headers come first, compiled for the baseline: see isa_prelude.h).
+//
+// What `A` provides (all lanewise unless said; F: 16 floats, I: 16 int32, W: 64 weight bytes =
+// 16 outputs x 4 inputs, byte 4i+p for output i and input p):
+//   F fzero(), fset(float), fload(const float*), fstore(float*, F), add, sub, mul, div,
+//     fma(a, b, c) = a*b+c and fnma(a, b, c) = c-a*b (fused, one rounding), fmax, fmin, fabs,
+//     round_even(F) (to an integral float), scale2n(y, n) = y * 2^n (n integral in [-126, 127]),
+//     load_half(const uint16_t*) (fp16 -> fp32), cvt(I) (int32 -> float);
+//   float max_lanes(F);
+//   I izero(), iset(int32), iadd; I cvt_round(F) (to nearest even); int32 sum_lanes(I);
+//     store_i8(int8_t*, I) (values in int8 range);
+//   W wload(const uint8_t*), lo_nibbles(W), hi_nibbles(W);
+//   I dot4(I acc, W w, int32 x): acc[i] += sum_p w[4i+p] * x_p, w in 0..15, x four int8;
+//   I dot8(I acc, W w, int32 x): the same for w in 0..255, or, where kDot8Offset, for w - 128
+//     (the caller then adds 128 * sum(x): the same exact integer);
+//   F sum16(const F v[16]): lane j = tree16(v[j]).
+
+// The one horizontal sum of 16 lanes every path uses (what AVX-512's transpose tree computes):
+// per 128-bit quarter L, (e[4L] + e[4L+2]) + (e[4L+1] + e[4L+3]); then (P0 + P1) + (P2 + P3).
+inline float tree16(const float* e) {
+  float p[4];
+  for (int l = 0; l < 4; ++l) p[l] = (e[4 * l] + e[4 * l + 2]) + (e[4 * l + 1] + e[4 * l + 3]);
+  return (p[0] + p[1]) + (p[2] + p[3]);
+}
+
+inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+template <class A>
+inline typename A::F sum16_by_lanes(const typename A::F* v) {
+  alignas(64) float lanes[16], out[16];
+  for (int j = 0; j < 16; ++j) {
+    A::fstore(lanes, v[j]);
+    out[j] = tree16(lanes);
+  }
+  return A::fload(out);
+}
+
+template <class A>
+inline float tree16_of(typename A::F v) {
+  alignas(64) float lanes[16];
+  A::fstore(lanes, v);
+  return tree16(lanes);
+}
+
+// exp(x) per lane (Cephes' expf: range reduction by ln 2, degree-5 polynomial, 2^n), for x
+// clamped to [-87.3, 88.3].
+template <class A>
+inline typename A::F exp16(typename A::F x) {
+  using F = typename A::F;
+  x = A::fmin(A::fmax(x, A::fset(-87.3f)), A::fset(88.3f));
+  const F n = A::round_even(A::mul(x, A::fset(1.44269504088896341f)));
+  x = A::fnma(n, A::fset(0.693359375f), x);
+  x = A::fnma(n, A::fset(-2.12194440e-4f), x);
+  F y = A::fset(1.9875691500e-4f);
+  y = A::fma(y, x, A::fset(1.3981999507e-3f));
+  y = A::fma(y, x, A::fset(8.3334519073e-3f));
+  y = A::fma(y, x, A::fset(4.1665795894e-2f));
+  y = A::fma(y, x, A::fset(1.6666665459e-1f));
+  y = A::fma(y, x, A::fset(5.0000001201e-1f));
+  y = A::fma(y, A::mul(x, x), A::add(x, A::fset(1.f)));
+  return A::scale2n(y, n);
+}
+
+// ---- activations to int8 ----------------------------------------------------------------------
+
+template <class A>
+void quantize_rows(const float* x, int64_t rows, int64_t in, int64_t group, int8_t* xq, float* scale, float* sum,
+                   int32_t* isum) {
+  using F = typename A::F;
+  using I = typename A::I;
+  const int64_t groups = in / group;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* xg = x + r * in + g * group;
+      int8_t* qg = xq + r * in + g * group;
+      F amax = A::fzero();
+      for (int64_t k = 0; k < group; k += 16) amax = A::fmax(amax, A::fabs(A::fload(xg + k)));
+      const float a = A::max_lanes(amax);
+      const float d = a / 127.f;
+      const F inv = A::fset(a > 0.f ? 127.f / a : 0.f);
+      I total = A::izero();
+      for (int64_t k = 0; k < group; k += 16) {
+        const I q = A::cvt_round(A::mul(A::fload(xg + k), inv));  // |q| <= 127
+        total = A::iadd(total, q);
+        A::store_i8(qg + k, q);
+      }
+      const int32_t t = A::sum_lanes(total);
+      scale[r * groups + g] = d;
+      sum[r * groups + g] = d * static_cast<float>(t);
+      isum[r * groups + g] = t;
+    }
+  }
+}
+
+// ---- int8 activations x 4- or 8-bit weights ------------------------------------------------------
+
+// R rows x one tile of 16 outputs, over all groups: per group the exact int32 dot products, then
+//   y += float(acc) * (d * dx) + m * (dx * sum(xq)), in group order (two fused steps).
+template <class A, int Bits, int R>
+void dot_rows(const int32_t* const* x_words, const float* const* x_scale, const float* const* x_sum,
+              const int32_t* const* x_isum, int64_t groups, int64_t octs_per_group, const uint8_t* w,
+              const uint16_t* d, const uint16_t* m, float* const* y) {
+  using F = typename A::F;
+  using I = typename A::I;
+  using W = typename A::W;
+  F out[R];
+  for (int r = 0; r < R; ++r) out[r] = A::fzero();
+  for (int64_t g = 0; g < groups; ++g) {
+    I acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = A::izero();
+    for (int64_t j = g * octs_per_group; j < (g + 1) * octs_per_group; ++j) {
+      W lo, hi;
+      if (Bits == 4) {
+        const W v = A::wload(w + j * 64);
+        lo = A::lo_nibbles(v);  // inputs k0..k0+3
+        hi = A::hi_nibbles(v);  // inputs k0+4..k0+7
+      } else {
+        lo = A::wload(w + j * 128);
+        hi = A::wload(w + j * 128 + 64);
+      }
+      for (int r = 0; r < R; ++r) {
+        if (Bits == 4) {
+          acc[r] = A::dot4(acc[r], lo, x_words[r][2 * j]);
+          acc[r] = A::dot4(acc[r], hi, x_words[r][2 * j + 1]);
+        } else {
+          acc[r] = A::dot8(acc[r], lo, x_words[r][2 * j]);
+          acc[r] = A::dot8(acc[r], hi, x_words[r][2 * j + 1]);
+        }
+      }
+    }
+    if (Bits == 8 && A::kDot8Offset)
+      for (int r = 0; r < R; ++r) acc[r] = A::iadd(acc[r], A::iset(128 * x_isum[r][g]));
+    const F scale = A::load_half(d + g * 16);
+    const F minimum = A::load_half(m + g * 16);
+    for (int r = 0; r < R; ++r) {
+      out[r] = A::fma(A::cvt(acc[r]), A::mul(scale, A::fset(x_scale[r][g])), out[r]);
+      out[r] = A::fma(minimum, A::fset(x_sum[r][g]), out[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) A::fstore(y[r], out[r]);
+}
+
+template <class A, int Bits>
+void matmul_tiles_bits(const int8_t* xq, const float* scale, const float* sum, const int32_t* isum, int64_t rows,
+                       int64_t in, int64_t group, const uint8_t* w, const uint16_t* d, const uint16_t* m,
+                       int64_t t0, int64_t t1, float* y, int64_t y_stride) {
+  constexpr int kRows = 4;  // rows per pass over a tile's weights
+  const int32_t* words = reinterpret_cast<const int32_t*>(xq);
+  const int64_t groups = in / group, octs_per_group = group / 8;
+  const int32_t* x_words[kRows];
+  const float* x_scale[kRows];
+  const float* x_sum[kRows];
+  const int32_t* x_isum[kRows];
+  float* y_rows[kRows];
+  for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
+    const int n = static_cast<int>(min64(kRows, rows - r0));
+    for (int r = 0; r < n; ++r) {
+      x_words[r] = words + (r0 + r) * in / 4;
+      x_scale[r] = scale + (r0 + r) * groups;
+      x_sum[r] = sum + (r0 + r) * groups;
+      x_isum[r] = isum + (r0 + r) * groups;
+    }
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int r = 0; r < n; ++r) y_rows[r] = y + (r0 + r) * y_stride + t * 16;
+      const uint8_t* wt = w + t * in * Bits * 2;
+      const uint16_t* dt = d + t * groups * 16;
+      const uint16_t* mt = m + t * groups * 16;
+      switch (n) {
+        case 1: dot_rows<A, Bits, 1>(x_words, x_scale, x_sum, x_isum, groups, octs_per_group, wt, dt, mt, y_rows); break;
+        case 2: dot_rows<A, Bits, 2>(x_words, x_scale, x_sum, x_isum, groups, octs_per_group, wt, dt, mt, y_rows); break;
+        case 3: dot_rows<A, Bits, 3>(x_words, x_scale, x_sum, x_isum, groups, octs_per_group, wt, dt, mt, y_rows); break;
+        default: dot_rows<A, Bits, 4>(x_words, x_scale, x_sum, x_isum, groups, octs_per_group, wt, dt, mt, y_rows); break;
+      }
+    }
+  }
+}
+
+template <class A>
+void matmul_tiles(const int8_t* xq, const float* scale, const float* sum, const int32_t* isum, int64_t rows,
+                  int64_t in, int64_t group, const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t /*out*/,
+                  int bits, int64_t t0, int64_t t1, float* y, int64_t y_stride) {
+  if (bits == 4)
+    matmul_tiles_bits<A, 4>(xq, scale, sum, isum, rows, in, group, w, d, m, t0, t1, y, y_stride);
+  else
+    matmul_tiles_bits<A, 8>(xq, scale, sum, isum, rows, in, group, w, d, m, t0, t1, y, y_stride);
+}
+
+// ---- attention ---------------------------------------------------------------------------------
+
+// Loads 16 lanes of p[0..n) with zeros after (n < 16), and the matching store.
+template <class A>
+inline typename A::F load_part(const float* p, int64_t n) {
+  alignas(64) float tmp[16] = {0};
+  for (int64_t i = 0; i < n; ++i) tmp[i] = p[i];
+  return A::fload(tmp);
+}
+
+template <class A>
+inline void store_part(float* p, typename A::F v, int64_t n) {
+  alignas(64) float tmp[16];
+  A::fstore(tmp, v);
+  for (int64_t i = 0; i < n; ++i) p[i] = tmp[i];
+}
+
+// scores[i] = q . k[pos[i]] for one head (dim = 16 * C), then softmax in place.
+template <class A, int C>
+void softmax_scores(const float* q, const float* keys, const int64_t* pos, int64_t count, float* scores) {
+  using F = typename A::F;
+  F qv[C];
+  for (int c = 0; c < C; ++c) qv[c] = A::fload(q + 16 * c);
+  for (int64_t i0 = 0; i0 < count; i0 += 16) {
+    const int64_t n = min64(16, count - i0);
+    F v[16];
+    for (int j = 0; j < 16; ++j) {
+      if (j >= n) {
+        v[j] = A::fzero();
+        continue;
+      }
+      const float* k = keys + pos[i0 + j] * (16 * C);
+      v[j] = A::mul(qv[0], A::fload(k));
+      for (int c = 1; c < C; ++c) v[j] = A::fma(qv[c], A::fload(k + 16 * c), v[j]);
+    }
+    const F s = A::sum16(v);
+    if (n == 16)
+      A::fstore(scores + i0, s);
+    else
+      store_part<A>(scores + i0, s, n);
+  }
+  float top = scores[0];
+  for (int64_t i = 1; i < count; ++i) top = scores[i] > top ? scores[i] : top;
+  const F shift = A::fset(top);
+  F total = A::fzero();
+  for (int64_t i = 0; i < count; i += 16) {
+    const int64_t n = min64(16, count - i);
+    if (n == 16) {
+      const F e = exp16<A>(A::sub(A::fload(scores + i), shift));
+      A::fstore(scores + i, e);
+      total = A::add(total, e);
+    } else {
+      // Lanes past the end enter the total as zeros.
+      const F e = load_part<A>(scores + i, n);
+      alignas(64) float tmp[16] = {0};
+      store_part<A>(tmp, exp16<A>(A::sub(e, shift)), n);
+      for (int64_t k = 0; k < n; ++k) scores[i + k] = tmp[k];
+      total = A::add(total, A::fload(tmp));
+    }
+  }
+  const F inv = A::fset(1.f / tree16_of<A>(total));
+  for (int64_t i = 0; i < count; i += 16) {
+    const int64_t n = min64(16, count - i);
+    if (n == 16)
+      A::fstore(scores + i, A::mul(A::fload(scores + i), inv));
+    else
+      store_part<A>(scores + i, A::mul(load_part<A>(scores + i, n), inv), n);
+  }
+}
+
+// out[g] = sum_i probs[g][i] v[pos[i]] for G heads that share these values (one load of v each).
+template <class A, int C, int G>
+void weighted_values(const float* values, const int64_t* pos, int64_t count, const float* const* probs,
+                     float* const* out) {
+  using F = typename A::F;
+  F acc[G][C];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) acc[g][c] = A::fzero();
+  for (int64_t i = 0; i < count; ++i) {
+    const float* v = values + pos[i] * (16 * C);
+    F vv[C];
+    for (int c = 0; c < C; ++c) vv[c] = A::fload(v + 16 * c);
+    for (int g = 0; g < G; ++g) {
+      const F p = A::fset(probs[g][i]);
+      for (int c = 0; c < C; ++c) acc[g][c] = A::fma(p, vv[c], acc[g][c]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) A::fstore(out[g] + 16 * c, acc[g][c]);
+}
+
+template <class A, int C>
+void attend_group_c(const float* q, int64_t group, const float* keys, const float* values, const int64_t* pos,
+                    int64_t count, float* scores, float* out) {
+  constexpr int64_t d = 16 * C;
+  for (int64_t g = 0; g < group; ++g) softmax_scores<A, C>(q + g * d, keys, pos, count, scores + g * (count + 16));
+  for (int64_t g0 = 0; g0 < group; g0 += 4) {
+    const float* probs[4];
+    float* outs[4];
+    const int64_t n = min64(group - g0, 4);
+    for (int64_t g = 0; g < n; ++g) {
+      probs[g] = scores + (g0 + g) * (count + 16);
+      outs[g] = out + (g0 + g) * d;
+    }
+    switch (n) {
+      case 1: weighted_values<A, C, 1>(values, pos, count, probs, outs); break;
+      case 2: weighted_values<A, C, 2>(values, pos, count, probs, outs); break;
+      case 3: weighted_values<A, C, 3>(values, pos, count, probs, outs); break;
+      default: weighted_values<A, C, 4>(values, pos, count, probs, outs); break;
+    }
+  }
+}
+
+template <class A>
+void attend_group(const float* q, int64_t group, int64_t dim, const float* keys, const float* values,
+                  const int64_t* pos, int64_t count, float* scores, float* out) {
+  switch (dim) {
+    case 16: attend_group_c<A, 1>(q, group, keys, values, pos, count, scores, out); break;
+    case 32: attend_group_c<A, 2>(q, group, keys, values, pos, count, scores, out); break;
+    case 64: attend_group_c<A, 4>(q, group, keys, values, pos, count, scores, out); break;
+    default: attend_group_c<A, 8>(q, group, keys, values, pos, count, scores, out); break;  // 128 (checked by ops)
+  }
+}
+
+// ---- the rest of a layer -------------------------------------------------------------------------
+
+// y = x * (1 / sqrt(mean(x^2) + eps)) * w per row; hidden % 16 == 0.
+template <class A>
+void rms_norm_rows(const float* x, const float* w, float eps, int64_t rows, int64_t hidden, float* y) {
+  using F = typename A::F;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * hidden;
+    F acc = A::fzero();
+    for (int64_t k = 0; k < hidden; k += 16) {
+      const F v = A::fload(xr + k);
+      acc = A::fma(v, v, acc);
+    }
+    const F inv = A::fset(1.f / std::sqrt(tree16_of<A>(acc) / static_cast<float>(hidden) + eps));
+    for (int64_t k = 0; k < hidden; k += 16)
+      A::fstore(y + r * hidden + k, A::mul(A::mul(A::fload(xr + k), inv), A::fload(w + k)));
+  }
+}
+
+// y = silu(gate) * up per row of gate_up = [gate | up] (each `inter` wide, inter % 16 == 0).
+template <class A>
+void swiglu_rows(const float* gate_up, int64_t rows, int64_t inter, float* y) {
+  using F = typename A::F;
+  const F one = A::fset(1.f);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* g = gate_up + r * 2 * inter;
+    for (int64_t k = 0; k < inter; k += 16) {
+      const F gate = A::fload(g + k);
+      const F sig = A::div(one, A::add(one, exp16<A>(A::sub(A::fzero(), gate))));
+      A::fstore(y + r * inter + k, A::mul(A::mul(gate, sig), A::fload(g + inter + k)));
+    }
+  }
+}
+
+template <class A>
+void add_rows(float* x, const float* y, int64_t count) {
+  int64_t k = 0;
+  for (; k + 16 <= count; k += 16) A::fstore(x + k, A::add(A::fload(x + k), A::fload(y + k)));
+  for (; k < count; ++k) x[k] += y[k];
+}
+
+// The table entry for `A`, with its own matmul (the generic one unless the file has a faster one).
+#define OUTRIDER_KERNELS(A, MATMUL) \
+  { A::kName, quantize_rows<A>, MATMUL, attend_group<A>, rms_norm_rows<A>, swiglu_rows<A>, add_rows<A> }

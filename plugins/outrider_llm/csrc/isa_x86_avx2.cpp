@@ -1,0 +1,53 @@
+// AVX2 + FMA + F16C (Haswell and later, Zen): every kernel on two ymm per 16 lanes.
+
+#include "isa_prelude.h"
+
+#if defined(__x86_64__) || defined(_M_X64)
+
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#endif
+
+namespace {
+
+#include "isa_x86_avx2.h"
+
+struct Avx2 : Avx2Base {
+  static constexpr const char* kName = "avx2";
+  static constexpr bool kDot8Offset = true;
+  static __m256i pairs(__m256i products16) { return _mm256_madd_epi16(products16, _mm256_set1_epi16(1)); }
+  static I dot4(I acc, W w, int32_t x) {
+    const __m256i xb = _mm256_set1_epi32(x);
+    return {_mm256_add_epi32(acc.a, pairs(_mm256_maddubs_epi16(w.a, xb))),
+            _mm256_add_epi32(acc.b, pairs(_mm256_maddubs_epi16(w.b, xb)))};
+  }
+  static __m256i signed_dot(__m256i w, __m256i xb) {  // sum of (w - 128) x, per 4 bytes
+    const __m256i q = _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80)));
+    return pairs(_mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(xb, q)));
+  }
+  static I dot8(I acc, W w, int32_t x) {
+    const __m256i xb = _mm256_set1_epi32(x);
+    return {_mm256_add_epi32(acc.a, signed_dot(w.a, xb)), _mm256_add_epi32(acc.b, signed_dot(w.b, xb))};
+  }
+};
+
+#include "isa_generic.h"
+
+Avx2Base::F Avx2Base::sum16(const F* v) { return sum16_by_lanes<Avx2>(v); }
+
+}  // namespace
+
+namespace outrider_native {
+const KernelSet kAvx2 = OUTRIDER_KERNELS(Avx2, matmul_tiles<Avx2>);
+}  // namespace outrider_native
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+
+#endif

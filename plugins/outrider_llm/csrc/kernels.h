@@ -1,0 +1,104 @@
+// Outrider's native CPU kernels: the torch-free core (plain pointers), one implementation per
+// instruction set behind one table, chosen once at load from the CPU's features.
+//
+// Layout as ggml-cpu's: the scalar code (isa_scalar.cpp, on the generic templates of
+// isa_generic.h) defines every result; each SIMD file (isa_x86_*.cpp, isa_arm_*.cpp) computes the
+// same arithmetic, operation for operation, so every path agrees with the scalar reference bit for
+// bit: the integer sums are exact, and the float epilogue, exp, the reductions and the softmax run
+// the same IEEE operations (fused where the reference fuses, std::fma) in the same order. The whole
+// core is compiled with -ffp-contract=off, so no compiler fuses what the reference does not.
+//
+// Torch binds it in torch_ops.cpp; check_kernels.cpp drives it without torch (the cross-compiled
+// ARM test under qemu).
+
+#pragma once
+
+#include <cstdint>
+#include <functional>
+
+namespace outrider_native {
+
+constexpr int64_t kTile = 16;  // outputs per weight tile (and the width of every vector below)
+
+// One instruction set's kernels. Weight layouts (outrider_llm.native.pack_w4a8 / pack_w8a8):
+//   4-bit: w uint8 [N/16, K/8, 64]: per tile of 16 outputs, per 8 inputs k0..k0+7, byte 4i+p holds
+//          q[16t+i, k0+p] in its low nibble and q[16t+i, k0+4+p] in its high nibble;
+//   8-bit: w uint8 [N/16, K/4, 64]: per tile, per 4 inputs k0..k0+3, byte 4i+p holds q[16t+i, k0+p];
+//   d, m   fp16 [N/16, K/G, 16]: scale and minimum of each (group, output); w = q * d + m.
+struct KernelSet {
+  const char* name;  // "scalar", "avx2", "avx_vnni", "avx512_vnni", "neon", "neon_dotprod"
+  // Activations to int8 per row and group of `group` (scale amax / 127, round to nearest even):
+  // xq [rows, in]; per (row, group): scale, scale * sum(xq), sum(xq).
+  void (*quantize_rows)(const float* x, int64_t rows, int64_t in, int64_t group, int8_t* xq, float* scale,
+                        float* sum, int32_t* isum);
+  // y[r, 16t .. 16t+15] for tiles t0 <= t < t1, every row: y = xq @ W.T, W in the 4- or 8-bit layout.
+  void (*matmul_tiles)(const int8_t* xq, const float* scale, const float* sum, const int32_t* isum, int64_t rows,
+                       int64_t in, int64_t group, const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t out,
+                       int bits, int64_t t0, int64_t t1, float* y, int64_t y_stride);
+  // One row and KV head: `group` query heads (q[g * dim ..]) over the keys and values at `pos`
+  // (count of them; rows of `dim` floats); scores: scratch of group * (count + 16) floats.
+  void (*attend_group)(const float* q, int64_t group, int64_t dim, const float* keys, const float* values,
+                       const int64_t* pos, int64_t count, float* scores, float* out);
+  void (*rms_norm_rows)(const float* x, const float* w, float eps, int64_t rows, int64_t hidden, float* y);
+  void (*swiglu_rows)(const float* gate_up, int64_t rows, int64_t inter, float* y);  // silu(gate) * up
+  void (*add_rows)(float* x, const float* y, int64_t count);                            // x += y
+};
+
+extern const KernelSet kScalar;
+#if defined(__x86_64__) || defined(_M_X64)
+extern const KernelSet kAvx2, kAvxVnni, kAvx512Vnni;
+#endif
+#if defined(__aarch64__)
+extern const KernelSet kNeon, kNeonDotprod;
+#endif
+
+// Every kernel set this build holds, best first (the scalar reference last), and whether this CPU runs it.
+int kernel_set_count();
+const KernelSet& kernel_set(int index);
+bool cpu_runs(const KernelSet& set);
+
+// The set every call uses: the best this CPU runs, or the one named by OUTRIDER_NATIVE_ISA, or by
+// select_kernels. select_kernels returns false (and changes nothing) for a name this CPU cannot run.
+const KernelSet& active_kernels();
+bool select_kernels(const char* name);
+
+// What the CPU has, as the dispatcher read it (cpuid on x86, HWCAP on ARM): e.g. "avx2 fma f16c".
+const char* cpu_features();
+
+// Supplied by the binding (torch: at::parallel_for; check_kernels: a plain loop): fn(begin, end)
+// over [0, n) in chunks, possibly on several threads.
+void parallel_for(int64_t n, const std::function<void(int64_t, int64_t)>& fn);
+
+// ---- operations on whole tensors (ops.cpp), every one on active_kernels() ------------------------
+
+// y [rows, out] = x [rows, in] (fp32, quantized here per row and group) @ W.T.
+void a8_matmul(const float* x, int64_t rows, int64_t in, int64_t group, const uint8_t* w, const uint16_t* d,
+               const uint16_t* m, int64_t out, int bits, float* y);
+
+// One layer's attention for the chunks of a step (attend.cpp's contract, see ops.cpp).
+struct KvLayer {
+  float* data;  // [2, slots, kv_heads, capacity, dim]
+  int64_t slots, capacity, s_half, s_slot, s_head;
+};
+void attend(const float* qkv, int64_t total, const KvLayer& kv, const int64_t* chunks, int64_t chunk_count,
+            const bool* visible, int64_t visible_width, int64_t num_heads, int64_t num_kv_heads, int64_t dim,
+            float* out);
+
+// Every decoder layer of a step on w4a8 weights (w4a8_layers: see ops.cpp).
+struct LayerWeights {
+  const float* attn_norm;
+  const float* mlp_norm;
+  const uint8_t* w[4];  // qkv, o, gate_up, down
+  const uint16_t* d[4];
+  const uint16_t* m[4];
+};
+void w4a8_layers(float* x, int64_t rows, int64_t hidden, const float* cos, const float* sin, const KvLayer* kv,
+                 const LayerWeights* layers, int64_t num_layers, const int64_t* chunks, int64_t chunk_count,
+                 const bool* visible, int64_t visible_width, int64_t group, int64_t num_heads, int64_t num_kv_heads,
+                 int64_t dim, int64_t inter, float eps);
+
+// The chunk table's checks (an error message, or empty when it fits).
+const char* check_chunks(const int64_t* chunks, int64_t chunk_count, int64_t total, int64_t slots, int64_t capacity,
+                         int64_t visible_width, bool causal, char* message, int64_t message_size);
+
+}  // namespace outrider_native

@@ -1,0 +1,182 @@
+// Whole-tensor operations on the active kernel set: the int8-activation matmul, the attention of
+// a step's chunks, and the fused decoder layer stack. Plain pointers; torch_ops.cpp checks shapes
+// and binds them.
+//
+// attend: each row over exactly the keys it may see, in key order. Speculative decoding is
+// lossless only if verifying a draft tree computes, for each node, the logits a one-token step
+// would compute after the same prefix; batched attention reduces over every key of the chunk (the
+// masked ones add zeros, but vectorised sums group the keys differently for a different count),
+// so a tree row and a decode row would differ in their last bits, and the int8 activations
+// downstream turn some of those bits into whole rounding steps. Here the visible keys of a row
+// are gathered first (the committed prefix, then its ancestors in the tree, in position order:
+// exactly the keys a one-token step reads, in the same order) and everything after runs on that
+// list, one row at a time.
+//
+// Per step: every chunk's K and V are written into the cache, then for each (row, head):
+//   s_i = q . k_i over visible keys i; p_i = exp(s_i - max s) / sum; out = sum_i p_i v_i
+// (q is pre-scaled by 1/sqrt(d) in the weights).
+//   qkv     [T, (H + 2 KV) * D], RoPE applied to q and k;
+//   chunks  [C, 4]: (slot, first row in qkv, rows n, committed length L) per chunk;
+//   visible [T, W] (W >= n of every chunk): row start + r sees fed token c of its chunk when
+//           visible[start + r, c]; null means causal (c <= r) for every chunk.
+//
+// w4a8_layers: every decoder layer of a Llama step in one call (RMSNorm, the int8 quantization
+// of activations, the four matmuls, RoPE, attention, SwiGLU and the residual adds). With the
+// matmuls this fast, a one-token step of SmolLM2 spent a third of its time dispatching torch's
+// ~30 small operations per layer; here a layer is plain loops over a few KB of activations.
+// Every row is computed on its own, in a fixed order: its result never depends on the other rows
+// of the step, on the thread count, or (kernels.h) on the instruction set.
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <vector>
+
+#include "kernels.h"
+
+namespace outrider_native {
+
+void a8_matmul(const float* x, int64_t rows, int64_t in, int64_t group, const uint8_t* w, const uint16_t* d,
+               const uint16_t* m, int64_t out, int bits, float* y) {
+  if (rows == 0) return;
+  const KernelSet& ks = active_kernels();
+  const int64_t groups = in / group;
+  // Per-thread scratch, kept between calls (an allocation per call costs more than a small matmul).
+  thread_local std::vector<int32_t> xq_store;  // int32 words: 4-byte aligned int8 rows
+  thread_local std::vector<float> scale, sum;
+  thread_local std::vector<int32_t> isum;
+  xq_store.resize((rows * in + 3) / 4);
+  scale.resize(rows * groups);
+  sum.resize(rows * groups);
+  isum.resize(rows * groups);
+  int8_t* xq = reinterpret_cast<int8_t*>(xq_store.data());
+  ks.quantize_rows(x, rows, in, group, xq, scale.data(), sum.data(), isum.data());
+  const float* sp = scale.data();
+  const float* up = sum.data();
+  const int32_t* ip = isum.data();
+  parallel_for(out / kTile, [&](int64_t begin, int64_t end) {
+    ks.matmul_tiles(xq, sp, up, ip, rows, in, group, w, d, m, out, bits, begin, end, y, out);
+  });
+}
+
+const char* check_chunks(const int64_t* ch, int64_t count, int64_t total, int64_t slots, int64_t capacity,
+                         int64_t visible_width, bool causal, char* message, int64_t message_size) {
+  std::vector<char> owned(total, 0);
+  for (int64_t c = 0; c < count; ++c) {
+    const int64_t slot = ch[4 * c], start = ch[4 * c + 1], n = ch[4 * c + 2], length = ch[4 * c + 3];
+    if (!(slot >= 0 && slot < slots && start >= 0 && n >= 1 && start + n <= total && length >= 0 &&
+          length + n <= capacity && (causal || n <= visible_width))) {
+      std::snprintf(message, message_size,
+                    "chunk %lld (slot %lld, rows %lld+%lld, length %lld) does not fit %lld rows, %lld slots of %lld",
+                    static_cast<long long>(c), static_cast<long long>(slot), static_cast<long long>(start),
+                    static_cast<long long>(n), static_cast<long long>(length), static_cast<long long>(total),
+                    static_cast<long long>(slots), static_cast<long long>(capacity));
+      return message;
+    }
+    for (int64_t r = start; r < start + n; ++r) {
+      if (owned[r]) {
+        std::snprintf(message, message_size, "row %lld is in two chunks", static_cast<long long>(r));
+        return message;
+      }
+      owned[r] = 1;
+    }
+  }
+  return "";
+}
+
+void attend(const float* qkv, int64_t total, const KvLayer& kv, const int64_t* ch, int64_t count,
+            const bool* visible, int64_t visible_width, int64_t num_heads, int64_t num_kv_heads, int64_t dim,
+            float* out) {
+  const KernelSet& ks = active_kernels();
+  const int64_t width = (num_heads + 2 * num_kv_heads) * dim, q_width = num_heads * dim;
+  const int64_t group = num_heads / num_kv_heads;
+  std::vector<int64_t> row_chunk(total, -1);
+  for (int64_t c = 0; c < count; ++c)
+    for (int64_t r = ch[4 * c + 1]; r < ch[4 * c + 1] + ch[4 * c + 2]; ++r) row_chunk[r] = c;
+  // K and V of every fed token into the cache, before any row reads them.
+  for (int64_t c = 0; c < count; ++c) {
+    const int64_t slot = ch[4 * c], start = ch[4 * c + 1], n = ch[4 * c + 2], length = ch[4 * c + 3];
+    for (int64_t r = 0; r < n; ++r)
+      for (int64_t half = 0; half < 2; ++half)
+        for (int64_t h = 0; h < num_kv_heads; ++h)
+          std::memcpy(kv.data + half * kv.s_half + slot * kv.s_slot + h * kv.s_head + (length + r) * dim,
+                      qkv + (start + r) * width + q_width + (half * num_kv_heads + h) * dim, dim * sizeof(float));
+  }
+  std::memset(out, 0, sizeof(float) * total * q_width);  // a row no chunk owns stays zero
+  parallel_for(total * num_kv_heads, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<int64_t> pos;
+    thread_local std::vector<float> scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t row = task / num_kv_heads, kv_head = task % num_kv_heads, c = row_chunk[row];
+      if (c < 0) continue;
+      const int64_t slot = ch[4 * c], start = ch[4 * c + 1], n = ch[4 * c + 2], length = ch[4 * c + 3];
+      const int64_t r = row - start;
+      pos.resize(length + n);
+      int64_t seen = 0;
+      for (int64_t i = 0; i < length; ++i) pos[seen++] = i;
+      for (int64_t j = 0; j < n; ++j)
+        if (visible == nullptr ? j <= r : visible[row * visible_width + j]) pos[seen++] = length + j;
+      if (seen == 0) continue;  // sees nothing (a visible row without its own token): zeros
+      scores.resize(group * (seen + 16));
+      const float* base = kv.data + slot * kv.s_slot + kv_head * kv.s_head;
+      ks.attend_group(qkv + row * width + kv_head * group * dim, group, dim, base, base + kv.s_half, pos.data(), seen,
+                      scores.data(), out + row * q_width + kv_head * group * dim);
+    }
+  });
+}
+
+namespace {
+
+// RoPE in place on the first `heads` heads of each row: p' = p * cos + rotate_half(p) * sin
+// (sin carries the sign of rotate_half's first half). Plain C++: the same on every path.
+void rope_rows(float* qkv, const float* cos, const float* sin, int64_t rows, int64_t heads, int64_t d,
+               int64_t width) {
+  const int64_t half = d / 2;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* c = cos + r * d;
+    const float* s = sin + r * d;
+    for (int64_t h = 0; h < heads; ++h) {
+      float* p = qkv + r * width + h * d;
+      for (int64_t i = 0; i < half; ++i) {
+        const float a = p[i], b = p[i + half];
+        p[i] = a * c[i] + b * s[i];
+        p[i + half] = b * c[i + half] + a * s[i + half];
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void w4a8_layers(float* x, int64_t rows, int64_t hidden, const float* cos, const float* sin, const KvLayer* kv,
+                 const LayerWeights* layers, int64_t num_layers, const int64_t* chunks, int64_t chunk_count,
+                 const bool* visible, int64_t visible_width, int64_t group, int64_t num_heads, int64_t num_kv_heads,
+                 int64_t dim, int64_t inter, float eps) {
+  if (rows == 0) return;
+  const KernelSet& ks = active_kernels();
+  const int64_t q_width = num_heads * dim, width = (num_heads + 2 * num_kv_heads) * dim;
+  const int64_t widest = std::max(std::max(hidden, inter), q_width);
+  thread_local std::vector<float> h, qkv, attn, out, gate_up;
+  h.resize(rows * widest);
+  qkv.resize(rows * width);
+  attn.resize(rows * q_width);
+  out.resize(rows * hidden);
+  gate_up.resize(rows * 2 * inter);
+  for (int64_t li = 0; li < num_layers; ++li) {
+    const LayerWeights& L = layers[li];
+    ks.rms_norm_rows(x, L.attn_norm, eps, rows, hidden, h.data());
+    a8_matmul(h.data(), rows, hidden, group, L.w[0], L.d[0], L.m[0], width, 4, qkv.data());
+    rope_rows(qkv.data(), cos, sin, rows, num_heads + num_kv_heads, dim, width);
+    attend(qkv.data(), rows, kv[li], chunks, chunk_count, visible, visible_width, num_heads, num_kv_heads, dim,
+           attn.data());
+    a8_matmul(attn.data(), rows, q_width, group, L.w[1], L.d[1], L.m[1], hidden, 4, out.data());
+    ks.add_rows(x, out.data(), rows * hidden);
+    ks.rms_norm_rows(x, L.mlp_norm, eps, rows, hidden, h.data());
+    a8_matmul(h.data(), rows, hidden, group, L.w[2], L.d[2], L.m[2], 2 * inter, 4, gate_up.data());
+    ks.swiglu_rows(gate_up.data(), rows, inter, h.data());
+    a8_matmul(h.data(), rows, inter, group, L.w[3], L.d[3], L.m[3], hidden, 4, out.data());
+    ks.add_rows(x, out.data(), rows * hidden);
+  }
+}
+
+}  // namespace outrider_native
