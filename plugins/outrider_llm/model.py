@@ -34,7 +34,6 @@ import torch
 import torch.nn.functional as F
 
 from outrider.generation.contract import Chunk, ForwardOutput
-from outrider.hardware import cpu_flags
 
 from .kv_cache import SlotKVCache
 
@@ -453,8 +452,7 @@ class LlamaModel(torch.nn.Module):
         linears = [k for layer in self.layers for k in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         cfg = self.config
         return (self.device.type == "cpu" and bool(linears) and cfg.head_dim in (16, 32, 64, 128)
-                and all(getattr(k, "kernel", None) in ("int4native", "w4a8") for k in linears)
-                and "avx512dq" in cpu_flags())
+                and all(getattr(k, "kernel", None) in ("int4native", "w4a8") for k in linears))
 
     def _w4a8_head_fits(self) -> bool:
         """Whether an unquantized head joins "w4a8" layers as block-wise int8 (W8A8Linear)."""

@@ -1,24 +1,27 @@
-"""Outrider's native CPU kernels (csrc/), built on first use and loaded as torch ops `outrider::*`.
+"""Outrider's native CPU kernels (csrc/), built at install into `outrider_llm._native` and loaded
+as torch ops `outrider::*`.
 
-- `w4a8_mm` / `w8a8_mm` (w4a8_mm.cpp): int4 (or int8) weights times activations quantized to int8
-  per row and block, on AVX512-VNNI, as llama.cpp computes Q4_1 x Q8_1; `quantize.kernel: w4a8`.
-- `w4a8_layers` (w4a8_layers.cpp): every decoder layer of a step in one call, on those matmuls.
-- `attend` (attend.cpp): attention over exactly the keys each row may see, in key order, so a draft
-  tree's rows get bit for bit a one-token step's logits.
-- `int4_mm` (int4_mm.cpp): int4 weights times bf16 activations on AMX or AVX512-BF16;
+- `w4a8_mm` / `w8a8_mm`: int4 (or int8) weights times activations quantized to int8 per row and
+  block, as llama.cpp computes Q4_1 x Q8_1; `quantize.kernel: w4a8`.
+- `w4a8_layers`: every decoder layer of a step in one call, on those matmuls.
+- `attend`: attention over exactly the keys each row may see, in key order, so a draft tree's rows
+  get bit for bit a one-token step's logits.
+- `int4_mm` (x86 only): int4 weights times bf16 activations on AMX or AVX512-BF16;
   `quantize.kernel: int4native`.
 
-One extension holds them all. It is built with torch's own extension builder
-(`torch.utils.cpp_extension.load`: a C++ compiler and ninja) into torch's extension cache, once
-per machine and source (seconds; a cached load is quicker). Where it cannot be built or an op
-cannot run (no compiler, no AVX512-VNNI / AVX512-BF16, OUTRIDER_NATIVE_INT4=0), `w4a8_kernel()` /
-`int4_kernel()` say why and the model uses torch's kernels. Being registered torch ops, they run
-inside TorchScript like any aten op.
+All but int4_mm run on every CPU: one kernel set per instruction set (scalar, AVX2, AVX-VNNI,
+AVX-512 VNNI, NEON, NEON dotprod; csrc/kernels.h), the best this CPU runs chosen at load, each
+equal to the scalar reference bit for bit, so a model computes the same logits on every path.
+`OUTRIDER_NATIVE_ISA=avx2` (say) forces a set this CPU runs; `OUTRIDER_NATIVE=0` turns the
+native kernels off, `OUTRIDER_NATIVE_INT4=0` only int4_mm. The library is compiled when the
+package is installed (setup.py), never at first request; where that build was impossible,
+`w4a8_kernel()` / `int4_kernel()` say why and the model uses torch's kernels.
 """
 
 from __future__ import annotations
 
-import hashlib
+import importlib.machinery
+import logging
 import os
 import threading
 from pathlib import Path
@@ -27,70 +30,88 @@ import torch
 
 from outrider.hardware import cpu_flags
 
-CSRC = Path(__file__).with_name("csrc")
-# One extension, every op (native.h: what they share).
-SOURCES = (CSRC / "int4_mm.cpp", CSRC / "w4a8_mm.cpp", CSRC / "attend.cpp", CSRC / "w4a8_layers.cpp", CSRC / "native.h")
+log = logging.getLogger("outrider.llm")
+
+PACKAGE = Path(__file__).parent
+CSRC = PACKAGE / "csrc"
+BUILD_REPORT = PACKAGE / "_native_build.txt"  # written by setup.py where the build failed
 TILE = 16  # outputs per tile (one fp32 zmm)
-REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
-W4A8_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
+INT4_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 
 _LOCK = threading.Lock()
-_STATE: dict[str, tuple[bool, str]] = {}
+_LOADED: list[tuple[bool, str]] = []
+
+
+def library() -> tuple[bool, str]:
+    """(loaded, reason): whether the install-built kernel library is loaded (loading it once)."""
+    with _LOCK:
+        if not _LOADED:
+            _LOADED.append(_load())
+            if _LOADED[0][0]:
+                log.info("native kernels: %s (CPU features: %s)", _LOADED[0][1], cpu_features())
+            else:
+                log.info("native kernels unavailable: %s", _LOADED[0][1])
+        return _LOADED[0]
+
+
+def _load() -> tuple[bool, str]:
+    if os.environ.get("OUTRIDER_NATIVE", "1") == "0":
+        return False, "OUTRIDER_NATIVE=0"
+    if not hasattr(torch.ops.outrider, "w4a8_mm"):
+        paths = [PACKAGE / f"_native{suffix}" for suffix in importlib.machinery.EXTENSION_SUFFIXES]
+        path = next((p for p in paths if p.exists()), None)
+        if path is None:
+            why = BUILD_REPORT.read_text().strip() if BUILD_REPORT.exists() else "not built at install"
+            return False, f"{why} (reinstall with a C++ compiler and torch present: pip install --no-build-isolation)"
+        try:
+            torch.ops.load_library(str(path))
+        except (OSError, RuntimeError) as exc:  # built against another torch, a missing libgomp
+            return False, f"{path.name} does not load: {exc}"
+    forced = os.environ.get("OUTRIDER_NATIVE_ISA", "")
+    name = kernels()
+    if forced and forced != name:
+        log.warning("OUTRIDER_NATIVE_ISA=%s: not a kernel set this CPU runs (%s); %s serves", forced,
+                    ", ".join(kernel_sets()), name)
+    return True, f"kernel set {name}" + (" (no SIMD path for this CPU: slow)" if name == "scalar" else "")
+
+
+def kernels() -> str:
+    """The kernel set every native call uses now ("avx2", "avx512_vnni", "neon_dotprod", ...)."""
+    return torch.ops.outrider.native_kernels()
+
+
+def kernel_sets() -> list[str]:
+    """Every kernel set this CPU runs, best first; "scalar" (the reference) is always last."""
+    return list(torch.ops.outrider.native_kernel_sets())
+
+
+def select(name: str) -> None:
+    """Use kernel set `name` for every native call of this process (tests and benchmarks)."""
+    if not torch.ops.outrider.native_select(name):
+        raise ValueError(f"kernel set {name!r} does not run on this CPU (it runs: {', '.join(kernel_sets())})")
+
+
+def cpu_features() -> str:
+    """The CPU features the dispatcher read (cpuid on x86, HWCAP on ARM)."""
+    return torch.ops.outrider.native_cpu_features()
 
 
 def int4_kernel() -> tuple[bool, str]:
-    """(usable, reason): whether `outrider::int4_mm` is loaded and runs on this CPU, and why not."""
-    with _LOCK:
-        if "int4" not in _STATE:
-            _STATE["int4"] = _usable(REQUIRED_FLAGS)
-            if _STATE["int4"][0]:
-                _STATE["int4"] = (True, _STATE["int4"][1] + "; " + _path())
-        return _STATE["int4"]
+    """(usable, reason): whether `outrider::int4_mm` (AMX or AVX512-BF16) runs on this CPU, and why not."""
+    loaded, why = library()
+    if not loaded:
+        return False, why
+    if os.environ.get("OUTRIDER_NATIVE_INT4", "1") == "0":
+        return False, "OUTRIDER_NATIVE_INT4=0"
+    missing = [f for f in INT4_FLAGS if f not in cpu_flags()]
+    if missing or not hasattr(torch.ops.outrider, "int4_mm"):
+        return False, f"the CPU lacks {', '.join(missing) or 'x86 AVX-512'}"
+    return True, "AMX" if torch.ops.outrider.int4_mm_has_amx() else "AVX512-BF16"
 
 
 def w4a8_kernel() -> tuple[bool, str]:
     """(usable, reason): whether `outrider::w4a8_mm` (int4 weights x int8 activations) runs here."""
-    with _LOCK:
-        if "w4a8" not in _STATE:
-            _STATE["w4a8"] = _usable(W4A8_FLAGS)
-        return _STATE["w4a8"]
-
-
-def _usable(flags: tuple[str, ...]) -> tuple[bool, str]:
-    if os.environ.get("OUTRIDER_NATIVE_INT4", "1") == "0":
-        return False, "OUTRIDER_NATIVE_INT4=0"
-    missing = [f for f in flags if f not in cpu_flags()]
-    if missing:
-        return False, f"the CPU lacks {', '.join(missing)}"
-    if "build" not in _STATE:
-        _STATE["build"] = _build()
-    return _STATE["build"]
-
-
-def _build() -> tuple[bool, str]:
-    if hasattr(torch.ops.outrider, "int4_mm"):
-        return True, "loaded"
-    try:
-        from torch.utils import cpp_extension
-
-        # Source hash in the name: a changed kernel never loads a stale build.
-        digest = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES)).hexdigest()[:12]
-        cpp_extension.load(
-            name=f"outrider_int4_{digest}",
-            sources=[str(source) for source in SOURCES if source.suffix == ".cpp"],
-            extra_include_paths=[str(CSRC)],
-            extra_cflags=["-O3", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],  # torch's own libgomp.so.1 is already loaded: one thread pool
-            is_python_module=False,
-            verbose=False,
-        )
-    except Exception as exc:  # no compiler, no ninja, a toolchain too old for AVX512-BF16 intrinsics
-        return False, f"could not build the native kernel: {type(exc).__name__}: {str(exc)[-300:]}"
-    return True, "built"
-
-
-def _path() -> str:
-    return "AMX" if torch.ops.outrider.int4_mm_has_amx() else "AVX512-BF16"
+    return library()
 
 
 def pack_int4_tiles(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,

@@ -18,6 +18,8 @@
 //   d, m  fp16 [N/16, K/G, 16]: scale and minimum of each (group, output).
 // Output fp32 [M, N].
 
+#if defined(__x86_64__) || defined(_M_X64)  // AMX and AVX512-BF16 only: nothing to build elsewhere
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -294,9 +296,11 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& d
 
 }  // namespace
 
-TORCH_LIBRARY(outrider, lib) {
+TORCH_LIBRARY_FRAGMENT(outrider, lib) {
   lib.def("int4_mm(Tensor x, Tensor w, Tensor d, Tensor m, int group_size, int path=-1) -> Tensor");
   lib.def("int4_mm_has_amx", &has_amx);
 }
 
 TORCH_LIBRARY_IMPL(outrider, CPU, lib) { lib.impl("int4_mm", int4_mm); }
+
+#endif
