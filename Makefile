@@ -14,7 +14,7 @@ NATIVE_SOURCES := setup.py $(wildcard plugins/outrider_llm/csrc/*)
 # Says which kernel set serves here, or why the native kernels were not built.
 NATIVE_STATUS := $(PY) -c "from outrider_llm import native; ok, why = native.library(); print('native kernels:', why)"
 
-.PHONY: serve test test-ray install install-dev bench gpu-bundle gpu-check clean
+.PHONY: serve test cross-tools test-ray install install-dev bench gpu-bundle gpu-check clean
 
 $(VENV)/.outrider-serve: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -47,8 +47,17 @@ install-dev: $(VENV)/.outrider-dev $(VENV)/.outrider-native
 serve: install
 	$(VENV)/bin/outrider serve manifests/minilm.yaml
 
+## The cross-compiler and qemu-user for the ARM kernel test (tests/test_native_isa.py), from
+## Debian's packages where this runs as root with apt; elsewhere that test skips and says why.
+cross-tools:
+	@if command -v aarch64-linux-gnu-g++ >/dev/null && command -v qemu-aarch64-static >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+	    g++-aarch64-linux-gnu qemu-user-static >/dev/null; \
+	else echo "cross tools not installed (not root or no apt-get): the ARM kernel test will skip"; fi
+
 ## Install what the tests need and run them.
-test: install-dev
+test: install-dev cross-tools
 	$(VENV)/bin/python -m pytest -q
 
 ## Ray Serve integration (outrider.integrations.ray): installs the ray extra (~320 MB, ~40 s
