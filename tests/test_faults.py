@@ -92,6 +92,31 @@ def test_failing_load_backs_off_and_stays_not_ready(server_factory, tmp_path):
     assert "restarting in" in server.log()
 
 
+@pytest.mark.parametrize("kind", ["thread", "process"])
+def test_deterministic_load_failure_fails_once_and_the_others_keep_serving(server_factory, tmp_path, kind):
+    # A bad artifact fails the same way every time: one load attempt, failed with the reason,
+    # no restart loop; the transient failures above keep their restart with back-off.
+    journal = tmp_path / "loads.txt"
+    bad = write_manifest(tmp_path, f"name: bad\nbackend: bad-artifact\noptions: {{journal: '{journal}'}}\n"
+                                   f"scheduling: {{instance_kind: {kind}}}\n", "bad.yaml")
+    good = write_manifest(tmp_path, "name: good\nbackend: echo\n", "good.yaml")
+    server = server_factory([bad, good], ["outrider_test_backends", "outrider_echo"], wait=False)
+    with Client(server.address, timeout=5) as client:
+        health = _wait_for(client, "bad", lambda h: h["state"] == "failed")
+        time.sleep(2.5)  # past the first restarts' back-off (0 s, 1 s): none may come
+        health = client.health()["models"]["bad"]
+        good_health = _wait_for(client, "good", lambda h: h["ready"])
+        assert health["state"] == "failed" and not health["ready"]
+        assert "bad_artifact" in health["reason"] and "truncated on purpose" in health["reason"]
+        assert "not retried" in health["reason"]
+        assert health["stats"]["instance_restarts"] == 0 and health["instances"][0]["generation"] == 0
+        with pytest.raises(ModelNotReadyError, match="truncated on purpose"):
+            client.infer("bad", _x(1))
+        assert good_health["state"] == "ready" and client.infer("good", _x(4))["x"][0] == 4
+    assert journal.read_text().splitlines() == ["load"]
+    assert "restarting in" not in server.log() and "starting replacement" not in server.log()
+
+
 def test_overload_gets_immediate_errors_and_every_request_one_reply(server_factory, tmp_path):
     manifest = write_manifest(tmp_path, "name: slow\nbackend: echo\noptions: {delay_ms: 50}\n"
                                         "scheduling: {max_queue_size: 4}\nwarmup: {iterations: 0}\n")

@@ -25,7 +25,7 @@ pytest.importorskip("onnx")
 from outrider_quantize.config import QuantizeConfig  # noqa: E402
 from outrider_quantize.onnx import (  # noqa: E402
     CALIBRATION_SENTENCES, HELDOUT_SENTENCES, OnnxQuantizer, activation_ranges, calibration_feeds, choose_nodes,
-    embedding_quality, quantize_onnx, sensitive_matmuls, split_outlier_channels,
+    cpu_class, embedding_quality, quantize_onnx, recipe_for, sensitive_matmuls, split_outlier_channels,
 )
 
 
@@ -42,11 +42,15 @@ class CountingCache(ArtifactCache):
         return super().get_or_build(kind, counted, **kwargs)
 
 
-@pytest.fixture(scope="module")
-def manifest():
+def load_manifest_int8():
     from outrider.manifest import load_manifest
 
     return load_manifest(MANIFESTS / "minilm-int8.yaml")
+
+
+@pytest.fixture(scope="module")
+def manifest():
+    return load_manifest_int8()
 
 
 @pytest.fixture(scope="module")
@@ -128,12 +132,14 @@ def test_int8_keeps_the_contract_and_the_planned_nodes(quantized, fp32):
     sensitive = sensitive_matmuls(onnx.load(str(fp32)))
     assert len(sensitive) == 6
     # The shipped recipe splits the FFN output projections: their few outlier input channels
-    # stay in a float MatMul of their own, the rest is quantized.
-    assert artifact.provenance["outlier_channels"] == 16
+    # stay in a float MatMul of their own, the rest is quantized. How many depends on the class of
+    # this CPU (16 with VNNI, 64 on AVX2 with 7-bit weights): derived from the detection.
+    channels = recipe_for(_config(load_manifest_int8()), cpu_class()).outlier_channels
+    assert artifact.provenance["outlier_channels"] == channels and artifact.provenance["cpu_class"] == cpu_class()
     assert kept == [f"{n}_outlier" for n in sensitive]
     assert all(n.op_type == "MatMul" for n in graph.graph.node if n.name in kept)
     weights = {i.name: i for i in graph.graph.initializer}
-    assert all(list(weights[n.input[1]].dims) == [16, 384] for n in graph.graph.node if n.name in kept)
+    assert all(list(weights[n.input[1]].dims) == [channels, 384] for n in graph.graph.node if n.name in kept)
     session = onnxruntime.InferenceSession(str(artifact.path), providers=["CPUExecutionProvider"])
     assert [o.name for o in session.get_outputs()] == ["embedding"]
     assert {i.name for i in session.get_inputs()} <= {"input_ids", "attention_mask", "token_type_ids"}
@@ -235,3 +241,100 @@ def test_outlier_split_options_are_checked(fp32, tmp_path):
     sensitive = sensitive_matmuls(model)[:1]
     with pytest.raises(ManifestError, match=r"not fewer than the 1536 input channels"):
         split_outlier_channels(model, sensitive, {}, 1536)
+
+
+# -- one recipe per class of CPU -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("flags", "machine", "expected"), [
+    ({"avx2", "avx512f", "avx512bw", "avx512_vnni"}, "x86_64", "vnni"),   # Cascade Lake, Zen 4/5
+    ({"avx2", "avx512_vnni", "amx_int8", "amx_tile"}, "x86_64", "vnni"),  # Sapphire Rapids (AMX)
+    ({"avx2", "avx_vnni"}, "x86_64", "vnni"),                             # Alder Lake, N100 has none: below
+    ({"avx2", "fma"}, "x86_64", "avx2"),                                  # Zen 2/3, Haswell, N100/N305
+    ({"avx2", "avx512f", "avx512bw"}, "x86_64", "avx2"),                  # Skylake-SP: AVX-512, no VNNI
+    ({"sse4_1", "sse4_2"}, "x86_64", "other"),                            # pmaddubsw saturates too
+    (set(), "x86_64", "other"),                                           # no /proc/cpuinfo: the safe recipe
+    (set(), "aarch64", "arm"),
+    ({"avx512_vnni"}, "riscv64", "other"),
+])
+def test_cpu_class_from_flags_and_machine(flags, machine, expected):
+    assert cpu_class(flags, machine) == expected
+
+
+def test_cpu_class_here_agrees_with_the_flags():
+    import platform
+
+    from outrider.hardware import cpu_flags
+
+    assert cpu_class() == cpu_class(cpu_flags(), platform.machine())
+
+
+# The recipes documented in manifests/minilm-int8.yaml and docs/ACCELERATORS.md, per class.
+DOCUMENTED = {
+    "vnni": {"weights": "int8", "outlier_channels": 16},
+    "avx2": {"weights": "int7", "outlier_channels": 64},
+    "arm": {"weights": "uint8", "outlier_channels": 16},
+    "other": {"weights": "uint8", "outlier_channels": 16},
+}
+
+
+@pytest.mark.parametrize("cls", sorted(DOCUMENTED))
+def test_the_recipe_chosen_for_each_class_is_the_documented_one(manifest, monkeypatch, cls):
+    import outrider_quantize.onnx as onnx_quantize
+
+    monkeypatch.setattr(onnx_quantize, "cpu_class", lambda *a, **k: cls)  # this CPU taken for one of class cls
+    quantizer = OnnxQuantizer(manifest, _config(manifest))
+    assert quantizer.cpu == cls
+    options = quantizer.options()
+    assert {k: options[k] for k in DOCUMENTED[cls]} == DOCUMENTED[cls]
+    # What every class shares: dynamic, per channel, SmoothQuant 0.5, the FFN output projections split.
+    assert (options["method"], options["per_channel"], options["smooth_alpha"], options["keep_sensitive"]) == \
+        ("dynamic", True, 0.5, True)
+    assert options["cpu_class"] == cls
+
+
+def test_weights_auto_is_int8_only_with_vnni():
+    config = QuantizeConfig(mode="int8")
+    assert {cls: recipe_for(config, cls).weights for cls in DOCUMENTED} == \
+        {"vnni": "int8", "avx2": "uint8", "arm": "uint8", "other": "uint8"}
+    # by_cpu fields replace the section's only on their class; an explicit null is a value too.
+    config = QuantizeConfig(mode="int8", outlier_channels=16, smooth_alpha=0.5,
+                            by_cpu={"arm": {"weights": "int8", "outlier_channels": None}})
+    assert (recipe_for(config, "arm").weights, recipe_for(config, "arm").outlier_channels) == ("int8", None)
+    assert recipe_for(config, "vnni").outlier_channels == 16 and recipe_for(config, "arm").smooth_alpha == 0.5
+
+
+def test_by_cpu_is_checked_for_every_class_at_start(manifest):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError):
+        QuantizeConfig(mode="int8", by_cpu={"sse": {"weights": "uint8"}})
+    with pytest.raises(ValidationError):
+        QuantizeConfig(mode="int8", by_cpu={"avx2": {"weights": "int4"}})
+    # Wrong only for ARM (a split needs keep_sensitive), found on any machine.
+    bad = _config(manifest, by_cpu={"arm": {"keep_sensitive": False}})
+    with pytest.raises(ManifestError, match=r"minilm-int8\.yaml.*outlier_channels.*keep_sensitive"):
+        OnnxQuantizer(manifest, bad)
+
+
+def test_cache_key_differs_by_cpu_class_onnxruntime_version_and_recipe(manifest, fp32, tmp_path, monkeypatch):
+    import outrider.artifacts as artifacts
+    import outrider_quantize.onnx as onnx_quantize
+
+    cache = ArtifactCache(tmp_path)
+
+    def key(cls: str, config: QuantizeConfig) -> str:
+        monkeypatch.setattr(onnx_quantize, "cpu_class", lambda *a, **k: cls)
+        options = OnnxQuantizer(manifest, config).options()
+        return cache.key("onnx-int8", [fp32], ["onnxruntime", "onnx"], "cpu", options)[0]
+
+    shipped = _config(manifest)
+    keys = {cls: key(cls, shipped) for cls in DOCUMENTED}
+    assert len(set(keys.values())) == 4  # arm and other share a recipe, not a key
+    # The same recipe forced on two classes still keys apart: the kernels differ, so do the figures.
+    same = _config(manifest, weights="uint8", by_cpu={})
+    assert key("avx2", same) != key("other", same)
+    # Another onnxruntime: another key (its kernels, and so its figures, may differ).
+    real = artifacts.package_version
+    monkeypatch.setattr(artifacts, "package_version", lambda name: "0.0.0" if name == "onnxruntime" else real(name))
+    assert key("vnni", shipped) != keys["vnni"]

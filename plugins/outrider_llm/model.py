@@ -541,9 +541,9 @@ class LlamaModel(torch.nn.Module):
                     quantize: Optional[str] = None) -> Callable[[torch.Tensor], torch.Tensor]:
         """y = x @ weight.T in this model's compute format (prepacked when oneDNN works here).
 
-        `quantize="int4"`: group-wise int4 (round to nearest, groups of 32) when the packed int4
-        kernel is the fastest here (output bf16; next to w4a8 layers, w4a8: output fp32), else as
-        without it. For a drafter's weights:
+        `quantize="int4"`: group-wise int4 (round to nearest, groups of 32) on the w4a8 kernel
+        (output fp32) where outrider's native kernels run, else on torch's packed int4 kernel when
+        that is the fastest here (output bf16), else as without it. For a drafter's weights:
         a draft head's three matmuls per drafted token cost more in bf16 than the rest of drafting.
         """
         if quantize not in (None, "int4"):
@@ -552,10 +552,13 @@ class LlamaModel(torch.nn.Module):
             # "auto+bf16": a drafter expanding many nodes at once also gets a dense bf16 copy
             # where that wins from a few rows on (the packed kernel's cost grows with rows, dense
             # bf16's barely; a draft head is small, so the copy is cheap).
-            # Next to w4a8 layers, the drafter's weights take the same kernel (flat enough in rows
-            # that no copy is needed).
+            # Where outrider's native kernels run (every CPU they were built for), the drafter's
+            # weights take w4a8: flat enough in rows that no copy is needed, faster than torch's
+            # int4 kernel, and the same bits on every instruction set.
             target = self.kernel_plans.get("int4")
-            plan = target if target is not None and target.kernel == "w4a8" else choose_kernel("int4", "auto+bf16", 32)
+            plan = target if target is not None and target.kernel == "w4a8" else choose_kernel("int4", "w4a8", 32)
+            if plan.kernel != "w4a8":
+                plan = choose_kernel("int4", "auto+bf16", 32)
             if plan.kernel in ("int4pack", "w4a8"):
                 from outrider.generation.weights import quantize_int4
 

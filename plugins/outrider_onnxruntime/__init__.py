@@ -48,7 +48,7 @@ from outrider import hookimpl
 from outrider.artifacts import PROVENANCE, Artifact, ArtifactCache
 from outrider.backend import Availability, Backend, Task
 from outrider.devices import explain, inventory
-from outrider.errors import BackendUnavailableError, ExecutionError
+from outrider.errors import ArtifactError, BackendUnavailableError, ExecutionError
 from outrider.manifest import Manifest
 
 from .cores import physical_cores
@@ -146,6 +146,10 @@ def node_fallback_report(placement: dict[str, Counter], active: list[str]) -> Op
 
 
 
+
+#: onnxruntime's exception types (onnxruntime.capi.onnxruntime_pybind11_state) that blame the
+#: model file, not the moment: opening the same file again fails the same way
+_BAD_FILE_ERRORS = frozenset({"InvalidProtobuf", "InvalidGraph", "NoSuchFile", "NoModel", "NotImplemented"})
 
 class OrtOptions(BaseModel):
     """The `options` of an ONNX Runtime manifest, validated at start."""
@@ -323,6 +327,12 @@ class OnnxRuntimeBackend(Backend):
         try:
             self.session = onnxruntime.InferenceSession(str(self.onnx_path), options, providers=providers)
         except Exception as exc:
+            if type(exc).__name__ in _BAD_FILE_ERRORS:
+                # The file itself is what fails (truncated, not ONNX, gone, an op this build lacks):
+                # every restart would open the same file, so the model fails once and says so.
+                raise ArtifactError(
+                    f"model {self.manifest.name!r}: onnxruntime {onnxruntime.__version__} cannot open "
+                    f"{self.onnx_path}: {exc}") from None
             if gpu_asked and self.on_fallback == "error":
                 raise BackendUnavailableError(
                     f"model {self.manifest.name!r}: options.on_fallback is 'error' and onnxruntime could not open "

@@ -7,6 +7,9 @@
       exclude: [...]          # ONNX node names (fnmatch patterns) kept in float
       group_size: 32          # int4 weights: values per scale/zero group
       kernel: auto            # LLM matmul kernel: auto (measured at load) or a named one
+      weights: auto           # ONNX int8 weight encoding: auto | int8 | int7 | uint8
+      by_cpu:                 # ONNX int8: what differs on one class of CPU (vnni | avx2 | arm | other)
+        avx2: {weights: int7, outlier_channels: 64}
       gate:                   # quality gate, measured when the artifact is built
         min_cosine: 0.99      # embedding models: against the float model, held-out sentences
         mean_cosine: 0.995
@@ -48,6 +51,27 @@ class QualityGate(_Strict):
         return out
 
 
+#: classes of CPU whose ONNX Runtime int8 MatMul kernels compute differently (outrider_quantize.onnx.cpu_class):
+#: vnni: x86 with AVX512-VNNI or AVX-VNNI (vpdpbusd, 32-bit sums, AMX CPUs too); avx2: other x86 with AVX2
+#: (AVX-512 without VNNI included), whose u8s8 kernel adds pairs of products in 16 bits with saturation;
+#: arm: aarch64; other: anything else (x86 without AVX2, unknown)
+CpuClass = Literal["vnni", "avx2", "arm", "other"]
+#: ONNX int8 weights: int8 (u8s8 kernels), int7 (int8 within [-64, 63], onnxruntime's reduce_range: the
+#: u8s8 kernels' 16-bit pair sums cannot saturate), uint8 (u8u8 kernels: 16-bit products, no saturation)
+WeightEncoding = Literal["auto", "int8", "int7", "uint8"]
+
+
+class CpuRecipe(_Strict):
+    """ONNX int8 fields that differ on one class of CPU; a field left out keeps the section's value."""
+
+    weights: Optional[WeightEncoding] = None
+    per_channel: Optional[bool] = None
+    exclude: Optional[list[str]] = None
+    keep_sensitive: Optional[bool] = None
+    outlier_channels: Optional[int] = Field(None, ge=1, le=256)
+    smooth_alpha: Optional[float] = Field(None, ge=0.0, le=1.0)
+
+
 class QuantizeConfig(_Strict):
     mode: Literal["int8", "int4", "bf16", "fp16", "auto"] = "auto"
     method: Literal["dynamic", "static"] = "dynamic"
@@ -72,5 +96,13 @@ class QuantizeConfig(_Strict):
     # the head in GGUF Q8_0; each where it runs here, else as auto.
     kernel: Literal["auto", "auto+bf16", "int4pack", "int8pack", "dense", "int4pack+bf16", "int8pack+bf16",
                     "int4native", "w4a8"] = "auto"
+    # ONNX int8: how weights are stored, which decides the kernel ONNX Runtime runs (see WeightEncoding).
+    # auto: int8 on VNNI CPUs; uint8 on every other, where int8 would meet a saturating u8s8 kernel
+    # (x86 without VNNI) or an unmeasured one (ARM): u8u8 sums are exact on every kernel, so the result
+    # is the one measured on a VNNI CPU. int7 keeps the faster u8s8 kernel at one bit of weight precision.
+    weights: WeightEncoding = "auto"
+    # ONNX int8: per class of CPU, the fields that differ there (e.g. avx2: {weights: int7}); the recipe
+    # actually used, and the class, are part of the artifact's cache key.
+    by_cpu: dict[CpuClass, CpuRecipe] = Field(default_factory=dict)
     calibration_sentences: int = Field(64, ge=1, le=100_000)
     gate: QualityGate = Field(default_factory=QualityGate)

@@ -7,6 +7,9 @@
       keep_sensitive: true       # FFN output projections stay float...
       outlier_channels: 16       # ...or are quantized but for their 16 largest input channels
       smooth_alpha: 0.5          # SmoothQuant before dynamic quantization (calibrated)
+      weights: auto              # int8 on VNNI CPUs, uint8 elsewhere (see below)
+      by_cpu:                    # what differs on one class of CPU
+        avx2: {weights: int7, outlier_channels: 64}
       gate: {min_cosine: 0.99, on_fail: fail}
 
 Only the "linear" MatMuls (those whose B input is a weight initializer) are quantized; the
@@ -26,6 +29,14 @@ the written graph is checked afterwards: `quantize_dynamic` renames nodes it rew
 (onnxruntime#19503, Gemm), which silently defeats `nodes_to_exclude`; a list of what to
 quantize plus a check of what came out cannot drift that way.
 
+The same int8 graph does not compute the same thing on every CPU. ONNX Runtime's u8s8 MatMul
+(uint8 activations, int8 weights) runs vpdpbusd on VNNI CPUs, with 32-bit sums; on x86 without
+VNNI it runs vpmaddubsw, which adds each pair of u8 x s8 products in 16 bits and saturates
+(2 x 255 x 127 > 32767): MiniLM's recipe that scores min cosine 0.994 on a VNNI CPU scores 0.963
+there. So the recipe is chosen per class of CPU (`cpu_class`: vnni, avx2, arm, other) from
+`weights` and `by_cpu` (`recipe_for`), and the class, the recipe and onnxruntime's version are in
+the artifact's cache key: a cache copied from another machine never lends its gate figures.
+
 onnxruntime and onnx are imported inside functions: importing this module costs nothing.
 """
 
@@ -33,16 +44,18 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+import platform
 from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence, Union
 
 import numpy as np
 
-from outrider.artifacts import Artifact
-from outrider.errors import ManifestError, QualityGateError
+from outrider.artifacts import Artifact, file_sha256, package_version
+from outrider.errors import ArtifactError, ManifestError, QualityGateError
+from outrider.hardware import cpu_flags
 
-from .config import QuantizeConfig
+from .config import CpuClass, QuantizeConfig
 
 if TYPE_CHECKING:
     import onnx
@@ -202,6 +215,64 @@ HELDOUT_SENTENCES: tuple[str, ...] = (
     "and timber with a children's floor, quiet reading rooms, a makerspace full of 3D printers and a "
     "rooftop garden where volunteers grow vegetables for the food bank down the street.",
 )
+
+
+# -- which kernels will run -----------------------------------------------------------------------
+
+_X86 = ("x86_64", "amd64", "i386", "i486", "i586", "i686", "x86")
+_ARM = ("aarch64", "arm64", "armv8l", "armv8b")
+
+
+def cpu_class(flags: Optional[Iterable[str]] = None, machine: Optional[str] = None) -> CpuClass:
+    """The class of ONNX Runtime's int8 MatMul kernels on this CPU (or on the one described).
+
+    vnni: x86 with AVX512-VNNI or AVX-VNNI, where MLAS's u8s8 kernels sum in 32 bits (vpdpbusd;
+    AMX CPUs have AVX512-VNNI too); avx2: other x86 with AVX2, AVX-512 without VNNI included,
+    whose u8s8 kernels add pairs of products in 16 bits and saturate (vpmaddubsw); arm: aarch64;
+    other: x86 without AVX2 (SSE4.1 also uses the saturating pmaddubsw) or any other machine.
+    Flags are the kernel's view of CPUID (outrider.hardware.cpu_flags), which also drops what the
+    OS does not enable, as MLAS's own XGETBV check does.
+    """
+    arch = (machine if machine is not None else platform.machine()).lower()
+    if arch in _ARM:
+        return "arm"
+    if arch not in _X86:
+        return "other"
+    have = frozenset(cpu_flags() if flags is None else flags)
+    if "avx512_vnni" in have or "avx_vnni" in have:
+        return "vnni"
+    return "avx2" if "avx2" in have else "other"
+
+
+def recipe_for(config: QuantizeConfig, cpu: CpuClass) -> QuantizeConfig:
+    """The recipe that runs on `cpu`: the section's fields, then `by_cpu[cpu]`'s, `weights` resolved.
+
+    `weights: auto` is int8 on VNNI CPUs and uint8 on the others: u8u8 sums are exact on every
+    ONNX Runtime kernel (x86 widens to 16-bit products and sums in 32 bits, ARM uses udot), so it
+    gives there what int8 gives on VNNI, where int8 would saturate (x86 without VNNI) or run a
+    kernel this recipe was never measured on (ARM). `int7` keeps the faster u8s8 kernel on x86
+    without VNNI at the cost of one bit of weight precision, so a manifest asks for it by name,
+    with figures measured on that class.
+    """
+    data = config.model_dump()
+    override = config.by_cpu.get(cpu)
+    if override is not None:
+        data.update(override.model_dump(exclude_unset=True))
+    data["by_cpu"] = {}
+    if data["weights"] == "auto":
+        data["weights"] = "int8" if cpu == "vnni" else "uint8"
+    return QuantizeConfig.model_validate(data)
+
+
+def _weight_options(weights: str) -> dict[str, Any]:
+    """quantize_dynamic / quantize_static arguments for a resolved `weights` encoding."""
+    from onnxruntime.quantization import QuantType
+
+    if weights == "uint8":
+        return {"weight_type": QuantType.QUInt8}
+    if weights in ("int8", "int7"):
+        return {"weight_type": QuantType.QInt8, "reduce_range": weights == "int7"}
+    raise ManifestError(f"field 'quantize.weights': expected int8, int7 or uint8 once resolved, got {weights!r}")
 
 
 # -- graph inspection ----------------------------------------------------------------------------
@@ -430,6 +501,8 @@ def quantize_onnx(src: Path, dst: Path, config: QuantizeConfig,
     import onnx
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_dynamic, quantize_static
 
+    if config.weights == "auto" or config.by_cpu:
+        config = recipe_for(config, cpu_class())  # not resolved by the caller: this CPU's recipe
     check_config(config)
     model = onnx.load(str(src))
     quantize, kept = choose_nodes(model, config)
@@ -449,8 +522,9 @@ def quantize_onnx(src: Path, dst: Path, config: QuantizeConfig,
         quantize = quantize + inliers
         kept = [n for n in kept if n not in sensitive] + outliers
         split = {"split_nodes": len(inliers), "outlier_channels": config.outlier_channels}
+    weights = config.weights
     common = dict(op_types_to_quantize=["MatMul"], per_channel=config.per_channel, nodes_to_quantize=quantize,
-                  weight_type=QuantType.QInt8)
+                  **_weight_options(weights))
     quiet = logging.getLogger()
     level = quiet.level
     quiet.setLevel(max(level, logging.ERROR))  # ORT's "consider pre-processing" warning, once per build
@@ -475,7 +549,7 @@ def quantize_onnx(src: Path, dst: Path, config: QuantizeConfig,
     finally:
         quiet.setLevel(level)
     check_quantized(dst, quantize, kept)
-    return {"method": config.method, "per_channel": config.per_channel, "op_types": ["MatMul"],
+    return {"method": config.method, "per_channel": config.per_channel, "op_types": ["MatMul"], "weights": weights,
             "smooth_alpha": config.smooth_alpha, "quantized_nodes": len(quantize), "float_nodes": kept,
             **(split or {})}
 
@@ -589,22 +663,30 @@ class OnnxQuantizer:
 
     kind = "onnx-int8"
 
-    def __init__(self, manifest: Any, config: QuantizeConfig) -> None:
+    def __init__(self, manifest: Any, config: QuantizeConfig, cpu: Optional[CpuClass] = None) -> None:
         self.manifest = manifest
         self.config = config
+        #: the class of CPU whose kernels this artifact is built and gated for (detected by default)
+        self.cpu: CpuClass = cpu or cpu_class()
         where = getattr(manifest, "source_file", None) or getattr(manifest, "name", "<manifest>")
         try:
-            check_config(config)
+            # Every class's recipe is checked at start, not only this CPU's: a manifest that is
+            # wrong for an ARM box should not wait for one to say so.
+            for cls in ("vnni", "avx2", "arm", "other"):
+                check_config(recipe_for(config, cls))  # type: ignore[arg-type]
+            #: the recipe that runs here: the section with by_cpu[this class] applied, weights resolved
+            self.recipe = recipe_for(config, self.cpu)
         except ManifestError as exc:
             raise ManifestError(f"{where}: {exc.message}") from None
 
     def options(self) -> dict[str, Any]:
-        """The config fields that shape the built model and its figures (part of the cache key)."""
-        c = self.config
+        """What shapes the built model and its figures (part of the cache key): the recipe that
+        runs here, and the class of CPU it runs on. onnxruntime's version is keyed by `apply`."""
+        c = self.recipe
         return {"mode": check_mode(c), "method": c.method, "per_channel": c.per_channel, "exclude": sorted(c.exclude),
                 "keep_sensitive": c.keep_sensitive, "smooth_alpha": c.smooth_alpha,
-                "outlier_channels": c.outlier_channels, "recipe": RECIPE,
-                "calibration_sentences": c.calibration_sentences if needs_calibration(c) else None}
+                "outlier_channels": c.outlier_channels, "weights": c.weights, "cpu_class": self.cpu,
+                "recipe": RECIPE, "calibration_sentences": c.calibration_sentences if needs_calibration(c) else None}
 
     def apply(self, artifact: Artifact, context: Any) -> Artifact:
         """Quantize `artifact` (kind 'onnx', a .onnx file) through the cache; check the gate."""
@@ -618,31 +700,54 @@ class OnnxQuantizer:
         src = Path(artifact.path)
         feeds, postprocess = context.helpers["feeds"], context.helpers["postprocess"]
 
+        recipe = self.recipe
+
         def build(directory: Path, progress: Any) -> dict[str, Any]:
             progress.set_total(2)
             calibration = None
-            if needs_calibration(self.config):
-                calibration = calibration_feeds(feeds, self.config.calibration_sentences)
-            done = quantize_onnx(src, directory / "model.onnx", self.config, calibration)
+            if needs_calibration(recipe):
+                calibration = calibration_feeds(feeds, recipe.calibration_sentences)
+            done = quantize_onnx(src, directory / "model.onnx", recipe, calibration)
             progress.update(1, "quantized")
             quality = embedding_quality(src, directory / "model.onnx", HELDOUT_SENTENCES, feeds=feeds,
                                         postprocess=postprocess)
             progress.update(1, "measured")
-            return {**done, **quality, "heldout_sentences": len(HELDOUT_SENTENCES)}
+            return {**done, **quality, "heldout_sentences": len(HELDOUT_SENTENCES), "cpu_class": self.cpu,
+                    "onnxruntime": package_version("onnxruntime"),
+                    "model_sha256": file_sha256(directory / "model.onnx", context.cache.root)}
 
         built = context.cache.get_or_build(
             self.kind, build, label=f"{self.manifest.name} int8", sources=[src],
             versions=["onnxruntime", "onnx"], device=context.device, options=self.options(),
         )
+        self._check_entry(built, context.cache.root)
         figures = {k: built.provenance[k] for k in ("min_cosine", "mean_cosine") if k in built.provenance}
-        failures = self.config.gate.failures(figures)
+        failures = recipe.gate.failures(figures)
         verdict = "passed" if not failures else "failed: " + "; ".join(failures)
-        context.reports.append({"transform": "quantize", "mode": "int8", **figures, "gate": verdict})
+        context.reports.append({"transform": "quantize", "mode": "int8", **figures, "gate": verdict,
+                                "cpu_class": self.cpu, "weights": recipe.weights})
         if failures:
-            message = (f"model {self.manifest.name!r}: int8 ({self.config.method}) missed its quality gate on "
-                       f"{len(HELDOUT_SENTENCES)} held-out sentences: {'; '.join(failures)} "
-                       f"(measured {figures}; artifact {built.path})")
-            if self.config.gate.on_fail == "fail":
+            message = (f"model {self.manifest.name!r}: int8 ({recipe.method}, {recipe.weights} weights, for "
+                       f"{self.cpu} CPUs) missed its quality gate on {len(HELDOUT_SENTENCES)} held-out sentences: "
+                       f"{'; '.join(failures)} (measured {figures}; artifact {built.path})")
+            if recipe.gate.on_fail == "fail":
                 raise QualityGateError(message)
             log.warning("%s; serving it anyway (quantize.gate.on_fail: warn)", message)
         return Artifact(built.path / "model.onnx", "onnx", built.provenance)
+
+    def _check_entry(self, built: Artifact, root: Path) -> None:
+        """ArtifactError unless the cache entry holds the model its provenance describes, with the
+        figures the gate reads: an entry damaged on disk, or copied half, must not be served, and a
+        gate that finds no figure to check would pass it."""
+        where = f"model {self.manifest.name!r}: cached int8 artifact {built.path}"
+        fix = f"remove that directory (or run `outrider cache clear --kind {self.kind}`) and restart to rebuild it"
+        model = built.path / "model.onnx"
+        if not model.is_file():
+            raise ArtifactError(f"{where} has no model.onnx; {fix}")
+        missing = [k for k in ("min_cosine", "mean_cosine", "model_sha256") if k not in built.provenance]
+        if missing:
+            raise ArtifactError(f"{where}: its provenance.json lacks {missing}; {fix}")
+        found = file_sha256(model, root)
+        if found != built.provenance["model_sha256"]:
+            raise ArtifactError(f"{where}: model.onnx has sha256 {found[:12]}..., its provenance says "
+                                f"{str(built.provenance['model_sha256'])[:12]}... (changed or truncated); {fix}")

@@ -7,6 +7,10 @@ class OutriderError(Exception):
     """Base of every error Outrider raises to a caller; carries a stable code."""
 
     code: str = "internal"
+    #: raised while loading a model, would the same load fail again the same way? Then the
+    #: supervisor marks the instance failed once, with this error as its reason, and does not
+    #: restart it (a restart would only rebuild the same verdict, with back-off, for ever)
+    deterministic: bool = False
 
     def __init__(self, message: str, code: str | None = None) -> None:
         super().__init__(message)
@@ -86,6 +90,7 @@ class ManifestError(OutriderError):
     """A manifest is invalid: names the file, the field and what was expected."""
 
     code = "manifest_error"
+    deterministic = True
 
 
 class BackendUnavailableError(OutriderError):
@@ -94,10 +99,26 @@ class BackendUnavailableError(OutriderError):
     code = "backend_unavailable"
 
 
-class QualityGateError(OutriderError):
+class LoadFailedError(OutriderError):
+    """A model's load failed in a way that retrying repeats: a missed quality gate, an artifact
+    that is corrupt or cannot be opened. The model is marked failed once, with this as its
+    reason in health; it is not restarted (fix the manifest or the artifact, then restart)."""
+
+    code = "load_failed"
+    deterministic = True
+
+
+class QualityGateError(LoadFailedError):
     """A converted artifact (quantized weights, an engine) missed its manifest's quality gate."""
 
     code = "quality_gate_failed"
+
+
+class ArtifactError(LoadFailedError):
+    """A built or given artifact is bad: missing, truncated, not what its provenance says, or
+    refused by the framework that should open it."""
+
+    code = "bad_artifact"
 
 
 class InternalError(OutriderError):
@@ -121,6 +142,9 @@ _BY_CODE: dict[str, type[OutriderError]] = {
         ExecutionError,
         ManifestError,
         BackendUnavailableError,
+        LoadFailedError,
+        QualityGateError,
+        ArtifactError,
         InternalError,
     )
 }

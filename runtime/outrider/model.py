@@ -373,6 +373,9 @@ class Instance(threading.Thread):
         self.busy_since: Optional[float] = None
         self.current: list[PendingRequest] = []
         self.abandoned = False  # set by the supervisor when execute hung; results are dropped
+        #: its load failed deterministically (an OutriderError with `deterministic`: a missed
+        #: quality gate, a bad artifact, a manifest error): a replacement would fail the same way
+        self.final = False
         #: what the backend's own health() said last; an unhealthy instance takes no work
         self.healthy = True
         self.health_reason = ""
@@ -450,6 +453,11 @@ class Instance(threading.Thread):
         except Exception as exc:
             if is_out_of_memory(exc):  # say so plainly: the fix is fewer instances or a smaller batch
                 self._fail(f"load or warmup failed: {out_of_memory_reason(self.device, exc, inventory())}")
+            elif isinstance(exc, OutriderError) and exc.deterministic:
+                # Set before _fail publishes the state: the supervisor must never see this
+                # instance failed without knowing that a restart cannot help.
+                self.final = True
+                self._fail(f"load failed, not retried: {exc}")
             else:
                 self._fail(f"load or warmup failed: {type(exc).__name__}: {exc}")
             self._unload()
@@ -731,6 +739,8 @@ class ServedModel:
             elif inst.state == ModelState.READY and not inst.is_alive():
                 inst.reason, inst.state = "instance thread exited", ModelState.FAILED
                 self.instance_changed()
+            if inst.final:
+                continue  # failed once for a reason a restart repeats; health says which
             if inst.state == ModelState.FAILED or inst.abandoned:
                 self._schedule_restart(slot, inst, now)
         self._answer_unserved(now)

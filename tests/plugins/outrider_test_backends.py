@@ -34,6 +34,25 @@ class FailingWarmupBackend(Backend):
         return dict(inputs)
 
 
+class BadArtifactBackend(Backend):
+    """Load raises ArtifactError (deterministic), appending one line to `options.journal` per attempt:
+    the model must be failed once, with the reason, and never loaded again."""
+
+    name = "bad-artifact"
+
+    def load(self) -> None:
+        from outrider.errors import ArtifactError
+
+        journal = self.manifest.options.get("journal")
+        if journal:
+            with open(journal, "a") as f:
+                f.write("load\n")
+        raise ArtifactError(f"model {self.manifest.name!r}: artifact /nowhere/model.onnx is truncated on purpose")
+
+    def execute(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return dict(inputs)
+
+
 class RaisingBackend(Backend):
     """Execute raises when input `x` holds a negative value; otherwise echoes."""
 
@@ -151,5 +170,6 @@ class UnencodableBackend(Backend):
 @hookimpl
 def outrider_register_backends(register) -> None:
     for cls in (SlowWarmupBackend, FailingWarmupBackend, RaisingBackend, UnavailableBackend, CrashingBackend,
-                HangingBackend, RowTimeBackend, CountBackend, FakeGeneratorBackend, UnencodableBackend):
+                HangingBackend, RowTimeBackend, CountBackend, FakeGeneratorBackend, UnencodableBackend,
+                BadArtifactBackend):
         register(cls)
