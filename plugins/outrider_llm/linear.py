@@ -489,7 +489,9 @@ def _choose(mode: str, kernel: str, group_size: int) -> KernelPlan:
             return KernelPlan(mode, kernel, dtype, reason=f"asked for (native kernel {why})")
         plan = _choose(mode, "auto", group_size)
         return KernelPlan(plan.mode, plan.kernel, plan.dtype, plan.dense_copy, plan.dense_from_rows, plan.timings_us,
-                          reason=f"{kernel} asked for, not usable ({why}); {plan.reason}")
+                          reason=f"{kernel} asked for, not usable ({why}); {plan.reason}; with torch's kernels "
+                                 "a draft tree's rows may differ from one-token steps in their last bits, so "
+                                 "speculative greedy output can part from plain output at a near-tie")
     multirow = kernel == "auto+bf16"
     if kernel not in ("auto", "auto+bf16"):
         name, _, extra = kernel.partition("+")
