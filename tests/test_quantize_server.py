@@ -45,8 +45,11 @@ def _gated_manifest(tmp_path, on_fail: str):
 
 
 def test_a_model_that_misses_its_gate_is_not_ready_and_says_why(tmp_path, server_factory):
+    # A missed gate is deterministic: the model is failed once, with the figures in health, and
+    # not reloaded (which would only read the same verdict from the cache, with back-off, for
+    # ever); the server's other models keep serving.
     manifest = _gated_manifest(tmp_path, "fail")
-    server = server_factory([manifest], ORT_PLUGINS, wait=False)
+    server = server_factory([manifest, MANIFESTS / "minilm.yaml"], ORT_PLUGINS, wait=False)
     with server.client(timeout=10) as client:
         for _ in range(600):
             model = client.health()["models"]["minilm-strict-fail"]
@@ -54,8 +57,19 @@ def test_a_model_that_misses_its_gate_is_not_ready_and_says_why(tmp_path, server
                 break
             assert server.proc.poll() is None, server.log()
             time.sleep(0.2)
+        time.sleep(2.5)  # past the back-off of the first restarts (0 s, then 1 s): none may come
+        model = client.health()["models"]["minilm-strict-fail"]
         assert model["state"] == "failed" and not model["ready"]
         assert "quality gate" in model["reason"] and "min_cosine" in model["reason"]
+        assert "not retried" in model["reason"] and "quality_gate_failed" in model["reason"]
+        assert model["stats"]["instance_restarts"] == 0 and model["instances"][0]["generation"] == 0
+        for _ in range(300):
+            if client.health()["models"]["minilm"]["ready"]:
+                break
+            time.sleep(0.2)
+        out = client.infer("minilm", {"text": np.array(SENTENCES[:2], dtype=object)})
+        assert out["embedding"].shape == (2, 384)
+    assert server.log().count("minilm-strict-fail instance 0: load failed, not retried") == 1, server.log()
 
 
 def test_on_fail_warn_serves_and_reports_the_figures(tmp_path, server_factory):
