@@ -180,3 +180,16 @@ def test_selecting_a_kernel_set_this_cpu_lacks_is_refused(native) -> None:
         native.select("no_such_isa")
     assert native.kernel_sets()[-1] == "scalar"
     assert native.kernels() in native.kernel_sets()
+
+
+def test_the_quantized_cache_key_names_what_computes_the_model(native, monkeypatch) -> None:
+    """The quantizer's cache key carries the kernel that computes the model here: the same for
+    every native kernel set (same bits), another one where torch's kernels stand in."""
+    import torch
+    from outrider_llm import linear
+
+    assert linear.kernel_key("int4", "w4a8") == "w4a8:native"
+    monkeypatch.setattr(native, "w4a8_kernel", lambda: (False, "not built at install"))
+    monkeypatch.setattr(linear, "_PLANS", {})
+    fallback = linear.kernel_key("int4", "w4a8")
+    assert fallback != "w4a8:native" and fallback.endswith(torch.backends.cpu.get_cpu_capability())

@@ -84,6 +84,7 @@ class LlmBackend(Backend):
 
         from outrider.generation.engine import GenerationEngine
 
+        from .linear import kernel_key
         from .loading import artifact_tokenizer, load_weights_artifact, model_from_artifact
 
         options = self.options
@@ -107,6 +108,7 @@ class LlmBackend(Backend):
             weights,
             build_model=lambda artifact: model_from_artifact(artifact, device=self.device, kernel=kernel)[0],
             tokenize=tokenizer.encode,
+            kernel_key=lambda mode: kernel_key(mode, kernel, self.device),
         )
         # A quantized artifact says in which dtype it computes on CPU; `options.dtype` is for float
         # weights, and on CUDA for quantized ones too (they are dequantized to dense there).

@@ -607,3 +607,24 @@ def _dense_crossover(mode: str, group_size: int) -> int:
         if timings["dense"] < timings["packed"]:
             return rows
     return 32
+
+
+def kernel_key(mode: str, kernel: str, device: "torch.device | str" = "cpu") -> str:
+    """What computes `mode` weights asked to run on `kernel` here, as far as it changes the result:
+    part of a quantized artifact's cache key, since its quality gate measures the model as this
+    kernel computes it (a cache copied to another machine must not reuse another kernel's figures).
+    The native w4a8 kernels give the same bits on every instruction set; int4native's two paths
+    round differently; torch's kernels depend on its CPU capability."""
+    if torch.device(device).type != "cpu":
+        return f"{torch.device(device).type}:dense"
+    if mode not in ("int4", "int8"):
+        return f"{mode}:dense"
+    plan = choose_kernel(mode, kernel)
+    if plan.kernel == "w4a8":
+        return "w4a8:native"
+    if plan.kernel == "int4native":
+        from .native import int4_kernel
+
+        return f"int4native:{int4_kernel()[1]}"
+    return f"{plan.kernel}:{str(plan.dtype).removeprefix('torch.')}:{torch.backends.cpu.get_cpu_capability()}"
+

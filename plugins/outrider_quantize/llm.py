@@ -297,10 +297,12 @@ class LlmWeightQuantizer:
 
         built = context.cache.get_or_build(
             f"{KIND}-{mode}", build, label=f"{getattr(self.manifest, 'name', 'llm')} weights -> {mode}",
-            # The kernel is part of the key: the gate measures the model as that kernel computes it
+            # The kernel that computes the model here is part of the key (the backend says which, as
+            # far as it changes the result): the gate measures the model as that kernel computes it
             # (w4a8 quantizes activations too), and its figures live in the provenance.
             sources=[source], versions=["torch"],
-            options={"mode": mode, "group_size": group_size, "head_mode": head_mode, "kernel": config.kernel},
+            options={"mode": mode, "group_size": group_size, "head_mode": head_mode, "kernel": config.kernel,
+                     "computed_by": context.helpers["kernel_key"](mode) if "kernel_key" in context.helpers else None},
         )
         built = Artifact(built.path, KIND, built.provenance)  # what the backend loads is a llama-weights dir
         figures = {k: built.provenance[k] for k in ("top1_agreement", "ppl_ratio") if k in built.provenance}
