@@ -78,8 +78,9 @@ void against_scalar(const KernelSet& set, const std::string& what, const Run& ru
 
 void check_set(const KernelSet& set) {
   // Quantization of activations, and the matmuls on 4- and 8-bit weights.
+  const int64_t out = 80;  // 5 tiles: AVX-512's 4-tile step and its tail
   for (int64_t in : {64, 576, 1536}) {
-    const int64_t group = 32, out = 80;  // 5 tiles: AVX-512's 4-tile step and its tail
+    const int64_t group = 32;
     for (int bits : {4, 8}) {
       const std::vector<uint8_t> w = bytes(out * in * bits / 8);
       const std::vector<uint16_t> d = halves(out * in / group, false), m = halves(out * in / group, true);
@@ -91,6 +92,20 @@ void check_set(const KernelSet& set) {
           a8_matmul(x.data(), rows, in, group, w.data(), d.data(), m.data(), out, bits, y.data());
           return y;
         });
+      }
+    }
+    for (uint8_t fill : {uint8_t(0xFF), uint8_t(0x00)}) {  // the largest sums a path may have to hold
+      for (float value : {1.f, -1.f}) {
+        const std::vector<uint8_t> w(out * in, fill);
+        const std::vector<uint16_t> d = halves(out * in / group, false), m = halves(out * in / group, true);
+        const std::vector<float> x(2 * in, value);
+        for (int bits : {4, 8})
+          against_scalar(set, "matmul w" + std::to_string(bits) + " extreme " + std::to_string(fill) + " x " +
+                                  std::to_string(value) + " in " + std::to_string(in), [&] {
+            std::vector<float> y(2 * out);
+            a8_matmul(x.data(), 2, in, group, w.data(), d.data(), m.data(), out, bits, y.data());
+            return y;
+          });
       }
     }
     const int64_t rows = 3;

@@ -32,7 +32,6 @@ struct NeonDotprod : NeonBase {
 
 #include "isa_generic.h"
 
-NeonBase::F NeonBase::sum16(const F* v) { return sum16_by_lanes<NeonDotprod>(v); }
 
 }  // namespace
 

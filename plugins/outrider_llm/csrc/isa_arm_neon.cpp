@@ -31,7 +31,6 @@ struct Neon : NeonBase {
 
 #include "isa_generic.h"
 
-NeonBase::F NeonBase::sum16(const F* v) { return sum16_by_lanes<Neon>(v); }
 
 }  // namespace
 

@@ -7,6 +7,7 @@ struct NeonBase {
   struct I { int32x4_t q[4]; };
   struct W { uint8x16_t q[4]; };
   static constexpr bool kDot8Offset = true;  // weights are multiplied as signed bytes (w - 128)
+  static constexpr bool kInt16Sums = false;
 
 #define OUTRIDER_Q4(expr) \
   F r;                    \
@@ -88,5 +89,22 @@ struct NeonBase {
   static int8x16_t as_signed8(uint8x16_t w) { return vreinterpretq_s8_u8(veorq_u8(w, vdupq_n_u8(0x80))); }
   static int8x16_t broadcast(int32_t x) { return vreinterpretq_s8_s32(vdupq_n_s32(x)); }
 
-  static F sum16(const F* v);
+  // Lane j = tree16(v[j]): AVX-512's transpose tree (isa_x86_avx512.cpp), on each quarter (one q
+  // register) of 4 vectors at once, then (P0 + P1) + (P2 + P3) lanewise.
+  static float32x4_t quarter_sums(float32x4_t u0, float32x4_t u1, float32x4_t u2, float32x4_t u3) {
+    const float32x4_t x0 = vaddq_f32(vzip1q_f32(u0, u1), vzip2q_f32(u0, u1));
+    const float32x4_t x1 = vaddq_f32(vzip1q_f32(u2, u3), vzip2q_f32(u2, u3));
+    const float64x2_t d0 = vreinterpretq_f64_f32(x0), d1 = vreinterpretq_f64_f32(x1);
+    return vaddq_f32(vreinterpretq_f32_f64(vzip1q_f64(d0, d1)), vreinterpretq_f32_f64(vzip2q_f64(d0, d1)));
+  }
+  static F sum16(const F* v) {
+    F r;
+    for (int k = 0; k < 4; ++k) {
+      const F* u = v + 4 * k;
+      float32x4_t p[4];
+      for (int l = 0; l < 4; ++l) p[l] = quarter_sums(u[0].q[l], u[1].q[l], u[2].q[l], u[3].q[l]);
+      r.q[k] = vaddq_f32(vaddq_f32(p[0], p[1]), vaddq_f32(p[2], p[3]));
+    }
+    return r;
+  }
 };

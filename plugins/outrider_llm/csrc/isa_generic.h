@@ -18,7 +18,9 @@
 //   I dot4(I acc, W w, int32 x): acc[i] += sum_p w[4i+p] * x_p, w in 0..15, x four int8;
 //   I dot8(I acc, W w, int32 x): the same for w in 0..255, or, where kDot8Offset, for w - 128
 //     (the caller then adds 128 * sum(x): the same exact integer);
-//   F sum16(const F v[16]): lane j = tree16(v[j]).
+//   F sum16(const F v[16]): lane j = tree16(v[j]);
+//   kInt16Sums: the file has dot4_int16<R>(acc, w, x_words, j0, j1), summing octs j0..j1 (at
+//     most 4) of 4-bit weights for R rows in 16 bits before widening (AVX2: vpmaddubsw).
 
 // The one horizontal sum of 16 lanes every path uses (what AVX-512's transpose tree computes):
 // per 128-bit quarter L, (e[4L] + e[4L+2]) + (e[4L+1] + e[4L+3]); then (P0 + P1) + (P2 + P3).
@@ -113,6 +115,12 @@ void dot_rows(const int32_t* const* x_words, const float* const* x_scale, const 
   for (int64_t g = 0; g < groups; ++g) {
     I acc[R];
     for (int r = 0; r < R; ++r) acc[r] = A::izero();
+    if constexpr (Bits == 4 && A::kInt16Sums) {
+      // Up to 4 octs (32 inputs) summed in 16 bits first: each lane holds at most 16 products of
+      // <= 15 x 127 (30480), so no sum can saturate; then one widening add per 32 inputs.
+      for (int64_t j = g * octs_per_group; j < (g + 1) * octs_per_group; j += 4)
+        A::template dot4_int16<R>(acc, w, x_words, j, min64(j + 4, (g + 1) * octs_per_group));
+    } else
     for (int64_t j = g * octs_per_group; j < (g + 1) * octs_per_group; ++j) {
       W lo, hi;
       if (Bits == 4) {

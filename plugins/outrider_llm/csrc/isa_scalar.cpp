@@ -9,6 +9,7 @@ namespace {
 struct Scalar {
   static constexpr const char* kName = "scalar";
   static constexpr bool kDot8Offset = false;
+  static constexpr bool kInt16Sums = false;
   struct F { float v[16]; };
   struct I { int32_t v[16]; };
   struct W { uint8_t b[64]; };

@@ -18,6 +18,25 @@ namespace {
 struct Avx2 : Avx2Base {
   static constexpr const char* kName = "avx2";
   static constexpr bool kDot8Offset = true;
+  static constexpr bool kInt16Sums = true;
+  template <int R>
+  static void dot4_int16(I* acc, const uint8_t* w, const int32_t* const* x_words, int64_t j0, int64_t j1) {
+    __m256i sa[R], sb[R];
+    for (int r = 0; r < R; ++r) sa[r] = sb[r] = _mm256_setzero_si256();
+    for (int64_t j = j0; j < j1; ++j) {
+      const W v = wload(w + j * 64);
+      const W lo = lo_nibbles(v), hi = hi_nibbles(v);
+      for (int r = 0; r < R; ++r) {
+        const __m256i xl = _mm256_set1_epi32(x_words[r][2 * j]), xh = _mm256_set1_epi32(x_words[r][2 * j + 1]);
+        sa[r] = _mm256_add_epi16(sa[r], _mm256_add_epi16(_mm256_maddubs_epi16(lo.a, xl), _mm256_maddubs_epi16(hi.a, xh)));
+        sb[r] = _mm256_add_epi16(sb[r], _mm256_add_epi16(_mm256_maddubs_epi16(lo.b, xl), _mm256_maddubs_epi16(hi.b, xh)));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      acc[r].a = _mm256_add_epi32(acc[r].a, pairs(sa[r]));
+      acc[r].b = _mm256_add_epi32(acc[r].b, pairs(sb[r]));
+    }
+  }
   static __m256i pairs(__m256i products16) { return _mm256_madd_epi16(products16, _mm256_set1_epi16(1)); }
   static I dot4(I acc, W w, int32_t x) {
     const __m256i xb = _mm256_set1_epi32(x);
@@ -36,7 +55,6 @@ struct Avx2 : Avx2Base {
 
 #include "isa_generic.h"
 
-Avx2Base::F Avx2Base::sum16(const F* v) { return sum16_by_lanes<Avx2>(v); }
 
 }  // namespace
 

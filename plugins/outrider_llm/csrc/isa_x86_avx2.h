@@ -82,5 +82,23 @@ struct Avx2Base {
     const __m256i nibble = _mm256_set1_epi8(0x0F);
     return {_mm256_and_si256(_mm256_srli_epi16(w.a, 4), nibble), _mm256_and_si256(_mm256_srli_epi16(w.b, 4), nibble)};
   }
-  static F sum16(const F* v);
+  // Lanes 0..7 = tree16 of v[0..7], for 8 vectors at once: AVX-512's transpose tree (isa_x86_avx512.cpp)
+  // on 128-bit quarters, the halves of each vector kept apart until the last step.
+  static __m256 sum8(const F* v) {
+    __m256 xa[4], xb[4], ya[2], yb[2];
+    for (int j = 0; j < 4; ++j) {
+      xa[j] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * j].a, v[2 * j + 1].a), _mm256_unpackhi_ps(v[2 * j].a, v[2 * j + 1].a));
+      xb[j] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * j].b, v[2 * j + 1].b), _mm256_unpackhi_ps(v[2 * j].b, v[2 * j + 1].b));
+    }
+    for (int j = 0; j < 2; ++j) {  // per quarter L, lane p: P_L of vector 4j + p
+      const __m256d a0 = _mm256_castps_pd(xa[2 * j]), a1 = _mm256_castps_pd(xa[2 * j + 1]);
+      const __m256d b0 = _mm256_castps_pd(xb[2 * j]), b1 = _mm256_castps_pd(xb[2 * j + 1]);
+      ya[j] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(a0, a1)), _mm256_castpd_ps(_mm256_unpackhi_pd(a0, a1)));
+      yb[j] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(b0, b1)), _mm256_castpd_ps(_mm256_unpackhi_pd(b0, b1)));
+    }
+    const __m256 p01 = _mm256_add_ps(_mm256_permute2f128_ps(ya[0], ya[1], 0x20), _mm256_permute2f128_ps(ya[0], ya[1], 0x31));
+    const __m256 p23 = _mm256_add_ps(_mm256_permute2f128_ps(yb[0], yb[1], 0x20), _mm256_permute2f128_ps(yb[0], yb[1], 0x31));
+    return _mm256_add_ps(p01, p23);
+  }
+  static F sum16(const F* v) { return {sum8(v), sum8(v + 8)}; }
 };

@@ -19,6 +19,7 @@ namespace {
 struct Avx512 {
   static constexpr const char* kName = "avx512_vnni";
   static constexpr bool kDot8Offset = false;
+  static constexpr bool kInt16Sums = false;
   using F = __m512;
   using I = __m512i;
   using W = __m512i;

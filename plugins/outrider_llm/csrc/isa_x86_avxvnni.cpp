@@ -19,6 +19,7 @@ namespace {
 struct AvxVnni : Avx2Base {
   static constexpr const char* kName = "avx_vnni";
   static constexpr bool kDot8Offset = false;
+  static constexpr bool kInt16Sums = false;
   static I dot8(I acc, W w, int32_t x) {
     const __m256i xb = _mm256_set1_epi32(x);
     return {_mm256_dpbusd_avx_epi32(acc.a, w.a, xb), _mm256_dpbusd_avx_epi32(acc.b, w.b, xb)};
@@ -28,7 +29,6 @@ struct AvxVnni : Avx2Base {
 
 #include "isa_generic.h"
 
-Avx2Base::F Avx2Base::sum16(const F* v) { return sum16_by_lanes<AvxVnni>(v); }
 
 }  // namespace
 
