@@ -294,7 +294,7 @@ class Int4Linear(_PackedLinear):
       rounded to bf16, output bf16;
     - "int4native": outrider's own (native.py: AMX or AVX512-BF16), bf16 activations, scales and
       minimums in fp16, output fp32;
-    - "w4a8": outrider's own on AVX512-VNNI (native.py), activations quantized to int8 per row and
+    - "w4a8": outrider's own on every CPU (native.py), activations quantized to int8 per row and
       group as llama.cpp does, scales and minimums in fp16, fp32 in and out.
 
     A native kernel that cannot run here or take the shape falls back to "int4pack". With `dense`
@@ -353,7 +353,7 @@ class Int4Linear(_PackedLinear):
 
 class W8A8Linear:
     """Block-wise int8 weight (w = q * scale per block of `group` inputs, GGUF's Q8_0) with int8
-    activations on AVX512-VNNI (native.py `w8a8_mm`): the LM head next to "w4a8" layers, read
+    activations (native.py `w8a8_mm`, every CPU): the LM head next to "w4a8" layers, read
     from the file's own Q8_0 values. fp32 or bf16 in, fp32 out."""
 
     __slots__ = ("packed", "scales", "minimums", "group", "dtype")

@@ -237,7 +237,7 @@ def _w4a8_layers(
     minimums: List[torch.Tensor], group_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
     intermediate: int, eps: float,
 ) -> torch.Tensor:
-    """`_native_int4_chunk_layers` for w4a8 weights, as one native call (csrc/w4a8_layers.cpp)."""
+    """`_native_int4_chunk_layers` for w4a8 weights, as one native call (csrc/ops.cpp)."""
     rows = x.shape[0]
     torch.ops.outrider.w4a8_layers(x, cos.view(rows, head_dim), sin.view(rows, head_dim), kv, chunks, visible, norms,
                                    packed, scales, minimums, group_size, num_heads, num_kv_heads, intermediate, eps)
@@ -445,7 +445,7 @@ class LlamaModel(torch.nn.Module):
             self.embed_weight = compact
 
     def _native_attention_usable(self) -> bool:
-        """Attention through `outrider::attend` (see csrc/attend.cpp) where the layers run outrider's
+        """Attention through `outrider::attend` (see csrc/ops.cpp) where the layers run outrider's
         native int4 kernels (the extension is loaded then), so that a draft tree's rows get exactly
         the logits a one-token step gets (the int8 or bf16 activations downstream would turn
         torch attention's last-bit differences into rounding steps)."""
