@@ -7,11 +7,13 @@ from functools import lru_cache
 
 @lru_cache(maxsize=1)
 def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    """The CPU's feature flags from /proc/cpuinfo: x86's `flags` line, ARM's `Features` line
+    (e.g. asimd, asimddp, i8mm); empty where there is none. (The native kernels read the CPU
+    themselves, with cpuid or HWCAP: outrider_llm.native.cpu_features().)"""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
+                if line.startswith(("flags", "Features")):
                     return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
