@@ -125,7 +125,8 @@ def _worker(build: str, gguf: str, context: int, threads: int) -> None:
 def _quantize_worker(build: str, source: str, target: str, threads: int) -> None:
     import ctypes
 
-    sys.path.insert(0, build)
+    if build:  # "": the installed llama-cpp-python
+        sys.path.insert(0, build)
     import llama_cpp
 
     llama_cpp.llama_backend_init()

@@ -17,6 +17,13 @@ benchmark dependency: `pip install llama-cpp-python`), llama.cpp runs the same G
 with the same thread count, decode-only, in a worker asked right after Outrider's rows of each
 prompt (interleaved, so a busy machine slows both rows alike). Ratios are to fp32 plain of the same run; absolute
 numbers differ between machines. Server RSS is read from /proc (idle after load, and peak).
+
+  --isa avx2              the server runs outrider's native kernels with OUTRIDER_NATIVE_ISA=avx2 (a kernel
+                          set this CPU runs: outrider_llm.native.kernel_sets()); default: the best one
+  --llama-cpp DIR         llama.cpp from a llama-cpp-python target dir (pip install --target DIR), first on
+                          the worker's sys.path, instead of the installed package
+  --llama-cpp-q4_0        also a llama.cpp row on a Q4_0 of the same model, made by llama.cpp's own
+                          quantizer (allow_requantize from the shipped Q4_1) into a temp dir
 """
 
 from __future__ import annotations
@@ -81,11 +88,13 @@ def rss_mb(pid: int) -> tuple[float, float]:
 class Server:
     """`outrider serve` in a subprocess on an ipc:// address, with the built-in plugins."""
 
-    def __init__(self, manifests: list[str], threads: int) -> None:
+    def __init__(self, manifests: list[str], threads: int, isa: str = "") -> None:
         self.dir = tempfile.mkdtemp(prefix="outrider-bench-")
         self.address = f"ipc://{self.dir}/bench.sock"
         env = dict(os.environ)
         env.pop("OUTRIDER_PLUGINS", None)
+        if isa:  # the native kernel set every native call of the server uses
+            env["OUTRIDER_NATIVE_ISA"] = isa
         sets = [a for m in manifests for a in ("--set", f"{Path(m).stem}:options.threads={threads}")] \
             if threads else []
         self.proc = subprocess.Popen(
@@ -115,6 +124,14 @@ class Server:
             self.proc.wait(30)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+
+    def kernel_line(self) -> str:
+        """The server log's line naming the native kernel set, if it logged one."""
+        try:
+            lines = (Path(self.dir) / "server.log").read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return next((line.strip()[-160:] for line in lines if "native kernels" in line), "")
 
 
 # ---- MiniLM -------------------------------------------------------------------------------------
@@ -182,14 +199,42 @@ def _decode_rate(stats: dict) -> tuple[float, float, float]:
     return decode, new / max(seconds, 1e-9), stats.get("mean_accepted_length") or 1.0
 
 
-def bench_llm(n_code: int, n_chat: int, tokens: int, threads: int, llama_cpp: bool = True) -> None:
+def native_isa(isa: str) -> str:
+    """The kernel set the server's native calls use: `isa` (checked against this CPU) or the best."""
+    from outrider_llm import native
+
+    loaded, why = native.library()
+    if not loaded:
+        if isa:
+            raise SystemExit(f"--isa {isa}: outrider's native kernels are not loaded here ({why})")
+        return f"none ({why})"
+    if isa and isa not in native.kernel_sets():
+        raise SystemExit(f"--isa {isa}: not a kernel set this CPU runs ({', '.join(native.kernel_sets())})")
+    return isa or native.kernels()
+
+
+def bench_llm(n_code: int, n_chat: int, tokens: int, threads: int, llama_cpp: bool = True, isa: str = "",
+              llama_cpp_dir: str = "", q4_0: bool = False) -> None:
     from outrider import Client
+    from outrider_llm.loading import smollm2_gguf_path
 
     prompts = llm_prompts(n_code, n_chat)
-    cpp = LlamaCpp.start(tokens, threads) if llama_cpp else None
+    kernel_set = native_isa(isa)
+    files = [("Q4_1", smollm2_gguf_path())]
+    tmp = tempfile.TemporaryDirectory(prefix="bench-quantize-") if llama_cpp and q4_0 else None
+    if tmp is not None:
+        from bench_native import q4_0_file
+
+        try:
+            files.append(("Q4_0", q4_0_file(llama_cpp_dir, smollm2_gguf_path(), tmp.name, threads or 2)))
+        except subprocess.CalledProcessError as exc:
+            print(f"(no Q4_0 row: llama.cpp's quantizer failed: {exc.stderr.strip()[-300:]})")
+    cpps = {kind: LlamaCpp.start(tokens, threads, path, llama_cpp_dir) for kind, path in files} if llama_cpp else {}
+    cpps = {kind: cpp for kind, cpp in cpps.items() if cpp is not None}
+    cpp = next(iter(cpps.values()), None)
     template = _chat_renderer() if cpp else None
-    reference: dict[str, list[float]] | None = {} if cpp else None
-    server = Server([str(ROOT / "manifests/smollm2.yaml"), str(ROOT / "manifests/smollm2-int8.yaml")], threads)
+    reference: dict[tuple[str, str], list[float]] | None = {} if cpp else None
+    server = Server([str(ROOT / "manifests/smollm2.yaml"), str(ROOT / "manifests/smollm2-int8.yaml")], threads, isa)
     try:
         server.wait_ready()
         idle = rss_mb(server.proc.pid)[0]
@@ -211,16 +256,24 @@ def bench_llm(n_code: int, n_chat: int, tokens: int, threads: int, llama_cpp: bo
                             mismatches[model] += previous != result.token_ids
                     if cpp is not None and temperature == 0.0:  # right after Outrider's rows for this prompt
                         text = request["prompt"] if "prompt" in request else template(request["messages"])
-                        rate = cpp.decode_rate(text)
-                        if rate is not None:
-                            reference.setdefault(kind, []).append(rate)
+                        for file_kind, worker in cpps.items():
+                            rate = worker.decode_rate(text)
+                            if rate is not None:
+                                reference.setdefault((file_kind, kind), []).append(rate)
         peak = rss_mb(server.proc.pid)[1]
     finally:
         server.stop()
-        if cpp is not None:
-            cpp.close()
+        for worker in cpps.values():
+            worker.close()
+        if tmp is not None:
+            tmp.cleanup()
     print(f"\nSmolLM2-135M through outrider serve: {n_code} HumanEval prompts (problems 100+), {n_chat} chat "
           f"prompts, max {tokens} tokens, {threads} threads; median over prompts")
+    print(f"smollm2-int8's native kernel set: {kernel_set}"
+          + (f" (OUTRIDER_NATIVE_ISA={isa})" if isa else " (the best this CPU runs)")
+          + (f"; server log: {server.kernel_line()}" if server.kernel_line() else ""))
+    if cpp is not None:
+        print(f"llama.cpp: {llama_cpp_dir or 'the installed llama-cpp-python'}; {cpp.system}")
     print(f"server RSS with both models loaded: idle {idle:.0f} MB, peak {peak:.0f} MB; greedy continuations "
           f"that differ between spec and plain (near-ties, see docs/ACCELERATORS.md): "
           + ", ".join(f"{m} {n}/{len(prompts)}" for m, n in mismatches.items()))
@@ -234,20 +287,21 @@ def bench_llm(n_code: int, n_chat: int, tokens: int, threads: int, llama_cpp: bo
                 decode = statistics.median(r[0] for r in got)
                 print(f"{'':<6}{label:<20}{kind:<6}{decode:>13.1f}{decode / base:>7.2f}x"
                       f"{statistics.median(r[1] for r in got):>11.1f}{statistics.median(r[2] for r in got):>10.2f}")
-            if reference is not None and temperature == 0.0:
-                decode = statistics.median(reference[kind])
-                print(f"{'':<6}{'llama.cpp (Q4_1)':<20}{kind:<6}{decode:>13.1f}{decode / base:>7.2f}x")
+            for file_kind in cpps if reference is not None and temperature == 0.0 else ():
+                if (file_kind, kind) in reference:
+                    decode = statistics.median(reference[(file_kind, kind)])
+                    print(f"{'':<6}{f'llama.cpp ({file_kind})':<20}{kind:<6}{decode:>13.1f}{decode / base:>7.2f}x")
     if reference is None:
-        print("\n(no llama.cpp row: pip install llama-cpp-python to include it)")
+        print("\n(no llama.cpp row: pip install llama-cpp-python, or pass --llama-cpp DIR, to include it)")
 
 
-def bench_llm_memory(threads: int) -> None:
+def bench_llm_memory(threads: int, isa: str = "") -> None:
     """Idle and peak RSS of a server holding one SmolLM2 manifest alone (one greedy request)."""
     from outrider import Client
 
     print(f"\n{'manifest alone':<22}{'idle RSS MB':>12}{'peak RSS MB':>12}")
     for manifest in ("smollm2.yaml", "smollm2-int8.yaml"):
-        server = Server([str(ROOT / "manifests" / manifest)], threads)
+        server = Server([str(ROOT / "manifests" / manifest)], threads, isa)
         try:
             server.wait_ready()
             idle = rss_mb(server.proc.pid)[0]
@@ -264,21 +318,24 @@ class LlamaCpp:
     is measured interleaved with Outrider's (machine load then hits both alike) and a build for
     the wrong CPU (SIGILL) costs this row, not the table."""
 
-    def __init__(self, tokens: int, threads: int) -> None:
-        self.proc = subprocess.Popen([sys.executable, __file__, "--llama-cpp-worker", str(tokens), str(threads or 2)],
+    def __init__(self, tokens: int, threads: int, gguf: Path, build: str = "") -> None:
+        self.proc = subprocess.Popen([sys.executable, __file__, "--llama-cpp-worker", str(tokens), str(threads or 2),
+                                      str(gguf), build],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        if self.proc.stdout.readline().strip() != "ready":
+        line = self.proc.stdout.readline().strip()
+        if not line.startswith("ready"):
             self.close()
             raise RuntimeError(f"llama.cpp worker failed: {self.proc.stderr.read()[-300:]}")
+        self.system = line.removeprefix("ready").strip()  # llama.cpp's system info: the build's SIMD
 
     @classmethod
-    def start(cls, tokens: int, threads: int) -> "LlamaCpp | None":
+    def start(cls, tokens: int, threads: int, gguf: Path, build: str = "") -> "LlamaCpp | None":
         import importlib.util
 
-        if importlib.util.find_spec("llama_cpp") is None:
+        if not (Path(build) / "llama_cpp").is_dir() if build else importlib.util.find_spec("llama_cpp") is None:
             return None
         try:
-            return cls(tokens, threads)
+            return cls(tokens, threads, gguf, build)
         except RuntimeError as exc:
             print(f"({exc})")
             return None
@@ -300,16 +357,16 @@ class LlamaCpp:
         self.proc.wait()
 
 
-def _llama_cpp_worker(tokens: int, threads: int) -> None:
+def _llama_cpp_worker(tokens: int, threads: int, gguf: str, build: str) -> None:
     import json
 
+    if build:
+        sys.path.insert(0, build)
+    import llama_cpp
     from llama_cpp import Llama
 
-    from outrider_llm.loading import smollm2_gguf_path
-
-    llm = Llama(model_path=str(smollm2_gguf_path()), n_ctx=2048, n_threads=threads, n_threads_batch=threads,
-                verbose=False)
-    print("ready", flush=True)
+    llm = Llama(model_path=gguf, n_ctx=2048, n_threads=threads, n_threads_batch=threads, verbose=False)
+    print("ready " + llama_cpp.llama_print_system_info().decode().strip(), flush=True)
     for line in sys.stdin:
         ids = llm.tokenize(json.loads(line).encode(), add_bos=False, special=True)
         llm.reset()
@@ -333,8 +390,8 @@ def _chat_renderer():
 
 
 def main() -> None:
-    if len(sys.argv) == 4 and sys.argv[1] == "--llama-cpp-worker":
-        _llama_cpp_worker(int(sys.argv[2]), int(sys.argv[3]))
+    if len(sys.argv) == 6 and sys.argv[1] == "--llama-cpp-worker":
+        _llama_cpp_worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", type=int, default=16, help="HumanEval prompts")
@@ -345,12 +402,16 @@ def main() -> None:
     parser.add_argument("--skip-minilm", action="store_true")
     parser.add_argument("--skip-llm", action="store_true")
     parser.add_argument("--no-llama-cpp", action="store_true", help="leave out the llama.cpp reference row")
+    parser.add_argument("--isa", default="", help="serve with OUTRIDER_NATIVE_ISA=NAME (a native kernel set)")
+    parser.add_argument("--llama-cpp", default="", metavar="DIR", help="llama-cpp-python target dir to use")
+    parser.add_argument("--llama-cpp-q4_0", action="store_true", help="also llama.cpp on a Q4_0 it quantizes")
     args = parser.parse_args()
     if not args.skip_minilm:
         bench_minilm(args.rounds)
     if not args.skip_llm:
-        bench_llm(args.prompts, args.chat, args.tokens, args.threads, llama_cpp=not args.no_llama_cpp)
-        bench_llm_memory(args.threads)
+        bench_llm(args.prompts, args.chat, args.tokens, args.threads, llama_cpp=not args.no_llama_cpp, isa=args.isa,
+                  llama_cpp_dir=args.llama_cpp, q4_0=args.llama_cpp_q4_0)
+        bench_llm_memory(args.threads, args.isa)
 
 
 if __name__ == "__main__":
