@@ -131,7 +131,7 @@ class Server:
             lines = (Path(self.dir) / "server.log").read_text(errors="replace").splitlines()
         except OSError:
             return ""
-        return next((line.strip()[-160:] for line in lines if "native kernels" in line), "")
+        return next((line[line.index("native kernels"):].strip() for line in lines if "native kernels" in line), "")
 
 
 # ---- MiniLM -------------------------------------------------------------------------------------
