@@ -92,8 +92,8 @@ class QuantizeConfig(_Strict):
     # LLM weights (the llm backend's kernels, outrider_llm/linear.py): auto = measured at load;
     # "+bf16" adds a dense bf16 copy for calls of many rows; the others name one kernel.
     # int4native: outrider's own int4 kernel (flat in rows: for speculative verification); w4a8:
-    # outrider's own int4 kernel with int8 activations on AVX512-VNNI, as llama.cpp computes, and
-    # the head in GGUF Q8_0; each where it runs here, else as auto.
+    # outrider's own int4 kernel with int8 activations, as llama.cpp computes, and the head in GGUF
+    # Q8_0, on every CPU class (outrider_llm/native.py); each where it runs here, else as auto.
     kernel: Literal["auto", "auto+bf16", "int4pack", "int8pack", "dense", "int4pack+bf16", "int8pack+bf16",
                     "int4native", "w4a8"] = "auto"
     # ONNX int8: how weights are stored, which decides the kernel ONNX Runtime runs (see WeightEncoding).
