@@ -136,11 +136,11 @@ class DynamicBatcher(Scheduler):
 
     # -- forming batches ------------------------------------------------------------------
 
-    def next_batch(self, queue: RequestQueue) -> list[PendingRequest]:
+    def next_batch(self, queue: RequestQueue, idle: Optional[Callable[[], None]] = None) -> list[PendingRequest]:
         """Wait for a first request, then gather more until full, preferred-sized or out of delay."""
         first: Any = self._take_piece() if self._piece_turn else None
         if first is None:
-            first = self._take_held() or queue.take(timeout=0.0 if self._splits else _IDLE_POLL_S)
+            first = self._take_held() or queue.take(timeout=0.0 if self._splits else _IDLE_POLL_S, idle=idle)
         if first is None:
             first = self._take_piece()  # nothing else waits: the next piece goes now
         if first is None:

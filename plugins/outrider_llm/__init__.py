@@ -29,7 +29,7 @@ from outrider import hookimpl
 from outrider.backend import Availability, Backend, require_packages, torch_device
 from outrider.errors import BadRequestError
 from outrider.manifest import Manifest
-from outrider.torch_process import CudaHealth, is_out_of_memory, set_torch_threads
+from outrider.torch_process import CudaHealth, is_out_of_memory, release_cpu_threads, set_torch_threads
 
 __version__ = "0.1.0"
 
@@ -157,6 +157,12 @@ class LlmBackend(Backend):
 
     def execute(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         raise BadRequestError(f"model {self.manifest.name!r} generates text; send a generate request")
+
+    def idle(self) -> None:
+        """Waiting for work: hand this thread's OpenMP team back, so that a busy torch model beside
+        this one keeps libgomp's fast path (see outrider.torch_process)."""
+        if self.device.startswith("cpu"):
+            release_cpu_threads()
 
     def health(self) -> dict[str, Any]:
         engine = getattr(self, "engine", None)

@@ -28,7 +28,7 @@ from outrider import hookimpl
 from outrider.backend import Availability, Backend, Task, require_packages, torch_device
 from outrider.errors import ExecutionError, ManifestError
 from outrider.manifest import Manifest
-from outrider.torch_process import CudaHealth, is_out_of_memory, set_torch_threads
+from outrider.torch_process import CudaHealth, is_out_of_memory, release_cpu_threads, set_torch_threads
 
 if TYPE_CHECKING:
     import torch
@@ -211,6 +211,12 @@ class TorchBackend(Backend):
             raise
 
     # -- health -------------------------------------------------------------------------------
+
+    def idle(self) -> None:
+        """Waiting for work: hand this thread's OpenMP team back, so that a busy torch model beside
+        this one keeps libgomp's fast path (see outrider.torch_process)."""
+        if self.device.startswith("cpu"):
+            release_cpu_threads()
 
     def health(self) -> dict[str, Any]:
         """Device, threads and torch version; unhealthy until loaded."""

@@ -161,6 +161,12 @@ class Backend:
         """A cost per row of a request's inputs, for grouping rows of similar cost (the task's by default)."""
         return self.task.row_costs(inputs) if self.task is not None else None
 
+    def idle(self) -> None:
+        """The instance has had no work for a moment and is about to wait for more (called on its
+        own thread, at most a few times a second): hand back per-thread resources that others need
+        meanwhile, such as the torch backends' OpenMP team. Must be cheap when there is nothing to
+        hand back; the next `execute` rebuilds what it needs."""
+
     def health(self) -> dict[str, Any]:
         """{'healthy': bool, ...}: anything an operator should see (provider fallbacks, device)."""
         return {"healthy": True, "device": self.device}

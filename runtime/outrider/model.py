@@ -158,6 +158,10 @@ class RequestQueue:
       One connection may use the whole queue while nobody else needs it.
     """
 
+    #: seconds without work after which a waiting instance is told it is idle (Backend.idle):
+    #: longer than a client's round trip between requests, so a busy stream never pays for it
+    IDLE_AFTER_S = 0.005
+
     def __init__(self, max_size: int, max_bytes: Optional[int] = None) -> None:
         self.max_size = max_size
         self.max_bytes = max_bytes
@@ -264,8 +268,20 @@ class RequestQueue:
             self._cond.notify(len(live))
         return []
 
-    def take(self, timeout: float) -> Optional[PendingRequest]:
-        """The next live request, waiting up to `timeout` s; None on timeout or close."""
+    def take(self, timeout: float, idle: Optional[Callable[[], None]] = None) -> Optional[PendingRequest]:
+        """The next live request, waiting up to `timeout` s; None on timeout or close.
+
+        `idle` (an instance's `idle`) is called, without the lock, when nothing came within
+        IDLE_AFTER_S and the wait goes on: the caller's thread is about to sleep."""
+        if idle is not None and timeout > self.IDLE_AFTER_S:
+            request = self._take(self.IDLE_AFTER_S)
+            if request is not None or self._closed:
+                return request
+            idle()
+            timeout -= self.IDLE_AFTER_S
+        return self._take(timeout)
+
+    def _take(self, timeout: float) -> Optional[PendingRequest]:
         end = time.monotonic() + timeout
         with self._cond:
             while True:
@@ -381,6 +397,7 @@ class Instance(threading.Thread):
         self.health_reason = ""
         self._next_health_check = 0.0
         self._stopping = threading.Event()
+        self._idle_failed = False
 
     @property
     def serving(self) -> bool:
@@ -389,6 +406,18 @@ class Instance(threading.Thread):
 
     def stop(self) -> None:
         self._stopping.set()
+
+    def idle(self) -> None:
+        """No work for a moment (RequestQueue.take): the backend may hand back what it holds."""
+        backend = self.backend
+        if backend is None:
+            return
+        try:
+            backend.idle()
+        except Exception:  # never worth failing the instance over; said once
+            if not self._idle_failed:
+                self._idle_failed = True
+                log.exception("model %s instance %d: backend idle() failed", self.model.name, self.index)
 
     def check_health(self) -> None:
         """Ask the backend for its own health (a worker: a round trip, killed if wedged).
@@ -592,12 +621,12 @@ class Scheduler:
 
     def serve(self, instance: Instance, queue: RequestQueue) -> None:
         """One turn of an instance's loop: wait for work, execute it. Stateful engines override this."""
-        batch = self.next_batch(queue)
+        batch = self.next_batch(queue, idle=instance.idle)
         if batch:
             instance._execute(batch)
 
-    def next_batch(self, queue: RequestQueue) -> list[PendingRequest]:
-        request = queue.take(timeout=0.25)
+    def next_batch(self, queue: RequestQueue, idle: Optional[Callable[[], None]] = None) -> list[PendingRequest]:
+        request = queue.take(timeout=0.25, idle=idle)
         return [request] if request is not None else []
 
     def execute(self, backend: Backend, batch: list[PendingRequest]) -> list[Any]:

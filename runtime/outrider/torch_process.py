@@ -4,6 +4,12 @@
   different counts would silently overwrite each other, the last loaded winning for both. The
   first backend that sets it wins; a later one asking for another count gets a warning and the
   count in force. CUDA-only work never sets it (its matmuls do not run on these threads).
+- The OpenMP team of an idle thread: libgomp gives each thread that starts a parallel region a
+  team of worker threads of its own, kept while that thread lives. Once a process holds more such
+  workers than CPUs (two torch models, or two instances, each with a team), libgomp stops
+  spinning between regions for all of them, and each of a decode step's ~150 regions sleeps and
+  wakes its threads through the kernel: a busy model beside an idle one ran 2-3x slower. So an
+  instance hands its team back when it has nothing to do (`release_cpu_threads`).
 - CUDA faults: after an illegal address or a device-side assert the process's CUDA context is
   poisoned and every later call fails, so an instance must report unhealthy for good (the core
   then takes it out of service); an out-of-memory error only fails the call that hit it.
@@ -14,6 +20,7 @@ when called, from backends that have already imported it.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 from typing import Any, Callable, Optional
@@ -73,6 +80,44 @@ TORCH_THREADS = ThreadSetting()
 def set_torch_threads(threads: int, who: str) -> int:
     """Set torch's intra-op threads for this process once (see `ThreadSetting.apply`)."""
     return TORCH_THREADS.apply(threads, who)
+
+
+_PAUSES: Optional[list[Callable[[int], int]]] = None
+_OMP_PAUSE_SOFT = 1  # omp_pause_soft: free the team's threads, keep what can be rebuilt
+
+
+def _openmp_pauses() -> list[Callable[[int], int]]:
+    """`omp_pause_resource_all` of each libgomp this process has loaded (torch's own, found in
+    /proc/self/maps, so none is loaded here that torch does not use); empty where there is none
+    (torch built with another threading runtime, or not on Linux)."""
+    global _PAUSES
+    if _PAUSES is None:
+        found: list[Callable[[int], int]] = []
+        try:
+            with open("/proc/self/maps") as maps:
+                paths = {line.split()[-1] for line in maps if "libgomp" in line and "/" in line}
+        except OSError:
+            paths = set()
+        for path in sorted(paths):
+            try:
+                pause = ctypes.CDLL(path).omp_pause_resource_all  # already loaded: the same handle
+            except (OSError, AttributeError):  # a libgomp before OpenMP 5.0 (GCC 9)
+                continue
+            pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
+            found.append(pause)
+        _PAUSES = found
+    return _PAUSES
+
+
+def release_cpu_threads() -> None:
+    """Hand back the calling thread's OpenMP team while it waits for work (see the module doc).
+
+    Call on an instance's own thread, outside any torch call. The next parallel region there
+    builds the team again (tens of microseconds, once per idle spell). Cheap when there is no
+    team; a no-op where torch does not use libgomp.
+    """
+    for pause in _openmp_pauses():
+        pause(_OMP_PAUSE_SOFT)
 
 
 def is_out_of_memory(exc: BaseException) -> bool:

@@ -414,7 +414,7 @@ class GenerationScheduler(Scheduler):
         if engine.busy():
             new = queue.take_more(engine.capacity())
         else:
-            request = queue.take(timeout=0.25)
+            request = queue.take(timeout=0.25, idle=instance.idle)
             if request is None:
                 return
             new = [request] + queue.take_more(engine.capacity() - 1)
