@@ -25,7 +25,9 @@ import logging
 import os
 import threading
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 
 from outrider.hardware import cpu_flags
@@ -207,6 +209,31 @@ def pack_w8a8(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch
     shifted = (q.to(torch.int16) + 128).to(torch.uint8).view(out // TILE, TILE, inp // 4, 4)  # [t, i, quad, p]
     packed = shifted.permute(0, 2, 1, 3).contiguous().view(out // TILE, inp // 4, 64)  # [t, quad, i, p]
     return (packed, *_per_tile(scale.float(), -128 * scale.float()))
+
+
+def pack_affine(groups: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel layout of `gguf_blocks.AffineGroups` (w = q * d + m, q uint8 [out, in] of
+    `groups.bits` bits, d and m fp16 [out, in / group]): 4-bit as `pack_w4a8`, 8-bit as `pack_w8a8`
+    (q as it is: 0..255). d and m go over unchanged, so the kernel computes with the file's weights."""
+    q = torch.from_numpy(np.ascontiguousarray(groups.q))
+    d = torch.from_numpy(np.ascontiguousarray(groups.d)).float()
+    m = torch.from_numpy(np.ascontiguousarray(groups.m)).float()
+    out, inp = q.shape
+    if groups.bits == 4:
+        return pack_w4a8(q, d, m + 8 * d)[0], *_per_tile(d, m)
+    if groups.bits != 8:
+        raise ValueError(f"affine groups of {groups.bits} bits: the kernels take 4 or 8")
+    if out % TILE or inp % 4:
+        raise ValueError(f"w8a8 tiles need out % {TILE} == 0 and in % 4 == 0, got {tuple(q.shape)}")
+    packed = q.view(out // TILE, TILE, inp // 4, 4).permute(0, 2, 1, 3).contiguous().view(out // TILE, inp // 4, 64)
+    return (packed, *_per_tile(d, m))
+
+
+def affine_mm(x: torch.Tensor, w: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int,
+              group_size: int) -> torch.Tensor:
+    """fp32 [rows, out] = x @ W.T for W as `pack_affine` gives it (`bits` 4 or 8)."""
+    op = torch.ops.outrider.w4a8_mm if bits == 4 else torch.ops.outrider.w8a8_mm
+    return op(x, w, d, m, group_size)
 
 
 def w8a8_mm(x: torch.Tensor, w: torch.Tensor, d: torch.Tensor, m: torch.Tensor, group_size: int) -> torch.Tensor:
