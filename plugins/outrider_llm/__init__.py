@@ -52,6 +52,10 @@ class LlmOptions(BaseModel):
     threads: Optional[int] = Field(None, ge=1, le=1024)
     dtype: Literal["float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "auto"] = "float32"
     cuda_graphs: bool = True
+    #: "file": a quantized GGUF's matrices are served in their own block types on the native
+    #: kernels (no fp32 copy); "float": dequantized to `dtype`. With a `quantize:` section the
+    #: float weights are what it quantizes from, whatever this says.
+    weights: Literal["file", "float"] = "file"
 
 
 class LlmBackend(Backend):
@@ -85,7 +89,8 @@ class LlmBackend(Backend):
         from outrider.generation.engine import GenerationEngine
 
         from .linear import kernel_key
-        from .loading import artifact_tokenizer, load_weights_artifact, model_from_artifact
+        from .loading import (artifact_tokenizer, load_native_artifact, load_weights_artifact, model_from_artifact,
+                              read_artifact_meta)
 
         options = self.options
         on_cuda = self.device.startswith("cuda")
@@ -100,20 +105,27 @@ class LlmBackend(Backend):
                                                          f"model {self.manifest.name!r}")
         started = time.perf_counter()
         kernel = self._kernel()
-        weights = load_weights_artifact(self.manifest.model_path())
-        # Quantization runs here, before the model is built: its quality gate builds the float
-        # and the quantized model through these helpers (a transform never imports this plugin).
-        tokenizer = artifact_tokenizer(weights)
-        weights = self.transform_artifact(
-            weights,
-            build_model=lambda artifact: model_from_artifact(artifact, device=self.device, kernel=kernel)[0],
-            tokenize=tokenizer.encode,
-            kernel_key=lambda mode: kernel_key(mode, kernel, self.device),
-        )
-        # A quantized artifact says in which dtype it computes on CPU; `options.dtype` is for float
-        # weights, and on CUDA for quantized ones too (they are dequantized to dense there).
-        dtype = None if self.manifest.quantize is not None and not on_cuda else options.dtype
-        self.model, self.tokenizer = model_from_artifact(weights, dtype=dtype, device=self.device, kernel=kernel)
+        self.block_types: dict[str, int] = {}
+        if self._serves_file_blocks(options, on_cuda):
+            # A quantized GGUF without `quantize:`: its own block types on the native kernels.
+            native = load_native_artifact(self.manifest.model_path())
+            self.block_types = read_artifact_meta(native).get("block_types", {})
+            self.model, self.tokenizer = model_from_artifact(native, device=self.device)
+        else:
+            weights = load_weights_artifact(self.manifest.model_path())
+            # Quantization runs here, before the model is built: its quality gate builds the float
+            # and the quantized model through these helpers (a transform never imports this plugin).
+            tokenizer = artifact_tokenizer(weights)
+            weights = self.transform_artifact(
+                weights,
+                build_model=lambda artifact: model_from_artifact(artifact, device=self.device, kernel=kernel)[0],
+                tokenize=tokenizer.encode,
+                kernel_key=lambda mode: kernel_key(mode, kernel, self.device),
+            )
+            # A quantized artifact says in which dtype it computes on CPU; `options.dtype` is for float
+            # weights, and on CUDA for quantized ones too (they are dequantized to dense there).
+            dtype = None if self.manifest.quantize is not None and not on_cuda else options.dtype
+            self.model, self.tokenizer = model_from_artifact(weights, dtype=dtype, device=self.device, kernel=kernel)
         log.info("model %s: weights ready in %.2fs (%s)", self.manifest.name, time.perf_counter() - started,
                  f"{threads} threads" if threads else f"{self.device}, {self.model.dtype}")
         strategy = getattr(self.accelerators, "decode_strategy", None)
@@ -127,6 +139,21 @@ class LlmBackend(Backend):
             self.engine.strategy.attach(self.model, self.tokenizer)
         if on_cuda and options.cuda_graphs:
             self.model.use_cuda_graphs(self.engine.cache)
+
+    def _serves_file_blocks(self, options: LlmOptions, on_cuda: bool) -> bool:
+        """Whether this load serves the GGUF's own block types: asked for (`weights: file`, the
+        default), no `quantize:` section, on a CPU whose native kernels loaded, and a quantized file."""
+        if options.weights != "file" or self.manifest.quantize is not None or on_cuda:
+            return False
+        from . import native
+        from .loading import gguf_is_quantized
+
+        loaded, why = native.w4a8_kernel()
+        quantized = gguf_is_quantized(self.manifest.model_path())
+        if quantized and not loaded:
+            log.warning("model %s: the GGUF's own block types need outrider's native kernels (%s): serving it "
+                        "dequantized to %s", self.manifest.name, why, options.dtype)
+        return quantized and loaded
 
     def _kernel(self) -> str:
         """The quantized matmul kernel the manifest asks for (`quantize.kernel`, default auto)."""
@@ -173,6 +200,8 @@ class LlmBackend(Backend):
             return {"healthy": False, "reason": "not loaded"}
         out = {"healthy": True, "device": self.device, "active_sequences": len(engine.active),
                "waiting": len(engine.waiting), "free_slots": len(engine.free_slots)}
+        if getattr(self, "block_types", None):
+            out["weights"] = {"served_as": "the file's own blocks", "block_types": self.block_types}
         if cuda is not None:
             out["dtype"] = str(self.model.dtype).replace("torch.", "")
             runner = getattr(self.model, "graph_runner", None)

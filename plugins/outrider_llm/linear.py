@@ -190,12 +190,16 @@ class Int8BlockTable:
 
 @dataclass
 class QuantTensor:
-    """One linear weight in quantized form: "int4" (q packed, scale, zero) or "int8" (q, scale)."""
+    """One linear weight in quantized form: "int4" (q packed, scale, zero), "int8" (q, scale), or
+    "affine" (a GGUF file's own blocks, see `gguf_blocks`: q uint8 [out, in] of `bits` bits,
+    scale = d and zero = m fp16-exact [out, in / group], w = q * d + m)."""
 
     mode: str
     q: torch.Tensor
     scale: torch.Tensor
     zero: Optional[torch.Tensor] = None
+    bits: int = 0  # affine only: 4 or 8
+    source: str = ""  # affine only: the GGUF type it came from
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -205,11 +209,16 @@ class QuantTensor:
 
     @property
     def group_size(self) -> Optional[int]:
-        """Input columns per scale/zero group (int4), None for per-channel int8."""
-        return self.shape[1] // self.scale.shape[1] if self.mode == "int4" else None
+        """Input columns per scale/zero group (int4, affine), None for per-channel int8."""
+        return self.shape[1] // self.scale.shape[1] if self.mode in ("int4", "affine") else None
 
     def dequantize(self) -> torch.Tensor:
         """The fp32 weight it stands for."""
+        if self.mode == "affine":
+            out, inp = self.shape
+            group = self.group_size
+            q = self.q.view(out, inp // group, group).float()
+            return (q * self.scale.float()[..., None] + self.zero.float()[..., None]).view(out, inp)
         if self.mode == "int4":
             return dequantize_int4(self.q, self.scale, self.zero)
         return dequantize_int8(self.q, self.scale)
@@ -217,27 +226,34 @@ class QuantTensor:
     def params_in(self, dtype: torch.dtype) -> "QuantTensor":
         """The same weight with scales and zeros rounded to `dtype`, as the packed kernels hold them."""
         zero = None if self.zero is None else self.zero.to(dtype).float()
-        return QuantTensor(self.mode, self.q, self.scale.to(dtype).float(), zero)
+        return QuantTensor(self.mode, self.q, self.scale.to(dtype).float(), zero, self.bits, self.source)
 
     def scaled(self, factor: float) -> "QuantTensor":
-        """The weight times `factor` (scales and zeros scale; q stays)."""
+        """The weight times `factor` (scales and zeros scale; q stays). For an affine weight
+        (fp16 d and m) exact when `factor` is a power of two and nothing leaves fp16's normal range."""
         zero = None if self.zero is None else self.zero.float() * factor
-        return QuantTensor(self.mode, self.q, self.scale.float() * factor, zero)
+        return QuantTensor(self.mode, self.q, self.scale.float() * factor, zero, self.bits, self.source)
+
+    def format(self) -> tuple:
+        """What two weights must share to be concatenated into one kernel."""
+        return self.mode, self.bits, self.shape[1], self.group_size
 
     @staticmethod
     def cat(parts: list["QuantTensor"]) -> "QuantTensor":
-        """Concatenate along out-features (fused QKV, gate/up); modes and groups must agree."""
-        modes = {p.mode for p in parts}
-        groups = {(p.shape[1], p.group_size) for p in parts}
-        if len(modes) != 1 or len(groups) != 1:
-            raise ValueError(f"cannot fuse quantized weights of different formats: {modes}, {groups}")
+        """Concatenate along out-features (fused QKV, gate/up); formats must agree (`format`)."""
+        formats = {p.format() for p in parts}
+        if len(formats) != 1:
+            raise ValueError(f"cannot fuse quantized weights of different formats: {formats}")
         zero = None if parts[0].zero is None else torch.cat([p.zero.float() for p in parts])
         return QuantTensor(parts[0].mode, torch.cat([p.q for p in parts]),
-                           torch.cat([p.scale.float() for p in parts]), zero)
+                           torch.cat([p.scale.float() for p in parts]), zero, parts[0].bits,
+                           "+".join(sorted({p.source for p in parts if p.source})))
 
     @staticmethod
     def from_state_dict(sd: dict[str, torch.Tensor], name: str) -> Optional["QuantTensor"]:
         """The quantized form of weight `name` in `sd`, or None when it is not stored quantized."""
+        if name + ".affine.q" in sd:
+            return _affine_from_state_dict(sd, name)
         if name + ".int4.q" in sd:
             try:
                 q, scale, zero = sd[name + ".int4.q"], sd[name + ".int4.scale"], sd[name + ".int4.zero"]
@@ -256,6 +272,68 @@ class QuantTensor:
                                  f"{q.dtype} {tuple(q.shape)}, {None if scale is None else tuple(scale.shape)}")
             return QuantTensor("int8", q, scale)
         return None
+
+
+AFFINE_KEYS = ("q", "d", "m", "bits")  # N.affine.*: see `affine_state_dict`
+
+
+def affine_state_dict(name: str, groups: "object") -> dict[str, torch.Tensor]:
+    """State-dict entries of weight `name` held as a GGUF file's own groups (`gguf_blocks.AffineGroups`):
+    N.affine.q uint8 [out, in] (4-bit values packed two to a byte, as `pack_int4`), N.affine.d and
+    N.affine.m fp16 [out, in / group], N.affine.bits uint8 [1] (4 or 8)."""
+    import numpy as np
+
+    q = torch.from_numpy(np.ascontiguousarray(groups.q))
+    return {
+        f"{name}.affine.q": pack_int4(q) if groups.bits == 4 else q,
+        f"{name}.affine.d": torch.from_numpy(np.ascontiguousarray(groups.d)),
+        f"{name}.affine.m": torch.from_numpy(np.ascontiguousarray(groups.m)),
+        f"{name}.affine.bits": torch.tensor([groups.bits], dtype=torch.uint8),
+    }
+
+
+def _affine_from_state_dict(sd: dict[str, torch.Tensor], name: str) -> QuantTensor:
+    try:
+        q, d, m, bits = (sd[f"{name}.affine.{k}"] for k in AFFINE_KEYS)
+    except KeyError as exc:
+        raise ValueError(f"{name}: affine weights need .affine.q, .d, .m and .bits; {exc} missing") from None
+    bits = int(bits.reshape(-1)[0])
+    if bits not in (4, 8) or q.dtype != torch.uint8 or q.dim() != 2 or d.shape != m.shape or d.dim() != 2:
+        raise ValueError(f"{name}: expected affine.q uint8 2-D, d/m of one 2-D shape and 4 or 8 bits, got "
+                         f"{q.dtype} {tuple(q.shape)}, {tuple(d.shape)}, {tuple(m.shape)}, {bits} bits")
+    values = unpack_int4(q) if bits == 4 else q
+    if d.shape[0] != values.shape[0] or values.shape[1] % d.shape[1]:
+        raise ValueError(f"{name}: affine d {tuple(d.shape)} does not fit q {tuple(values.shape)}")
+    return QuantTensor("affine", values, d.float(), m.float(), bits)
+
+
+class AffineTable:
+    """An embedding table held as a GGUF file's own groups: lookups dequantize just the rows asked
+    for (w = q * d + m in fp32), bit for bit what the tied head's kernel multiplies with."""
+
+    __slots__ = ("q", "d", "m", "group", "shape")
+
+    def __init__(self, weight: QuantTensor) -> None:
+        self.q = weight.q.contiguous()
+        self.d, self.m = weight.scale.half(), weight.zero.half()  # exact: they came from fp16
+        self.group = weight.group_size
+        self.shape = weight.q.shape
+
+    def index_select(self, dim: int, index: torch.Tensor) -> torch.Tensor:
+        """fp32 rows `index` (dim 0 only)."""
+        if dim != 0:
+            raise ValueError("AffineTable looks up rows only")
+        q = self.q.index_select(0, index).float()
+        n, cols = q.shape
+        q = q.view(n, cols // self.group, self.group)
+        d = self.d.index_select(0, index).float()[..., None]
+        m = self.m.index_select(0, index).float()[..., None]
+        return (q * d + m).view(n, cols)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held."""
+        return self.q.numel() + (self.d.numel() + self.m.numel()) * 2
 
 
 # ---- quantized kernels ---------------------------------------------------------------------------
@@ -357,13 +435,25 @@ class W8A8Linear:
     from the file's own Q8_0 values. fp32 or bf16 in, fp32 out."""
 
     __slots__ = ("packed", "scales", "minimums", "group", "dtype")
+    kernel = "w8a8"
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor) -> None:
-        from .native import pack_w8a8
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, minimum: Optional[torch.Tensor] = None) -> None:
+        """Signed q with w = q * scale (Q8_0); or, with `minimum`, unsigned q (0..255) with
+        w = q * scale + minimum (an affine weight of 8 bits: Q5_x, Q8_0, Q5_K, Q6_K)."""
+        from .native import TILE, pack_w8a8
 
         self.group = q.shape[1] // scale.shape[1]
         self.dtype = torch.float32
-        self.packed, self.scales, self.minimums = pack_w8a8(q, scale)
+        if minimum is None:
+            self.packed, self.scales, self.minimums = pack_w8a8(q, scale)
+        else:
+            out, inp = q.shape
+            if out % TILE or inp % 4:
+                raise RuntimeError(f"w8a8 tiles need out % {TILE} == 0 and in % 4 == 0, got {tuple(q.shape)}")
+            tiles = q.to(torch.uint8).view(out // TILE, TILE, inp // 4, 4).permute(0, 2, 1, 3)
+            self.packed = tiles.contiguous().view(out // TILE, inp // 4, 64)
+            self.scales, self.minimums = (v.float().half().view(out // TILE, TILE, -1).transpose(1, 2).contiguous()
+                                          for v in (scale, minimum))
 
     @staticmethod
     def usable(out: int, inp: int, group: int = 32) -> bool:
@@ -406,6 +496,66 @@ class Int8Linear(_PackedLinear):
 
     def _own_bytes(self) -> int:
         return self.q.numel() + self.scale.numel() * 2
+
+
+class ConcatLinear:
+    """Projections fused in the model's layout (QKV, gate/up) whose weights a GGUF file holds in
+    different block types (a Q4_K_M file: Q4_K q and k, Q6_K v): each part runs its own kernel,
+    the outputs are concatenated. fp32 out."""
+
+    __slots__ = ("parts", "kernel", "dtype")
+
+    def __init__(self, parts: list) -> None:
+        self.parts = parts
+        kernels = {getattr(p, "kernel", "dense") for p in parts}
+        self.kernel = "native" if kernels <= NATIVE_KERNELS else "mixed"
+        self.dtype = torch.float32
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x).float() for part in self.parts], dim=-1)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of weight its parts hold."""
+        return sum(getattr(p, "nbytes", 0) for p in self.parts)
+
+
+#: kernels that compute with outrider's native int8-activation matmuls (w4a8_mm / w8a8_mm)
+NATIVE_KERNELS = {"int4native", "w4a8", "w8a8", "native"}
+
+
+def affine_linear(weight: QuantTensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The native kernel for an affine weight (the file's own groups): w4a8 for 4 bits (as an
+    `Int4Linear`, so the fused layer stack takes it), w8a8 for 8; where the native kernels cannot
+    run or take the shape, a dense fp32 copy of the same weights (logged once)."""
+    from . import native
+
+    out, inp = weight.shape
+    group = weight.group_size
+    if native.w4a8_kernel()[0] and out % native.TILE == 0 and group % 16 == 0:
+        if weight.bits == 4:
+            # (q - 8) * scale + zero = q * d + m: zero = m + 8 d in fp32, and the kernel's m = zero - 8 d again.
+            int4 = QuantTensor("int4", pack_int4(weight.q), weight.scale, weight.zero + 8 * weight.scale)
+            linear = Int4Linear(int4, kernel="w4a8")
+            if linear.kernel == "w4a8":
+                # d and m exactly as the file has them (not through zero's fp32 sum).
+                linear.scales_zeros, linear.minimums = native._per_tile(weight.scale, weight.zero)
+                return linear
+        else:
+            return W8A8Linear(weight.q, weight.scale, weight.zero)
+    _note_dense_affine(weight, "" if native.w4a8_kernel()[0] else native.w4a8_kernel()[1])
+    return dense_linear(weight.dequantize(), torch.float32)
+
+
+_DENSE_NOTED: set = set()
+
+
+def _note_dense_affine(weight: QuantTensor, why: str) -> None:
+    key = (weight.shape, weight.group_size, why)
+    if key not in _DENSE_NOTED:
+        _DENSE_NOTED.add(key)
+        log.warning("a %s weight %s (groups of %s) runs dense fp32: %s", weight.source or "GGUF", weight.shape,
+                    weight.group_size, why or "its shape does not fit the native kernels' tiles of 16 outputs")
 
 
 # ---- choosing a kernel ----------------------------------------------------------------------

@@ -38,6 +38,7 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Part of the artifact key: bumped when what the conversion writes changes (2: raw Q4_1 blocks).
 CACHE_FORMAT = 2
 WEIGHTS_KIND = "llama-weights"
+NATIVE_KIND = "llama-gguf-blocks"  # the same layout, quantized matrices in the file's own blocks
 WEIGHTS_FILE, TOKENIZER_FILE, META_FILE = "weights.safetensors", "tokenizer.json", "meta.json"
 RAW_Q4_1 = ".q4_1."
 # Tokens that end a turn or a document in the chat models we ship; added to the GGUF's own EOS.
@@ -164,6 +165,34 @@ def load_weights_artifact(gguf_path: "str | Path", cache: Optional[ArtifactCache
     )
 
 
+def gguf_is_quantized(gguf_path: "str | Path") -> bool:
+    """Whether any matrix of the GGUF is stored in a quantized block type (reads the header only)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(gguf_path))
+    return any(t.tensor_type.name not in _DENSE_TYPES and len(t.shape) == 2 for t in reader.tensors)
+
+
+def load_native_artifact(gguf_path: "str | Path", cache: Optional[ArtifactCache] = None) -> Artifact:
+    """The GGUF as a "llama-weights" artifact holding its quantized matrices in their own block
+    types (`_read_gguf(native=True)`), built once: a warm start reads it without conversion."""
+    path = Path(gguf_path)
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file {path} does not exist")
+    cache = cache or ArtifactCache()
+
+    def build(directory: Path, progress: Any) -> dict:
+        config, state_dict, meta = _read_gguf(path, native=True)
+        _write_artifact(directory, config, state_dict, meta, _gguf_tokenizer(path))
+        return {"tensors": len(state_dict), "bytes": (directory / WEIGHTS_FILE).stat().st_size,
+                "block_types": meta["block_types"], "converted": {k: len(v) for k, v in meta["converted"].items()}}
+
+    return cache.get_or_build(
+        NATIVE_KIND, build, label=f"{path.name} -> its own blocks", sources=[path],
+        versions=["torch", "gguf", "transformers"], options={"format": CACHE_FORMAT},
+    )
+
+
 def read_artifact_meta(artifact: "Artifact | str | Path") -> dict:
     """meta.json of a "llama-weights" artifact (config, tokens, optional dtype and quantize)."""
     directory = _artifact_dir(artifact)
@@ -279,9 +308,40 @@ _LAYER_NAMES = {
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
-def _read_gguf(path: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor], dict]:
+# GGUF types with no affine form here (gguf_blocks), and the type each is converted to once at
+# load: 4-bit groups for the types of 4 bits or fewer, 8-bit ones for the rest.
+_FOUR_BITS_OR_FEWER = ("Q2_K", "Q3_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S",
+                       "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4", "NVFP4")
+_DENSE_TYPES = ("F32", "F16", "BF16", "F64")
+
+
+def _native_groups(tensor: Any, rows: int, cols: int, converted: dict) -> Any:
+    """The tensor's own blocks as affine groups; a type without an affine form is dequantized and
+    requantized once by gguf-py's quantizer (Q4_1 or Q8_0), counted in `converted`."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, dequantize, quantize
+
+    from . import gguf_blocks
+
+    kind = tensor.tensor_type.name
+    groups = gguf_blocks.to_affine(tensor.data, kind, (rows, cols))
+    if groups is not None:
+        return groups
+    target = "Q4_1" if kind in _FOUR_BITS_OR_FEWER else "Q8_0"
+    weights = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(rows, cols)
+    converted.setdefault(f"{kind} -> {target}", []).append(tensor.name)
+    blocks = quantize(weights, GGMLQuantizationType[target])
+    return gguf_blocks.to_affine(blocks, target, (rows, cols))
+
+
+def _read_gguf(path: Path, native: bool = False) -> tuple[LlamaConfig, dict[str, torch.Tensor], dict]:
+    """(config, state dict, meta) of a Llama GGUF. The state dict holds fp32 weights (plus the raw
+    Q4_1 blocks), or with `native` each quantized matrix as the file's own blocks (`N.affine.*`,
+    linear.affine_state_dict) and nothing in fp32 but the dense tensors (norms, F16/F32 weights)."""
     import numpy as np
     from gguf import GGMLQuantizationType, GGUFReader, dequantize
+
+    from .linear import affine_state_dict
 
     reader = GGUFReader(str(path))
     arch = _field(reader, "general.architecture")
@@ -309,6 +369,8 @@ def _read_gguf(path: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor], dict]:
         eos_token_id=eos,
     )
     state_dict: dict[str, torch.Tensor] = {}
+    converted: dict[str, list[str]] = {}
+    served: dict[str, int] = {}
     for tensor in reader.tensors:
         base, _, suffix = tensor.name.rpartition(".")
         parts = base.split(".")
@@ -318,6 +380,15 @@ def _read_gguf(path: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor], dict]:
             hf = f"{_TOP_NAMES[base]}.{suffix}"
         else:
             continue  # e.g. rope_freqs: not used by Llama without rope scaling
+        if native and tensor.tensor_type.name not in _DENSE_TYPES and len(tensor.shape) == 2:
+            cols, rows = (int(n) for n in tensor.shape)  # GGUF lists ne0 (the row length) first
+            groups = _native_groups(tensor, rows, cols, converted)
+            if parts[0] == "blk" and parts[2] in ("attn_q", "attn_k"):
+                n = config.num_heads if parts[2] == "attn_q" else config.num_kv_heads
+                groups.q, groups.d, groups.m = (_unpermute_rows(v, n) for v in (groups.q, groups.d, groups.m))
+            served[groups.source] = served.get(groups.source, 0) + 1
+            state_dict.update(affine_state_dict(hf, groups))
+            continue
         weights = dequantize(tensor.data, tensor.tensor_type)
         raw = _q4_1_blocks(tensor.data) if tensor.tensor_type == GGMLQuantizationType.Q4_1 else None
         if parts[0] == "blk" and parts[2] in ("attn_q", "attn_k"):
@@ -337,6 +408,13 @@ def _read_gguf(path: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor], dict]:
         "eos_token_ids": [eos] if eos is not None else [],
         "source": str(path),
     }
+    if native:
+        meta["block_types"] = served  # GGUF type -> matrices served in it
+        meta["converted"] = converted
+        for change, names in converted.items():
+            log.warning("%s: %d matrices have a block type the native kernels do not take and were converted "
+                        "once, %s (requantized by gguf-py, the nearest type they take): %s", path.name,
+                        len(names), change, ", ".join(names[:4]) + (", ..." if len(names) > 4 else ""))
     return config, state_dict, meta
 
 

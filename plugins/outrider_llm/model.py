@@ -38,14 +38,19 @@ from outrider.generation.contract import Chunk, ForwardOutput
 from .kv_cache import SlotKVCache
 
 from .linear import (  # noqa: F401  (re-exported: `from outrider_llm.model import _Linear` keeps working)
+    NATIVE_KERNELS,
     PACK_ROWS,
+    AffineTable,
+    ConcatLinear,
     Int8BlockTable,
     KernelPlan,
     QuantTensor,
     _Linear,
     W8A8Linear,
+    affine_linear,
     choose_kernel,
     cpu_has_native_bf16,
+    dense_linear,
     onednn_works,
 )
 
@@ -347,7 +352,10 @@ class LlamaModel(torch.nn.Module):
             else:  # the packed kernels are CPU-only: dequantize
                 self.kernel_plans[mode] = KernelPlan(mode, "dense", resolve_dtype(dtype, self.device),
                                                      reason="not a CPU")
-        if self.kernel_plans:
+        if any(k.endswith(".affine.q") for k in state_dict):
+            # A GGUF file's own blocks: the native kernels take fp32 rows (and quantize them).
+            self.dtype = torch.float32
+        elif self.kernel_plans:
             # bf16 as soon as one kernel takes bf16: every projection's output is then cast back to
             # fp32 (a dense fp32 kernel converts its bf16 input itself).
             # w4a8 layers read fp32 (they quantize it themselves): then fp32, and another format's
@@ -394,12 +402,21 @@ class LlamaModel(torch.nn.Module):
             w = get(name)
             return w if factor == 1.0 else w * factor
 
+        def quant_linear(weight: QuantTensor):
+            if weight.mode == "affine":
+                if self.device.type == "cpu":
+                    return affine_linear(weight)
+                return dense_linear(weight.dequantize(), self.dtype, self.device)
+            return self.kernel_plans[weight.mode].build(weight, self.device)
+
         def linear(*parts: "torch.Tensor | QuantTensor"):
-            # Fused projections concatenate along out-features; all parts must share a format,
-            # else (a partly quantized state dict) they run dense from their fp32 values.
+            # Fused projections concatenate along out-features where all parts share a format;
+            # a GGUF file's mixed block types (Q4_K q/k, Q6_K v) run side by side; a partly
+            # quantized state dict runs dense from its fp32 values.
             if all(isinstance(p, QuantTensor) for p in parts):
-                fused = parts[0] if len(parts) == 1 else QuantTensor.cat(list(parts))
-                return self.kernel_plans[fused.mode].build(fused, self.device)
+                if len({p.format() for p in parts}) > 1:
+                    return ConcatLinear([quant_linear(p) for p in parts])
+                return quant_linear(parts[0] if len(parts) == 1 else QuantTensor.cat(list(parts)))
             dense = [p.dequantize().to(self.device) if isinstance(p, QuantTensor) else p for p in parts]
             return _Linear(dense[0] if len(dense) == 1 else torch.cat(dense), dt, onednn)
 
@@ -417,6 +434,12 @@ class LlamaModel(torch.nn.Module):
             layer.down = linear(weight(p + "mlp.down_proj.weight"))
             self.layers.append(layer)
         self.final_norm = own(get("model.norm.weight"))
+        embed_quant = QuantTensor.from_state_dict(sd, "model.embed_tokens.weight")
+        if embed_quant is not None and embed_quant.mode == "affine":
+            # The file's own blocks serve lookups (rows dequantized as asked) and the tied head.
+            self._load_affine_embeddings(embed_quant, QuantTensor.from_state_dict(sd, "lm_head.weight"),
+                                         linear, get)
+            return
         # Embedding lookups read a few rows: keep them fp32 whatever the compute dtype.
         self.embed_weight = own(get("model.embed_tokens.weight"))
         # The GGUF's Q8_0 table, dequantized, is exactly int8 blocks times a scale: the compact
@@ -444,6 +467,22 @@ class LlamaModel(torch.nn.Module):
         if compact is not None:
             self.embed_weight = compact
 
+    def _load_affine_embeddings(self, embed: QuantTensor, head: Optional[QuantTensor], linear: Callable,
+                                get: Callable) -> None:
+        """Embeddings (and the head) from a GGUF file's own blocks: no fp32 copy of either."""
+        table = AffineTable(embed) if self.device.type == "cpu" else None
+        self.embed_weight = table if table is not None else embed.dequantize().to(self.device)
+        if self.config.tie_word_embeddings:
+            self.head_weight = None
+            self.head = linear(head if head is not None else embed)
+        elif head is not None:
+            self.head = linear(head)
+            self.head_weight = (AffineTable(head) if head.mode == "affine" and self.device.type == "cpu"
+                                else head.dequantize().to(self.device))
+        else:
+            self.head_weight = get("lm_head.weight").clone()
+            self.head = _Linear(self.head_weight, self.dtype, self.uses_onednn)
+
     def _native_attention_usable(self) -> bool:
         """Attention through `outrider::attend` (see csrc/ops.cpp) where the layers run outrider's
         native int4 kernels (the extension is loaded then), so that a draft tree's rows get exactly
@@ -452,7 +491,7 @@ class LlamaModel(torch.nn.Module):
         linears = [k for layer in self.layers for k in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         cfg = self.config
         return (self.device.type == "cpu" and bool(linears) and cfg.head_dim in (16, 32, 64, 128)
-                and all(getattr(k, "kernel", None) in ("int4native", "w4a8") for k in linears))
+                and all(getattr(k, "kernel", None) in NATIVE_KERNELS for k in linears))
 
     def _w4a8_head_fits(self) -> bool:
         """Whether an unquantized head joins "w4a8" layers as block-wise int8 (W8A8Linear)."""
