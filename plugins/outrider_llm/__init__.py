@@ -1,6 +1,7 @@
 """`llm` backend: Llama-shaped text generation (SmolLM2 from its GGUF) with continuous batching.
 
-Loads the GGUF once (dequantized weights are cached on disk), runs the compact forward in
+Loads the GGUF once (a quantized file in its own block types, see gguf_blocks.py, or dequantized;
+cached on disk), runs the compact forward in
 `model.py` over a slot KV cache, and drives `engine.GenerationEngine` from the model's queue.
 Speculative decoding comes from the `speculative` accelerator when the manifest turns it on.
 
@@ -9,7 +10,9 @@ Manifest options (`LlmOptions`, validated at start): `max_sequences` (slots, def
 process may use; one count per process, see `outrider.torch_process`), `dtype` (float32 |
 bfloat16 | float16 | auto: the matmul precision of unquantized weights, and on CUDA of quantized
 ones too, which run dequantized there), `cuda_graphs` (default true: decode and verify steps on
-CUDA replay captured graphs, see `cuda_graphs.py`).
+CUDA replay captured graphs, see `cuda_graphs.py`), `weights` (file | float, default file: a quantized
+GGUF without a `quantize:` section is served in its own block types on the native kernels; float
+dequantizes it to `dtype`).
 
 On CUDA a sticky CUDA error (the context is unusable) makes `health()` unhealthy for good, and
 running out of GPU memory during warmup fails the load with that reason.

