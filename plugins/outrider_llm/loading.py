@@ -304,7 +304,63 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
+# Architectures served, and what the others would need (the error names it).
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
+# llama.cpp writes Q/K rows of these interleaved for its RoPE (qwen2/qwen3 use NEOX order: as is).
+_PERMUTED_QK = ("llama",)
+_MISSING = {
+    "phi3": "its fused attn_qkv and gate/up tensors split, and LongRoPE for the 128k models",
+    "gemma": "GeGLU, embeddings scaled by sqrt(hidden_size) and norms of (1 + w)",
+    "gemma2": "GeGLU, (1 + w) norms around each block, logit soft-capping and sliding-window layers",
+    "gemma3": "GeGLU, (1 + w) norms around each block, q/k norms, sliding-window layers with their own RoPE base",
+    "qwen2moe": "mixture-of-experts layers", "qwen3moe": "mixture-of-experts layers",
+    "mistral3": "its vision tower and Mistral 3's RoPE scaling",
+}
+
+
+def _config_from_gguf(reader: Any, path: Path) -> LlamaConfig:
+    """The decoder's shape, from the metadata keys of the file's architecture."""
+    arch = _field(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        need = _MISSING.get(arch, "a layer body the llm backend does not have")
+        raise ValueError(f"{path}: architecture {arch!r} is not supported: the llm backend runs llama (Llama, "
+                         f"Mistral and SmolLM2, which llama.cpp writes as llama), qwen2 and qwen3; {arch} needs {need}")
+
+    def key(name: str, default: Any = None) -> Any:
+        return _field(reader, f"{arch}.{name}", default)
+
+    heads = int(key("attention.head_count"))
+    hidden = int(key("embedding_length"))
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = key("vocab_size") or (len(tokens.data) if tokens is not None else None)
+    names = {t.name for t in reader.tensors}
+    scaling = key("rope.scaling.type", "none")
+    factor = float(key("rope.scaling.factor", 1.0) or 1.0)
+    if scaling not in ("none", "linear") and not (scaling == "yarn" and factor == 1.0):
+        raise ValueError(f"{path}: RoPE scaling {scaling!r} ({arch}.rope.scaling.type) is not supported: the llm "
+                         f"backend runs none, linear, and Llama 3's rope_freqs")
+    return LlamaConfig(
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(key("feed_forward_length")),
+        num_layers=int(key("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(key("attention.head_count_kv", heads)),
+        head_dim=int(key("attention.key_length") or key("rope.dimension_count") or hidden // heads),
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+        max_position_embeddings=int(key("context_length", 2048)),
+        tie_word_embeddings="output.weight" not in names,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+        architecture=arch,
+        qkv_bias="blk.0.attn_q.bias" in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
+        rope_scaling_factor=factor if scaling == "linear" else 1.0,
+    )
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
@@ -344,30 +400,9 @@ def _read_gguf(path: Path, native: bool = False) -> tuple[LlamaConfig, dict[str,
     from .linear import affine_state_dict
 
     reader = GGUFReader(str(path))
-    arch = _field(reader, "general.architecture")
-    if arch != "llama":
-        raise ValueError(f"{path}: architecture {arch!r} is not supported (llama only)")
-    heads = int(_field(reader, "llama.attention.head_count"))
-    hidden = int(_field(reader, "llama.embedding_length"))
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab = _field(reader, "llama.vocab_size") or (len(tokens.data) if tokens is not None else None)
-    names = {t.name for t in reader.tensors}
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
-    config = LlamaConfig(
-        vocab_size=int(vocab),
-        hidden_size=hidden,
-        intermediate_size=int(_field(reader, "llama.feed_forward_length")),
-        num_layers=int(_field(reader, "llama.block_count")),
-        num_heads=heads,
-        num_kv_heads=int(_field(reader, "llama.attention.head_count_kv", heads)),
-        head_dim=int(_field(reader, "llama.rope.dimension_count", hidden // heads)),
-        rope_theta=float(_field(reader, "llama.rope.freq_base", 10000.0)),
-        rms_norm_eps=float(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        max_position_embeddings=int(_field(reader, "llama.context_length", 2048)),
-        tie_word_embeddings="output.weight" not in names,
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_id=eos,
-    )
+    config = _config_from_gguf(reader, path)
+    arch = config.architecture
+    eos = config.eos_token_id
     state_dict: dict[str, torch.Tensor] = {}
     converted: dict[str, list[str]] = {}
     served: dict[str, int] = {}
@@ -378,12 +413,15 @@ def _read_gguf(path: Path, native: bool = False) -> tuple[LlamaConfig, dict[str,
             hf = f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
         elif base in _TOP_NAMES:
             hf = f"{_TOP_NAMES[base]}.{suffix}"
+        elif tensor.name == "rope_freqs.weight":  # Llama 3's per-frequency divisors (its rope scaling)
+            config.rope_freq_factors = [float(v) for v in np.asarray(dequantize(tensor.data, tensor.tensor_type))]
+            continue
         else:
-            continue  # e.g. rope_freqs: not used by Llama without rope scaling
+            continue
         if native and tensor.tensor_type.name not in _DENSE_TYPES and len(tensor.shape) == 2:
             cols, rows = (int(n) for n in tensor.shape)  # GGUF lists ne0 (the row length) first
             groups = _native_groups(tensor, rows, cols, converted)
-            if parts[0] == "blk" and parts[2] in ("attn_q", "attn_k"):
+            if arch in _PERMUTED_QK and parts[0] == "blk" and parts[2] in ("attn_q", "attn_k"):
                 n = config.num_heads if parts[2] == "attn_q" else config.num_kv_heads
                 groups.q, groups.d, groups.m = (_unpermute_rows(v, n) for v in (groups.q, groups.d, groups.m))
             served[groups.source] = served.get(groups.source, 0) + 1
@@ -391,7 +429,7 @@ def _read_gguf(path: Path, native: bool = False) -> tuple[LlamaConfig, dict[str,
             continue
         weights = dequantize(tensor.data, tensor.tensor_type)
         raw = _q4_1_blocks(tensor.data) if tensor.tensor_type == GGMLQuantizationType.Q4_1 else None
-        if parts[0] == "blk" and parts[2] in ("attn_q", "attn_k"):
+        if arch in _PERMUTED_QK and parts[0] == "blk" and parts[2] in ("attn_q", "attn_k") and suffix == "weight":
             # llama.cpp interleaves the RoPE halves of Q/K rows; undo it for rotate_half RoPE.
             n = config.num_heads if parts[2] == "attn_q" else config.num_kv_heads
             weights = _unpermute_rows(weights, n)

@@ -26,6 +26,7 @@ replay CUDA graphs (`cuda_graphs.py`, attached with `use_cuda_graphs`).
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import asdict, dataclass
 from typing import Callable, List, Optional
@@ -53,6 +54,8 @@ from .linear import (  # noqa: F401  (re-exported: `from outrider_llm.model impo
     dense_linear,
     onednn_works,
 )
+
+log = logging.getLogger("outrider.llm")
 
 # Chunks longer than this attend through SDPA (flash kernel, no [n, L] score matrix in memory);
 # shorter ones through two batched matmuls, faster for decode and verification.
@@ -85,6 +88,11 @@ class LlamaConfig:
     tie_word_embeddings: bool = True
     bos_token_id: Optional[int] = 1
     eos_token_id: Optional[int] = 2
+    architecture: str = "llama"  # the GGUF's: llama (also Mistral), qwen2, qwen3
+    qkv_bias: bool = False  # qwen2: biases on the q, k and v projections
+    qk_norm: bool = False  # qwen3: RMSNorm over each head of q and of k, before RoPE
+    rope_scaling_factor: float = 1.0  # linear RoPE scaling: positions / factor
+    rope_freq_factors: Optional[list] = None  # Llama 3: each RoPE frequency divided by its factor
 
     def to_dict(self) -> dict:
         """Plain JSON-able fields."""
@@ -317,7 +325,7 @@ class _NativeChunks:
 
 
 class _Layer:
-    __slots__ = ("attn_norm", "qkv", "o", "mlp_norm", "gate_up", "down")
+    __slots__ = ("attn_norm", "qkv", "o", "mlp_norm", "gate_up", "down", "qkv_bias", "q_norm", "k_norm")
 
 
 class LlamaModel(torch.nn.Module):
@@ -427,8 +435,14 @@ class LlamaModel(torch.nn.Module):
             layer.attn_norm = own(get(p + "input_layernorm.weight"))
             layer.mlp_norm = own(get(p + "post_attention_layernorm.weight"))
             # Scaling Q by 1/sqrt(head_dim) commutes with RoPE; for head_dim 64 it is 1/8, exact.
-            layer.qkv = linear(weight(p + "self_attn.q_proj.weight", scale), weight(p + "self_attn.k_proj.weight"),
-                               weight(p + "self_attn.v_proj.weight"))
+            # Under a q norm (qwen3) the norm would undo it: there it scales the norm's weight.
+            q_scale = 1.0 if cfg.qk_norm else scale
+            layer.qkv = linear(weight(p + "self_attn.q_proj.weight", q_scale),
+                               weight(p + "self_attn.k_proj.weight"), weight(p + "self_attn.v_proj.weight"))
+            layer.qkv_bias = own(torch.cat([get(p + "self_attn.q_proj.bias") * scale, get(p + "self_attn.k_proj.bias"),
+                                            get(p + "self_attn.v_proj.bias")])) if cfg.qkv_bias else None
+            layer.q_norm = own(get(p + "self_attn.q_norm.weight") * scale) if cfg.qk_norm else None
+            layer.k_norm = own(get(p + "self_attn.k_norm.weight")) if cfg.qk_norm else None
             layer.o = linear(weight(p + "self_attn.o_proj.weight"))
             layer.gate_up = linear(weight(p + "mlp.gate_proj.weight"), weight(p + "mlp.up_proj.weight"))
             layer.down = linear(weight(p + "mlp.down_proj.weight"))
@@ -505,6 +519,10 @@ class LlamaModel(torch.nn.Module):
         from .linear import Int4Linear
 
         linears = [k for layer in self.layers for k in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        if self.config.qkv_bias or self.config.qk_norm:
+            log.info("%s layers (q/k/v biases or q/k norms) run per operation: the fused native layer stack "
+                     "has neither", self.config.architecture)
+            return None
         if self.device.type != "cpu" or not linears or not all(
             type(k) is Int4Linear and k.dense is None for k in linears
         ):
@@ -532,6 +550,10 @@ class LlamaModel(torch.nn.Module):
         d = cfg.head_dim
         dev = self.device
         inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=dev).float() / d))
+        if cfg.rope_freq_factors:  # Llama 3's rope scaling, as the GGUF's rope_freqs tensor gives it
+            inv_freq = inv_freq / torch.tensor(cfg.rope_freq_factors, dtype=torch.float32, device=dev)
+        if cfg.rope_scaling_factor != 1.0:  # linear scaling: every position divided by the factor
+            inv_freq = inv_freq / cfg.rope_scaling_factor
         freqs = torch.arange(size, dtype=torch.float32, device=dev)[:, None] * inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
         half = d // 2
@@ -718,6 +740,13 @@ class LlamaModel(torch.nn.Module):
         qkv = layer.qkv(h if low is None else h.to(low))
         if low is not None:
             qkv = qkv.float()
+        if layer.qkv_bias is not None:  # qwen2
+            qkv = qkv + layer.qkv_bias
+        if layer.q_norm is not None:  # qwen3: RMSNorm over each head of q and of k
+            nq, nk = cfg.num_heads * d, cfg.num_kv_heads * d
+            q, k = qkv[:, :nq].view(total, cfg.num_heads, d), qkv[:, nq:nq + nk].view(total, cfg.num_kv_heads, d)
+            q.copy_(F.rms_norm(q, (d,), layer.q_norm, cfg.rms_norm_eps))
+            k.copy_(F.rms_norm(k, (d,), layer.k_norm, cfg.rms_norm_eps))
         qk = qkv[:, : qk_heads * d].view(total, qk_heads, d)
         swapped = qk.view(total, qk_heads, 2, d // 2).flip(2).view(total, qk_heads, d)
         torch.addcmul(qk * cos, swapped, sin, out=qk)  # RoPE in place: qkv is now q' | k' | v

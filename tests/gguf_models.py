@@ -1,0 +1,184 @@
+"""Tiny random models of each architecture the `llm` backend claims, written as GGUF files the way
+llama.cpp's convert_hf_to_gguf.py writes them (gguf-py's writer, its tensor names, the Q/K row
+permutation for llama and mistral), with a small byte-level BPE tokenizer, so that tests can load
+one file both through Outrider and through transformers (`from_pretrained(..., gguf_file=...)`).
+Nothing is downloaded: the weights come from a seeded transformers model built here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+_LAYER = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+}
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (byte-level BPE's alphabet)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, (chr(c) for c in cs)))
+
+
+def tokenizer_fields() -> tuple[list[str], list[str]]:
+    """(tokens, merges): the 256 byte tokens, a few merges, and the chat specials."""
+    alphabet = list(_bytes_to_unicode().values())
+    merges = ["Ġ t", "Ġ a", "h e", "i n", "Ġt he", "e r", "o n", "Ġ s"]
+    merged = [m.replace(" ", "") for m in merges]
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    return alphabet + merged + specials, merges
+
+
+def hf_config(arch: str, vocab_size: int, **overrides):
+    """A tiny transformers config of `arch` (two layers, GQA, head_dim 32; qwen3: 128)."""
+    import transformers
+
+    common = dict(vocab_size=vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5,
+                  tie_word_embeddings=arch != "mistral", rope_theta=10000.0)
+    common.update(overrides)
+    if arch == "llama":
+        return transformers.LlamaConfig(**common)
+    if arch == "mistral":
+        return transformers.MistralConfig(sliding_window=None, **common)
+    if arch == "qwen2":
+        return transformers.Qwen2Config(**common)
+    if arch == "qwen3":
+        # transformers reads no head_dim from a qwen3 GGUF (its default is 128, Qwen3's own), so the
+        # tiny model uses 128 too: a q width (4 x 128) other than hidden_size, as in Qwen3-0.6B.
+        return transformers.Qwen3Config(head_dim=128, **common)
+    raise ValueError(arch)
+
+
+def rope_theta(config) -> float:
+    """RoPE's base of a transformers config (4.x: `rope_theta`; 5.x: `rope_parameters`)."""
+    parameters = getattr(config, "rope_parameters", None) or {}
+    return float(parameters.get("rope_theta") or getattr(config, "rope_theta", 10000.0))
+
+
+def llama3_rope_factors(config, head_dim: int) -> Optional[np.ndarray]:
+    """The `rope_freqs` divisors convert_hf_to_gguf.py writes for a Llama 3 rope scaling, or None."""
+    import math
+
+    parameters = getattr(config, "rope_parameters", None) or {}
+    if parameters.get("rope_type") != "llama3":
+        return None
+    factor, low, high = parameters["factor"], parameters["low_freq_factor"], parameters["high_freq_factor"]
+    old = parameters["original_max_position_embeddings"]
+    freqs = 1.0 / (rope_theta(config) ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def _permute(weights: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's Q/K row order for llama-style RoPE (convert_hf_to_gguf.py LlamaModel.permute)."""
+    return weights.reshape(heads, 2, weights.shape[0] // heads // 2, *weights.shape[1:]).swapaxes(1, 2).reshape(
+        weights.shape)
+
+
+def write_tiny_gguf(directory: Path, arch: str, seed: int = 0, matrix_type: str = "F32",
+                    types: Optional[dict[str, str]] = None, **overrides) -> tuple[Path, object]:
+    """A random `arch` model as `directory/tiny-<arch>.gguf`; returns (path, the transformers model).
+
+    Matrices are written in `matrix_type` (F32, F16, or a type gguf-py quantizes: Q8_0, Q4_0, ...),
+    or per GGUF tensor-name suffix in `types`; norms and biases stay F32.
+    """
+    import gguf
+    import torch
+    import transformers
+
+    tokens, merges = tokenizer_fields()
+    config = hf_config(arch, len(tokens), **overrides)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # larger than the default init, so the logits differ visibly between tokens
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.08)
+            elif "norm" in name:
+                p.uniform_(0.7, 1.3)
+            else:
+                p.normal_(0.0, 0.05)
+    path = Path(directory) / f"tiny-{arch}.gguf"
+    # llama.cpp converts Mistral (MistralForCausalLM) as a "llama" GGUF: same layers and RoPE.
+    writer = gguf.GGUFWriter(str(path), GGUF_ARCH[arch])
+    writer.add_name(f"tiny-{arch}")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(rope_theta(config))
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if arch in ("llama", "mistral"):
+        writer.add_rope_dimension_count(head_dim)
+        writer.add_vocab_size(config.vocab_size)
+    if arch == "qwen3":
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * (len(tokens) - 3) + [3] * 3)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(len(tokens) - 3)
+    writer.add_eos_token_id(len(tokens) - 1)
+    writer.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                             "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    factors = llama3_rope_factors(config, head_dim)
+    if factors is not None:  # as convert_hf_to_gguf.py writes Llama 3's rope scaling
+        writer.add_tensor("rope_freqs.weight", factors)
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        values = tensor.float().numpy()
+        if name == "model.embed_tokens.weight":
+            out = "token_embd.weight"
+        elif name == "model.norm.weight":
+            out = "output_norm.weight"
+        elif name == "lm_head.weight":
+            out = "output.weight"
+        else:
+            parts = name.split(".")  # model.layers.N.<module...>.(weight|bias)
+            out = f"blk.{parts[2]}.{_LAYER['.'.join(parts[3:-1])]}.{parts[-1]}"
+            if arch in ("llama", "mistral") and parts[-2] in ("q_proj", "k_proj"):
+                heads = config.num_attention_heads if parts[-2] == "q_proj" else config.num_key_value_heads
+                values = _permute(values, heads)
+        kind = next((t for suffix, t in (types or {}).items() if out.endswith(suffix)), matrix_type)
+        if values.ndim == 2 and kind != "F32":
+            qtype = gguf.GGMLQuantizationType[kind]
+            data = values.astype(np.float16) if kind == "F16" else gguf.quants.quantize(values, qtype)
+            writer.add_tensor(out, data, raw_dtype=qtype)  # the writer reads the shape off the bytes
+        else:
+            writer.add_tensor(out, np.ascontiguousarray(values, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path, model
