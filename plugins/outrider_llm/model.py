@@ -44,6 +44,7 @@ from .linear import (  # noqa: F401  (re-exported: `from outrider_llm.model impo
     AffineTable,
     ConcatLinear,
     Int8BlockTable,
+    TiedRows,
     KernelPlan,
     QuantTensor,
     _Linear,
@@ -483,16 +484,21 @@ class LlamaModel(torch.nn.Module):
 
     def _load_affine_embeddings(self, embed: QuantTensor, head: Optional[QuantTensor], linear: Callable,
                                 get: Callable) -> None:
-        """Embeddings (and the head) from a GGUF file's own blocks: no fp32 copy of either."""
-        table = AffineTable(embed) if self.device.type == "cpu" else None
-        self.embed_weight = table if table is not None else embed.dequantize().to(self.device)
+        """Embeddings (and the head) from a GGUF file's own blocks: no fp32 copy of either, and for
+        a tied head one copy of the table, the head's tiles, that lookups read rows from."""
+        cpu = self.device.type == "cpu"
         if self.config.tie_word_embeddings:
             self.head_weight = None
             self.head = linear(head if head is not None else embed)
-        elif head is not None:
+            if head is None and cpu and getattr(self.head, "kernel", "") in ("w4a8", "w8a8"):
+                self.embed_weight = TiedRows(self.head, embed.shape)
+            else:
+                self.embed_weight = AffineTable(embed) if cpu else embed.dequantize().to(self.device)
+            return
+        self.embed_weight = AffineTable(embed) if cpu else embed.dequantize().to(self.device)
+        if head is not None:
             self.head = linear(head)
-            self.head_weight = (AffineTable(head) if head.mode == "affine" and self.device.type == "cpu"
-                                else head.dequantize().to(self.device))
+            self.head_weight = AffineTable(head) if head.mode == "affine" and cpu else head.dequantize().to(self.device)
         else:
             self.head_weight = get("lm_head.weight").clone()
             self.head = _Linear(self.head_weight, self.dtype, self.uses_onednn)
