@@ -140,3 +140,34 @@ def test_ngram_speculation_is_exact_on_another_architecture(tmp_path):
     spec = _run(_engine(model, tokenizer, speculative=True), params)
     for i in range(len(params)):
         assert spec.final[i]["token_ids"] == plain.final[i]["token_ids"]
+
+
+def test_train_draft_trains_a_head_for_another_model_and_the_head_serves_only_it(tmp_path):
+    """tools/train_draft.py --gguf FILE: a draft head for a tiny qwen2 (a short budget), which its
+    model then drafts with (greedy output unchanged) and another model refuses, by fingerprint."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    import train_draft
+    from outrider.errors import ManifestError
+    from outrider_speculative.eagle import make_eagle_drafter
+    from test_generate import _engine, _run
+
+    path, _ = write_tiny_gguf(tmp_path, "qwen2", seed=6)
+    out = tmp_path / "head.safetensors"
+    assert train_draft.main(["--gguf", str(path), "--minutes", "0.35", "--gen-minutes", "0.05", "--text-minutes",
+                             "0.03", "--out", str(out), "--batch-sequences", "8", "--draft-vocab", "128",
+                             "--intermediate", "64", "--blocks", "1"]) == 0
+    model, tokenizer = _ours(path, tmp_path, native=False)
+    make_eagle_drafter(model, {"weights": str(out)})  # its own model takes it
+    params = [{"prompt": p, "max_tokens": 24} for p in ("the cat", "hello there")]
+    plain = _run(_engine(model, tokenizer, speculative=False), params)
+    spec = _run(_engine(model, tokenizer, speculative=True, drafters=["eagle"], eagle={"weights": str(out)}), params)
+    assert [spec.final[i]["token_ids"] for i in range(2)] == [plain.final[i]["token_ids"] for i in range(2)]
+    (tmp_path / "other").mkdir()
+    other_path, _ = write_tiny_gguf(tmp_path / "other", "llama", seed=7)
+    other, _ = _ours(other_path, tmp_path, native=False)
+    with pytest.raises(ManifestError) as info:
+        make_eagle_drafter(other, {"weights": str(out)})
+    assert "trained for other target weights" in str(info.value)

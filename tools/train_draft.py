@@ -5,6 +5,13 @@
   python tools/train_draft.py --minutes 10 --out /tmp/head.safetensors
   python tools/train_draft.py --data-cache /tmp/d.safetensors   collect once, train again faster
   python tools/train_draft.py --compare 1.5          architecture comparison (1.5 min per variant)
+  python tools/train_draft.py --gguf qwen2.5-0.5b-instruct-q4_k_m.gguf --out qwen-head.safetensors
+                                                     a head for another model (any the llm backend serves)
+
+A head for another model: pass its GGUF with --gguf and point the manifest's
+`speculative.eagle.weights` at the result; the drafter checks the fingerprint at load and refuses a
+head trained for other weights, saying which. Budget more minutes for a larger model (collection
+runs the target itself; the defaults suit a 135M model on 2 cores).
 
 What the head learns is what *the target* says next, so every label comes from the target:
 
@@ -703,7 +710,7 @@ def head_ms(model: Any, trainer: Trainer, rows: int = 8, repeat: int = 50) -> fl
     """Milliseconds per drafting call (`rows` frontier nodes) of the trained head, as the drafter runs it."""
     from outrider_speculative.eagle import _CompiledHead
 
-    compiled = _CompiledHead(trainer.head, trainer.lm_rows, getattr(model, "dtype", torch.float32))
+    compiled = _CompiledHead(trainer.head, trainer.lm_rows, model, getattr(model, "dtype", torch.float32))
     h = torch.randn(rows, model.hidden_size)
     e = model.embed(torch.arange(rows))
     for _ in range(5):
@@ -779,15 +786,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--compare", type=float, default=0.0, metavar="MINUTES",
                         help="instead of training one head: compare head shapes, MINUTES each")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--gguf", default="", metavar="FILE",
+                        help="train for this GGUF's model instead of the shipped SmolLM2 (any architecture the llm "
+                             "backend serves); the head is tied to it by its fingerprint")
     args = parser.parse_args(argv)
 
     run_start = time.monotonic()
     torch.set_num_threads(args.threads)
-    from outrider_llm.loading import load_smollm2, smollm2_gguf_path
+    from outrider_llm.loading import load_model, smollm2_gguf_path
 
-    model, tokenizer = load_smollm2()
+    source = Path(args.gguf) if args.gguf else smollm2_gguf_path()
+    model, tokenizer = load_model(source)  # fp32: the fingerprint is the same for every load of the file
     fingerprint = target_fingerprint(model)
-    log(f"target SmolLM2-135M-Instruct loaded, fingerprint {fingerprint[:16]}...")
+    target = f"{source.stem} ({source.name})" if args.gguf else f"SmolLM2-135M-Instruct ({source.name})"
+    log(f"target {target} loaded, fingerprint {fingerprint[:16]}...")
 
     collect_start = time.monotonic()
     if args.data_cache and Path(args.data_cache).is_file():
@@ -812,15 +824,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     log(f"training: {trainer.train_starts.numel()} starts, draft vocab {trainer.draft_vocab.numel()} "
         f"(covers {trainer.coverage():.4f} of the target's top-1), bf16 autocast {trainer.bf16}, "
         f"head {sum(p.numel() for p in trainer.head.parameters()) / 1e6:.2f}M params")
-    target = f"SmolLM2-135M-Instruct ({smollm2_gguf_path().name})"
 
     def checkpoint(t: Trainer) -> None:
         save_head(args.out, t.head, t.draft_vocab, fingerprint, {**summary_of(t, data, collect_seconds), "partial": True}, target)
         log(f"checkpoint -> {args.out}")
 
-    reserve = 1.0  # final evaluation and saving
+    reserve = min(1.0, 0.2 * args.minutes)  # final evaluation and saving
     minutes = args.minutes - (time.monotonic() - run_start) / 60 - reserve
-    if minutes <= 0.2:
+    if minutes <= min(0.2, 0.25 * args.minutes):
         log("no time left to train: raise --minutes or lower --gen-minutes/--text-minutes")
         return 1
     trainer.train(minutes, checkpoint)

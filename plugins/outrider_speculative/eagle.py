@@ -66,7 +66,7 @@ log = logging.getLogger("outrider.speculative")
 FORMAT = "outrider-eagle/1"
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
 DEFAULT_WEIGHTS = WEIGHTS_DIR / "smollm2-eagle.safetensors"
-TRAIN_HINT = "python tools/train_draft.py --out PATH (then set speculative.eagle.weights: PATH)"
+TRAIN_HINT = "python tools/train_draft.py [--gguf FILE] --out PATH (then set speculative.eagle.weights: PATH)"
 # ---- the target's fingerprint -------------------------------------------------------------------
 
 
