@@ -61,6 +61,10 @@ def test_float_gguf_matches_transformers(arch, tmp_path):
         messages, tokenize=False, add_generation_prompt=True)  # the file's chat template
     got = _logits(model, ids)
     assert float((got - want).abs().max()) < 1e-4
+    # `weights: file` on a file without quantized matrices is the same float model.
+    import torch
+
+    assert torch.equal(_logits(_ours(path, tmp_path, native=True)[0], ids), got)
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)

@@ -113,7 +113,7 @@ class LlmBackend(Backend):
             # A quantized GGUF without `quantize:`: its own block types on the native kernels.
             native = load_native_artifact(self.manifest.model_path())
             self.block_types = read_artifact_meta(native).get("block_types", {})
-            self.model, self.tokenizer = model_from_artifact(native, device=self.device)
+            self.model, self.tokenizer = model_from_artifact(native, dtype=options.dtype, device=self.device)
         else:
             weights = load_weights_artifact(self.manifest.model_path())
             # Quantization runs here, before the model is built: its quality gate builds the float
@@ -145,18 +145,17 @@ class LlmBackend(Backend):
 
     def _serves_file_blocks(self, options: LlmOptions, on_cuda: bool) -> bool:
         """Whether this load serves the GGUF's own block types: asked for (`weights: file`, the
-        default), no `quantize:` section, on a CPU whose native kernels loaded, and a quantized file."""
+        default), no `quantize:` section, and on a CPU whose native kernels loaded. (A file without
+        quantized matrices gives the float model that way too: its dense tensors load as fp32.)"""
         if options.weights != "file" or self.manifest.quantize is not None or on_cuda:
             return False
         from . import native
-        from .loading import gguf_is_quantized
 
         loaded, why = native.w4a8_kernel()
-        quantized = gguf_is_quantized(self.manifest.model_path())
-        if quantized and not loaded:
-            log.warning("model %s: the GGUF's own block types need outrider's native kernels (%s): serving it "
+        if not loaded:
+            log.warning("model %s: a GGUF's own block types need outrider's native kernels (%s): serving it "
                         "dequantized to %s", self.manifest.name, why, options.dtype)
-        return quantized and loaded
+        return loaded
 
     def _kernel(self) -> str:
         """The quantized matmul kernel the manifest asks for (`quantize.kernel`, default auto)."""

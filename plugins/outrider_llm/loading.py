@@ -165,14 +165,6 @@ def load_weights_artifact(gguf_path: "str | Path", cache: Optional[ArtifactCache
     )
 
 
-def gguf_is_quantized(gguf_path: "str | Path") -> bool:
-    """Whether any matrix of the GGUF is stored in a quantized block type (reads the header only)."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(gguf_path))
-    return any(t.tensor_type.name not in _DENSE_TYPES and len(t.shape) == 2 for t in reader.tensors)
-
-
 def load_native_artifact(gguf_path: "str | Path", cache: Optional[ArtifactCache] = None) -> Artifact:
     """The GGUF as a "llama-weights" artifact holding its quantized matrices in their own block
     types (`_read_gguf(native=True)`), built once: a warm start reads it without conversion."""
