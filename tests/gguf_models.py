@@ -11,14 +11,15 @@ from typing import Optional
 
 import numpy as np
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
-GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
 
 _LAYER = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
     "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",  # phi3's fused projections
 }
 
 
@@ -58,6 +59,8 @@ def hf_config(arch: str, vocab_size: int, **overrides):
         return transformers.MistralConfig(sliding_window=None, **common)
     if arch == "qwen2":
         return transformers.Qwen2Config(**common)
+    if arch == "phi3":
+        return transformers.Phi3Config(pad_token_id=0, **common)
     if arch == "qwen3":
         # transformers reads no head_dim from a qwen3 GGUF (its default is 128, Qwen3's own), so the
         # tiny model uses 128 too: a q width (4 x 128) other than hidden_size, as in Qwen3-0.6B.
@@ -136,7 +139,7 @@ def write_tiny_gguf(directory: Path, arch: str, seed: int = 0, matrix_type: str 
     writer.add_rope_freq_base(rope_theta(config))
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    if arch in ("llama", "mistral"):
+    if arch in ("llama", "mistral", "phi3"):
         writer.add_rope_dimension_count(head_dim)
         writer.add_vocab_size(config.vocab_size)
     if arch == "qwen3":
@@ -149,6 +152,7 @@ def write_tiny_gguf(directory: Path, arch: str, seed: int = 0, matrix_type: str 
     writer.add_token_merges(merges)
     writer.add_bos_token_id(len(tokens) - 3)
     writer.add_eos_token_id(len(tokens) - 1)
+    writer.add_pad_token_id(len(tokens) - 1)  # else transformers' phi3 takes Phi-3's own (32000)
     writer.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
                              "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     factors = llama3_rope_factors(config, head_dim)

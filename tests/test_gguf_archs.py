@@ -82,7 +82,7 @@ def test_quantized_gguf_served_in_its_blocks_matches_transformers(arch, kind, tm
     model, _ = _ours(path, tmp_path, native=True)
     assert model.native_attention
     # qwen2's biases and qwen3's q/k norms are not in the fused native stack: per operation there.
-    assert (model._fast_layers is not None) == (arch in ("llama", "mistral") and kind == "Q4_0")
+    assert (model._fast_layers is not None) == (arch in ("llama", "mistral", "phi3") and kind == "Q4_0")
     got = _logits(model, ids)
     assert float((got - want).norm() / want.norm()) < 0.06  # the int8 activations, not the weights
     cache = model.new_cache(1, 128)
@@ -146,7 +146,7 @@ def test_ngram_speculation_is_exact_on_another_architecture(tmp_path):
         assert spec.final[i]["token_ids"] == plain.final[i]["token_ids"]
 
 
-def test_train_draft_trains_a_head_for_another_model_and_the_head_serves_only_it(tmp_path):
+def test_train_draft_trains_a_head_for_another_model_and_the_head_serves_only_it(tmp_path, monkeypatch):
     """tools/train_draft.py --gguf FILE: a draft head for a tiny qwen2 (a short budget), which its
     model then drafts with (greedy output unchanged) and another model refuses, by fingerprint."""
     import sys
@@ -158,6 +158,7 @@ def test_train_draft_trains_a_head_for_another_model_and_the_head_serves_only_it
     from outrider_speculative.eagle import make_eagle_drafter
     from test_generate import _engine, _run
 
+    monkeypatch.setenv("OUTRIDER_CACHE_DIR", str(tmp_path / "cache"))  # the tool's loads stay out of the suite's cache
     path, _ = write_tiny_gguf(tmp_path, "qwen2", seed=6)
     out = tmp_path / "head.safetensors"
     assert train_draft.main(["--gguf", str(path), "--minutes", "0.35", "--gen-minutes", "0.05", "--text-minutes",

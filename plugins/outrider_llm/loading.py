@@ -300,11 +300,10 @@ _LAYER_NAMES = {
     "attn_k_norm": "self_attn.k_norm",
 }
 # Architectures served, and what the others would need (the error names it).
-ARCHITECTURES = ("llama", "qwen2", "qwen3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")
 # llama.cpp writes Q/K rows of these interleaved for its RoPE (qwen2/qwen3 use NEOX order: as is).
 _PERMUTED_QK = ("llama",)
 _MISSING = {
-    "phi3": "its fused attn_qkv and gate/up tensors split, and LongRoPE for the 128k models",
     "gemma": "GeGLU, embeddings scaled by sqrt(hidden_size) and norms of (1 + w)",
     "gemma2": "GeGLU, (1 + w) norms around each block, logit soft-capping and sliding-window layers",
     "gemma3": "GeGLU, (1 + w) norms around each block, q/k norms, sliding-window layers with their own RoPE base",
@@ -334,6 +333,10 @@ def _config_from_gguf(reader: Any, path: Path) -> LlamaConfig:
     if scaling not in ("none", "linear") and not (scaling == "yarn" and factor == 1.0):
         raise ValueError(f"{path}: RoPE scaling {scaling!r} ({arch}.rope.scaling.type) is not supported: the llm "
                          f"backend runs none, linear, and Llama 3's rope_freqs")
+    window = key("attention.sliding_window")
+    if window and int(window) < int(key("context_length", 2048)):
+        log.warning("%s: the file asks for sliding-window attention over %d tokens; the llm backend attends over "
+                    "the whole context, the same as the reference up to %d tokens", path.name, int(window), int(window))
     return LlamaConfig(
         vocab_size=int(vocab),
         hidden_size=hidden,
@@ -387,9 +390,7 @@ def _read_gguf(path: Path, native: bool = False) -> tuple[LlamaConfig, dict[str,
     Q4_1 blocks), or with `native` each quantized matrix as the file's own blocks (`N.affine.*`,
     linear.affine_state_dict) and nothing in fp32 but the dense tensors (norms, F16/F32 weights)."""
     import numpy as np
-    from gguf import GGMLQuantizationType, GGUFReader, dequantize
-
-    from .linear import affine_state_dict
+    from gguf import GGUFReader, dequantize
 
     reader = GGUFReader(str(path))
     config = _config_from_gguf(reader, path)
@@ -398,9 +399,19 @@ def _read_gguf(path: Path, native: bool = False) -> tuple[LlamaConfig, dict[str,
     state_dict: dict[str, torch.Tensor] = {}
     converted: dict[str, list[str]] = {}
     served: dict[str, int] = {}
+    names = {t.name for t in reader.tensors}
+    if {"rope_factors_long.weight", "rope_factors_short.weight"} & names:
+        raise ValueError(f"{path}: LongRoPE (rope_factors_long/short, Phi-3's 128k models) is not supported; the "
+                         f"4k-context models of the family are")
     for tensor in reader.tensors:
         base, _, suffix = tensor.name.rpartition(".")
         parts = base.split(".")
+        if parts[0] == "blk" and parts[2] in _FUSED and not (parts[2] == "ffn_up" and f"blk.{parts[1]}.ffn_gate.weight"
+                                                               in names):
+            # phi3's fused q|k|v and gate|up: split by rows into the names the model reads.
+            for hf, rows in _fused_parts(config, parts[1], parts[2], suffix):
+                _add_tensor(state_dict, tensor, hf, rows, native, converted, served, config, arch, parts)
+            continue
         if parts[0] == "blk":
             hf = f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
         elif base in _TOP_NAMES:
@@ -410,28 +421,7 @@ def _read_gguf(path: Path, native: bool = False) -> tuple[LlamaConfig, dict[str,
             continue
         else:
             continue
-        if native and tensor.tensor_type.name not in _DENSE_TYPES and len(tensor.shape) == 2:
-            cols, rows = (int(n) for n in tensor.shape)  # GGUF lists ne0 (the row length) first
-            groups = _native_groups(tensor, rows, cols, converted)
-            if arch in _PERMUTED_QK and parts[0] == "blk" and parts[2] in ("attn_q", "attn_k"):
-                n = config.num_heads if parts[2] == "attn_q" else config.num_kv_heads
-                groups.q, groups.d, groups.m = (_unpermute_rows(v, n) for v in (groups.q, groups.d, groups.m))
-            served[groups.source] = served.get(groups.source, 0) + 1
-            state_dict.update(affine_state_dict(hf, groups))
-            continue
-        weights = dequantize(tensor.data, tensor.tensor_type)
-        raw = _q4_1_blocks(tensor.data) if tensor.tensor_type == GGMLQuantizationType.Q4_1 else None
-        if arch in _PERMUTED_QK and parts[0] == "blk" and parts[2] in ("attn_q", "attn_k") and suffix == "weight":
-            # llama.cpp interleaves the RoPE halves of Q/K rows; undo it for rotate_half RoPE.
-            n = config.num_heads if parts[2] == "attn_q" else config.num_kv_heads
-            weights = _unpermute_rows(weights, n)
-            raw = None if raw is None else {k: _unpermute_rows(v, n) for k, v in raw.items()}
-        state_dict[hf] = torch.from_numpy(np.array(weights, dtype=np.float32))  # a writable copy
-        if raw is not None and len(weights.shape) == 2:
-            # The tied head's blocks are the embedding's (token_embd), kept under the head's name.
-            name = "lm_head.weight" if hf == "model.embed_tokens.weight" and config.tie_word_embeddings else hf
-            for key, value in raw.items():
-                state_dict[f"{name}.q4_1.{key}"] = torch.from_numpy(np.ascontiguousarray(value))
+        _add_tensor(state_dict, tensor, hf, None, native, converted, served, config, arch, parts)
     meta = {
         "chat_template": _field(reader, "tokenizer.chat_template"),
         "bos_token_id": config.bos_token_id,
@@ -446,6 +436,58 @@ def _read_gguf(path: Path, native: bool = False) -> tuple[LlamaConfig, dict[str,
                         "once, %s (requantized by gguf-py, the nearest type they take): %s", path.name,
                         len(names), change, ", ".join(names[:4]) + (", ..." if len(names) > 4 else ""))
     return config, state_dict, meta
+
+
+_FUSED = ("attn_qkv", "ffn_up")
+
+
+def _fused_parts(config: LlamaConfig, layer: str, kind: str, suffix: str) -> list[tuple[str, slice]]:
+    """(Hugging Face name, rows) of each projection in a fused phi3 tensor."""
+    p = f"model.layers.{layer}."
+    if kind == "attn_qkv":
+        nq, nk = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        return [(f"{p}self_attn.q_proj.{suffix}", slice(0, nq)), (f"{p}self_attn.k_proj.{suffix}", slice(nq, nq + nk)),
+                (f"{p}self_attn.v_proj.{suffix}", slice(nq + nk, nq + 2 * nk))]
+    inter = config.intermediate_size
+    return [(f"{p}mlp.gate_proj.{suffix}", slice(0, inter)), (f"{p}mlp.up_proj.{suffix}", slice(inter, 2 * inter))]
+
+
+def _add_tensor(state_dict: dict, tensor: Any, hf: str, rows: Optional[slice], native: bool, converted: dict,
+                served: dict, config: LlamaConfig, arch: str, parts: list[str]) -> None:
+    """One GGUF tensor (or the `rows` of it) into the state dict under `hf`: as the file's own
+    blocks (`native`, a quantized matrix), else as fp32 (plus the raw Q4_1 blocks)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, dequantize
+
+    from .linear import affine_state_dict
+
+    permuted = arch in _PERMUTED_QK and parts[0] == "blk" and parts[2] in ("attn_q", "attn_k") and hf.endswith(".weight")
+    heads = config.num_heads if parts[2:3] == ["attn_q"] else config.num_kv_heads
+    if native and tensor.tensor_type.name not in _DENSE_TYPES and len(tensor.shape) == 2:
+        cols, total = (int(n) for n in tensor.shape)  # GGUF lists ne0 (the row length) first
+        groups = _native_groups(tensor, total, cols, converted)
+        if rows is not None:
+            groups.q, groups.d, groups.m = groups.q[rows], groups.d[rows], groups.m[rows]
+        if permuted:
+            groups.q, groups.d, groups.m = (_unpermute_rows(v, heads) for v in (groups.q, groups.d, groups.m))
+        served[groups.source] = served.get(groups.source, 0) + 1
+        state_dict.update(affine_state_dict(hf, groups))
+        return
+    weights = dequantize(tensor.data, tensor.tensor_type)
+    raw = _q4_1_blocks(tensor.data) if tensor.tensor_type == GGMLQuantizationType.Q4_1 else None
+    if rows is not None:
+        weights = weights[rows]
+        raw = None if raw is None else {k: v[rows] for k, v in raw.items()}
+    if permuted:
+        # llama.cpp interleaves the RoPE halves of Q/K rows; undo it for rotate_half RoPE.
+        weights = _unpermute_rows(weights, heads)
+        raw = None if raw is None else {k: _unpermute_rows(v, heads) for k, v in raw.items()}
+    state_dict[hf] = torch.from_numpy(np.array(weights, dtype=np.float32))  # a writable copy
+    if raw is not None and len(weights.shape) == 2:
+        # The tied head's blocks are the embedding's (token_embd), kept under the head's name.
+        name = "lm_head.weight" if hf == "model.embed_tokens.weight" and config.tie_word_embeddings else hf
+        for key, value in raw.items():
+            state_dict[f"{name}.q4_1.{key}"] = torch.from_numpy(np.ascontiguousarray(value))
 
 
 def _unpermute_rows(rows: Any, heads: int) -> Any:
