@@ -55,26 +55,21 @@ def test_simple_types_map_exactly(type_name):
 
 
 @pytest.mark.parametrize("type_name", list(K_TYPES))
-def test_k_types_map_exactly_when_their_scales_fit_fp16(type_name):
+def test_k_types_map_exactly_with_fp16_tables_when_their_scales_fit_fp16(type_name):
     raw = _k_blocks(type_name, 32, 512, seed=1, simple_scales=True)
     groups = gguf_blocks.to_affine(raw, type_name, (32, 512))
-    assert groups.exact
+    assert groups.exact and groups.d.dtype == np.float16
     assert groups.group == (16 if type_name == "Q6_K" else 32)
     np.testing.assert_array_equal(groups.dequantize(), _reference(raw, type_name))
 
 
 @pytest.mark.parametrize("type_name", list(K_TYPES))
-def test_k_types_otherwise_move_a_weight_by_at_most_the_fp16_rounding_of_its_scale(type_name):
+def test_k_types_keep_fp32_scales_where_fp16_would_round_them_and_stay_exact(type_name):
     raw = _k_blocks(type_name, 32, 512, seed=2, simple_scales=False)
     groups = gguf_blocks.to_affine(raw, type_name, (32, 512))
-    reference = _reference(raw, type_name)
-    assert not groups.exact  # random scales: some sub-block scale needs more than fp16's bits
-    # Rounding d (and m) to fp16 moves each by at most 2^-11 of itself; q <= 63.
-    d = np.repeat(groups.d.astype(np.float32), groups.group, axis=1)
-    m = np.repeat(groups.m.astype(np.float32), groups.group, axis=1)
-    bound = (63 * np.abs(d) + np.abs(m)) * 2.0 ** -11 + 1e-7
-    assert np.all(np.abs(groups.dequantize() - reference) <= bound)
-    assert np.abs(groups.dequantize() - reference).max() > 0
+    assert groups.d.dtype == np.float32 and groups.m.dtype == np.float32  # random scales: fp16 would round
+    assert groups.exact
+    np.testing.assert_array_equal(groups.dequantize(), _reference(raw, type_name))
 
 
 def test_types_without_an_affine_form_say_so():
@@ -89,7 +84,7 @@ def test_rows_keep_their_groups():
     np.testing.assert_array_equal(picked.dequantize(), _reference(raw, "Q8_0")[[5, 0, 5]])
 
 
-@pytest.mark.parametrize("type_name", [*SIMPLE, *K_TYPES])
+@pytest.mark.parametrize("type_name", [*SIMPLE, *K_TYPES, *(f"{k}:fp32" for k in K_TYPES)])
 def test_the_native_kernels_multiply_by_the_files_weights(type_name):
     torch = pytest.importorskip("torch")
     from outrider_llm import native
@@ -97,10 +92,14 @@ def test_the_native_kernels_multiply_by_the_files_weights(type_name):
     if not native.w4a8_kernel()[0]:
         pytest.skip(f"native kernels not loaded: {native.w4a8_kernel()[1]}")
     out, inp = 32, 512
-    raw = (_k_blocks(type_name, out, inp, 3, True) if type_name in K_TYPES else _quantized(type_name, out, inp))
+    type_name, _, tables = type_name.partition(":")
+    raw = (_k_blocks(type_name, out, inp, 3, tables != "fp32") if type_name in K_TYPES
+           else _quantized(type_name, out, inp))
     groups = gguf_blocks.to_affine(raw, type_name, (out, inp))
+    w, d, m = native.pack_affine(groups)
+    assert d.dtype == (torch.float32 if tables == "fp32" else torch.float16)
     x = torch.randn(5, inp, generator=torch.Generator().manual_seed(4))
-    y = native.affine_mm(x, *native.pack_affine(groups), groups.bits, groups.group)
+    y = native.affine_mm(x, w, d, m, groups.bits, groups.group)
     reference = x @ torch.from_numpy(_reference(raw, type_name)).T
     # The activations are quantized to int8 per row and group (llama.cpp's Q8 activations).
     err = (y - reference).abs().max() / reference.abs().max()

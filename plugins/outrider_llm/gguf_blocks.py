@@ -2,7 +2,7 @@
 
 Every type the kernels serve is, per group of inputs, an unsigned integer q times a scale d plus
 a minimum m; the kernels hold d and m in fp16 (csrc/kernels.h). So each block type maps onto 4- or
-8-bit groups without going through fp32, and most map exactly (the dequantized weights equal
+8-bit groups without going through fp32, and each maps exactly (the dequantized weights equal
 gguf-py's own dequantization bit for bit):
 
 | type | block | here | exact |
@@ -12,14 +12,15 @@ gguf-py's own dequantization bit for bit):
 | Q5_0 | d, 5-bit q; w = (q - 16) d | 8-bit (0..31), group 32, m = -16 d | yes |
 | Q5_1 | d, m, 5-bit q | 8-bit (0..31), group 32 | yes |
 | Q8_0 | d, int8 q; w = q d | 8-bit (q + 128), group 32, m = -128 d | yes |
-| Q4_K | super-block of 256: fp16 d, dmin; 8 x (6-bit scale, 6-bit min); 4-bit q | 4-bit, group 32, d = d sc, m = -dmin mn | scales rounded to fp16 |
-| Q5_K | the same with 5-bit q | 8-bit (0..31), group 32 | scales rounded to fp16 |
-| Q6_K | fp16 d; 16 x int8 scale; 6-bit q; w = d sc (q - 32) | 8-bit (0..63), group 16 | scales rounded to fp16 |
+| Q4_K | super-block of 256: fp16 d, dmin; 8 x (6-bit scale, 6-bit min); 4-bit q | 4-bit, group 32, d = d sc, m = -dmin mn | yes |
+| Q5_K | the same with 5-bit q | 8-bit (0..31), group 32 | yes |
+| Q6_K | fp16 d; 16 x int8 scale; 6-bit q; w = d sc (q - 32) | 8-bit (0..63), group 16 | yes |
 
-A K-type's sub-block scale d * sc has up to 17 significant bits, fp16 holds 11: rounding it moves a
-weight by at most 2^-12 of its sub-block's scale times q (a 4-bit step is 2^-4 of the range), and
-`AffineGroups.exact` says whether that happened. Other quantized types (Q2_K, Q3_K, the IQ types,
-...) have no affine form here: the caller dequantizes and requantizes them (see `to_affine`).
+A K type's sub-block scale d * sc has up to 17 (Q6_K: 18) significant bits: exact in fp32, not in
+fp16. So a K tensor's d and m tables are fp16 where every value fits and fp32 otherwise (the
+kernels take either: kF32Scales in csrc/kernels.h), at 2 more bits per group of 32 inputs than
+fp16. Other quantized types (Q2_K, Q3_K, the IQ types, ...) have no affine form here: the caller
+dequantizes and requantizes them (see `to_affine`).
 
 Numpy only (gguf-py's reader hands over numpy blocks); no torch.
 """
@@ -36,12 +37,12 @@ QK_K = 256  # elements per K-type super-block
 
 @dataclass
 class AffineGroups:
-    """One weight [out, in] as groups of `group` inputs: w = q * d + m (d, m exact in fp16)."""
+    """One weight [out, in] as groups of `group` inputs: w = q * d + m (d, m exact)."""
 
     bits: int  # 4 or 8: the kernel layout the values fit
     q: np.ndarray  # uint8 [out, in], values 0 .. 2^bits - 1
-    d: np.ndarray  # float16 [out, in / group]
-    m: np.ndarray  # float16 [out, in / group]
+    d: np.ndarray  # float16 [out, in / group], or float32 where fp16 would round a K type's scales
+    m: np.ndarray  # the same shape and dtype
     group: int
     exact: bool  # the dequantized weights equal the file's (gguf-py's dequantization) bit for bit
     source: str  # the GGUF type name
@@ -91,10 +92,12 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
     return np.concatenate([qs & 15, qs >> 4], axis=-1)
 
 
-def _exact_half(values: np.ndarray) -> tuple[np.ndarray, bool]:
-    """values (fp32) as fp16, and whether every one survived the rounding."""
+def _scales(values: np.ndarray) -> np.ndarray:
+    """K-type group scales (exact fp32 products): as fp16 where every one fits, else kept fp32
+    (the kernels read either; fp16 tables are half the bytes)."""
+    values = values.astype(np.float32)
     half = values.astype(np.float16)
-    return half, bool(np.array_equal(half.astype(np.float32), values.astype(np.float32)))
+    return half if np.array_equal(half.astype(np.float32), values) else values
 
 
 def _q4_0(raw: np.ndarray, out: int, inp: int) -> AffineGroups:
@@ -144,35 +147,37 @@ def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc, mn
 
 
-def _k_groups(b: np.ndarray, out: int, inp: int) -> tuple[np.ndarray, np.ndarray, bool]:
-    """(d, m, exact) of Q4_K/Q5_K super-blocks b [out, in / 256, bytes]: per group of 32,
-    d = d_super * sc and m = -dmin * mn, rounded to fp16."""
+def _k_groups(b: np.ndarray, out: int, inp: int) -> tuple[np.ndarray, np.ndarray]:
+    """(d, m) of Q4_K/Q5_K super-blocks b [out, in / 256, bytes]: per group of 32,
+    d = d_super * sc and m = -dmin * mn (exact in fp32: 11 x 6 significant bits)."""
     d_super = _half(b, 0).astype(np.float32)[..., None]
     d_min = _half(b, 2).astype(np.float32)[..., None]
     sc, mn = _k_scales(b[..., 4:16])
-    d, exact_d = _exact_half((d_super * sc.astype(np.float32)).reshape(out, inp // 32))
-    m, exact_m = _exact_half((-(d_min * mn.astype(np.float32))).reshape(out, inp // 32))
-    return d, m, exact_d and exact_m
+    d = (d_super * sc.astype(np.float32)).reshape(out, inp // 32)
+    m = (-(d_min * mn.astype(np.float32))).reshape(out, inp // 32)
+    if _scales(np.concatenate([d, m])).dtype == np.float16:
+        return d.astype(np.float16), m.astype(np.float16)
+    return d, m
 
 
 def _q4_k(raw: np.ndarray, out: int, inp: int) -> AffineGroups:
     b = raw.reshape(out, inp // QK_K, 144)
-    d, m, exact = _k_groups(b, out, inp)
+    d, m = _k_groups(b, out, inp)
     # 128 bytes of q: four runs of 32 bytes, each holding sub-block 2i in its low nibbles and
     # sub-block 2i + 1 in its high nibbles.
     qs = b[..., 16:].reshape(out, inp // QK_K, 4, 1, 32)
     q = np.concatenate([qs & 15, qs >> 4], axis=-2).reshape(out, inp)
-    return AffineGroups(4, q, d, m, 32, exact, "Q4_K")
+    return AffineGroups(4, q, d, m, 32, True, "Q4_K")
 
 
 def _q5_k(raw: np.ndarray, out: int, inp: int) -> AffineGroups:
     b = raw.reshape(out, inp // QK_K, 176)
-    d, m, exact = _k_groups(b, out, inp)
+    d, m = _k_groups(b, out, inp)
     qh = b[..., 16:48]  # bit i of byte j: the fifth bit of element j of sub-block i
     qs = b[..., 48:].reshape(out, inp // QK_K, 4, 1, 32)
     low = np.concatenate([qs & 15, qs >> 4], axis=-2).reshape(out, inp // QK_K, 8, 32)
     high = ((qh[..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1) << 4  # [.., 8, 32]
-    return AffineGroups(8, (low | high).reshape(out, inp), d, m, 32, exact, "Q5_K")
+    return AffineGroups(8, (low | high).reshape(out, inp), d, m, 32, True, "Q5_K")
 
 
 def _q6_k(raw: np.ndarray, out: int, inp: int) -> AffineGroups:
@@ -184,10 +189,10 @@ def _q6_k(raw: np.ndarray, out: int, inp: int) -> AffineGroups:
     low = np.concatenate([ql & 15, ql >> 4], axis=-2).reshape(out, inp // QK_K, 2, 4, 32)
     high = (qh >> (np.arange(4, dtype=np.uint8) * 2)[:, None]) & 3  # [.., 2, 4, 32]
     q = (low | (high << 4)).reshape(out, inp)  # 0..63; w = d sc (q - 32)
-    scale = d_super * scales  # [out, in / 256, 16], exact in fp32
-    d, exact_d = _exact_half(scale.reshape(out, inp // 16))
-    m, exact_m = _exact_half((scale * -32).reshape(out, inp // 16))
-    return AffineGroups(8, q, d, m, 16, exact_d and exact_m, "Q6_K")
+    scale = (d_super * scales).reshape(out, inp // 16)  # exact in fp32: 11 x 7 significant bits
+    d = _scales(scale)
+    m = (scale * -32).astype(d.dtype)  # a power of two: exact wherever d is
+    return AffineGroups(8, q, d, m, 16, True, "Q6_K")
 
 
 _CONVERTERS = {

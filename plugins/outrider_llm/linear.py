@@ -229,10 +229,14 @@ class QuantTensor:
         return QuantTensor(self.mode, self.q, self.scale.to(dtype).float(), zero, self.bits, self.source)
 
     def scaled(self, factor: float) -> "QuantTensor":
-        """The weight times `factor` (scales and zeros scale; q stays). For an affine weight
-        (fp16 d and m) exact when `factor` is a power of two and nothing leaves fp16's normal range."""
-        zero = None if self.zero is None else self.zero.float() * factor
-        return QuantTensor(self.mode, self.q, self.scale.float() * factor, zero, self.bits, self.source)
+        """The weight times `factor` (scales and zeros scale; q stays). An affine weight whose d and
+        m fit fp16 keeps them in fp16 (rounded when `factor` is not a power of two: the model folds
+        1/sqrt(head_dim) into q this way, as for every quantized format), so its kernel keeps fp16
+        tables and the fused layer stack."""
+        scale, zero = self.scale.float() * factor, None if self.zero is None else self.zero.float() * factor
+        if self.mode == "affine" and all(torch.equal(t.half().float(), t) for t in (self.scale, self.zero)):
+            scale, zero = scale.half().float(), zero.half().float()
+        return QuantTensor(self.mode, self.q, scale, zero, self.bits, self.source)
 
     def format(self) -> tuple:
         """What two weights must share to be concatenated into one kernel."""
@@ -427,8 +431,8 @@ class Int4Linear(_PackedLinear):
         return y.float() if self.float_out else y
 
     def _own_bytes(self) -> int:
-        extra = 0 if self.minimums is None else self.minimums.numel() * 2
-        return self.packed.numel() + self.scales_zeros.numel() * 2 + extra
+        extra = 0 if self.minimums is None else self.minimums.nbytes
+        return self.packed.numel() + self.scales_zeros.nbytes + extra
 
     def rows(self, index: torch.Tensor) -> torch.Tensor:
         """fp32 weight rows `index` (q * d + m) read from the w4a8 tiles: a tied embedding's lookups."""
@@ -490,8 +494,9 @@ class W8A8Linear:
                 raise RuntimeError(f"w8a8 tiles need out % {TILE} == 0 and in % 4 == 0, got {tuple(q.shape)}")
             tiles = q.to(torch.uint8).view(out // TILE, TILE, inp // 4, 4).permute(0, 2, 1, 3)
             self.packed = tiles.contiguous().view(out // TILE, inp // 4, 64)
-            self.scales, self.minimums = (v.float().half().view(out // TILE, TILE, -1).transpose(1, 2).contiguous()
-                                          for v in (scale, minimum))
+            from .native import _per_tile, table_dtype
+
+            self.scales, self.minimums = _per_tile(scale, minimum, dtype=table_dtype(scale, minimum))
 
     @staticmethod
     def usable(out: int, inp: int, group: int = 32) -> bool:
@@ -515,7 +520,7 @@ class W8A8Linear:
     @property
     def nbytes(self) -> int:
         """Bytes of weight this kernel holds."""
-        return self.packed.numel() + (self.scales.numel() + self.minimums.numel()) * 2
+        return self.packed.numel() + self.scales.nbytes + self.minimums.nbytes
 
 
 class Int8Linear(_PackedLinear):
@@ -583,8 +588,10 @@ def affine_linear(weight: QuantTensor) -> Callable[[torch.Tensor], torch.Tensor]
             int4 = QuantTensor("int4", pack_int4(weight.q), weight.scale, weight.zero + 8 * weight.scale)
             linear = Int4Linear(int4, kernel="w4a8")
             if linear.kernel == "w4a8":
-                # d and m exactly as the file has them (not through zero's fp32 sum).
-                linear.scales_zeros, linear.minimums = native._per_tile(weight.scale, weight.zero)
+                # d and m exactly as the file has them (not through zero's fp32 sum), in fp16
+                # where they fit (half the bytes), else fp32 (a K type's sub-block scales).
+                linear.scales_zeros, linear.minimums = native._per_tile(
+                    weight.scale, weight.zero, dtype=native.table_dtype(weight.scale, weight.zero))
                 return linear
         else:
             return W8A8Linear(weight.q, weight.scale, weight.zero)

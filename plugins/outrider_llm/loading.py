@@ -382,7 +382,9 @@ def _native_groups(tensor: Any, rows: int, cols: int, converted: dict) -> Any:
     weights = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(rows, cols)
     converted.setdefault(f"{kind} -> {target}", []).append(tensor.name)
     blocks = quantize(weights, GGMLQuantizationType[target])
-    return gguf_blocks.to_affine(blocks, target, (rows, cols))
+    groups = gguf_blocks.to_affine(blocks, target, (rows, cols))
+    groups.exact, groups.source = False, f"{kind}->{target}"  # the file's weights, requantized
+    return groups
 
 
 def _read_gguf(path: Path, native: bool = False) -> tuple[LlamaConfig, dict[str, torch.Tensor], dict]:

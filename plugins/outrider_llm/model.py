@@ -538,6 +538,8 @@ class LlamaModel(torch.nn.Module):
         native = linears[0].kernel in ("int4native", "w4a8")
         if native != self.native_attention:
             return None
+        if native and any(k.scales_zeros.dtype != torch.float16 for k in linears):
+            return None  # fp32 tables (a GGUF K type's scales): the fused stack reads fp16 only
         fn = _w4a8_layers if linears[0].kernel == "w4a8" else _scripted_int4_layers(native)
         if fn is None:
             return None

@@ -140,10 +140,16 @@ def _tile_scales(scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor,
     return _per_tile(d, zero.float() - 8 * d)
 
 
-def _per_tile(*values: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """[out, groups] fp32 -> fp16 [out/16, groups, 16], each."""
+def _per_tile(*values: torch.Tensor, dtype: torch.dtype = torch.float16) -> tuple[torch.Tensor, ...]:
+    """[out, groups] -> `dtype` (fp16, or fp32 for scales fp16 would round) [out/16, groups, 16], each."""
     out, groups = values[0].shape
-    return tuple(v.to(torch.float16).view(out // TILE, TILE, groups).transpose(1, 2).contiguous() for v in values)
+    return tuple(v.to(dtype).view(out // TILE, TILE, groups).transpose(1, 2).contiguous() for v in values)
+
+
+def table_dtype(*values: torch.Tensor) -> torch.dtype:
+    """fp16 when every value of the scale/minimum tables is exact in it, else fp32 (kF32Scales)."""
+    fits = all(torch.equal(v.float().half().float(), v.float()) for v in values)
+    return torch.float16 if fits else torch.float32
 
 
 def dequantize_tiles(w: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
@@ -214,19 +220,21 @@ def pack_w8a8(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch
 def pack_affine(groups: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The kernel layout of `gguf_blocks.AffineGroups` (w = q * d + m, q uint8 [out, in] of
     `groups.bits` bits, d and m fp16 [out, in / group]): 4-bit as `pack_w4a8`, 8-bit as `pack_w8a8`
-    (q as it is: 0..255). d and m go over unchanged, so the kernel computes with the file's weights."""
+    (q as it is: 0..255). d and m go over unchanged (fp16, or fp32 where fp16 would round them), so
+    the kernel computes with the file's weights."""
     q = torch.from_numpy(np.ascontiguousarray(groups.q))
     d = torch.from_numpy(np.ascontiguousarray(groups.d)).float()
     m = torch.from_numpy(np.ascontiguousarray(groups.m)).float()
+    dtype = table_dtype(d, m)
     out, inp = q.shape
     if groups.bits == 4:
-        return pack_w4a8(q, d, m + 8 * d)[0], *_per_tile(d, m)
+        return pack_w4a8(q, d, m + 8 * d)[0], *_per_tile(d, m, dtype=dtype)
     if groups.bits != 8:
         raise ValueError(f"affine groups of {groups.bits} bits: the kernels take 4 or 8")
     if out % TILE or inp % 4:
         raise ValueError(f"w8a8 tiles need out % {TILE} == 0 and in % 4 == 0, got {tuple(q.shape)}")
     packed = q.view(out // TILE, TILE, inp // 4, 4).permute(0, 2, 1, 3).contiguous().view(out // TILE, inp // 4, 64)
-    return (packed, *_per_tile(d, m))
+    return (packed, *_per_tile(d, m, dtype=dtype))
 
 
 def affine_mm(x: torch.Tensor, w: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int,

@@ -94,6 +94,21 @@ void check_set(const KernelSet& set) {
         });
       }
     }
+    for (int bits : {4, 8}) {  // fp32 scale tables (kF32Scales: GGUF K types), groups of 32 and 16 (Q6_K)
+      for (int64_t g : {int64_t(32), int64_t(16)}) {
+        const std::vector<uint8_t> w = bytes(out * in * bits / 8);
+        const std::vector<float> d = floats(out * in / g, 1e-4f, 2e-2f), m = floats(out * in / g, -0.3f, 0.3f);
+        for (int64_t rows : {1, 5, 9}) {
+          const std::vector<float> x = floats(rows * in, -3.f, 3.f);
+          against_scalar(set, "matmul w" + std::to_string(bits) + " fp32 scales group " + std::to_string(g) +
+                                  " rows " + std::to_string(rows) + " in " + std::to_string(in), [&] {
+            std::vector<float> y(rows * out);
+            a8_matmul(x.data(), rows, in, g, w.data(), d.data(), m.data(), out, bits | kF32Scales, y.data());
+            return y;
+          });
+        }
+      }
+    }
     for (uint8_t fill : {uint8_t(0xFF), uint8_t(0x00)}) {  // the largest sums a path may have to hold
       for (float value : {1.f, -1.f}) {
         const std::vector<uint8_t> w(out * in, fill);

@@ -103,10 +103,19 @@ void quantize_rows(const float* x, int64_t rows, int64_t in, int64_t group, int8
 
 // R rows x one tile of 16 outputs, over all groups: per group the exact int32 dot products, then
 //   y += float(acc) * (d * dx) + m * (dx * sum(xq)), in group order (two fused steps).
-template <class A, int Bits, int R>
+// 16 scales (or minimums) at element `i` of a table of fp16, or of fp32 (F32: kF32Scales).
+template <class A, bool F32>
+inline typename A::F load_scales(const void* table, int64_t i) {
+  if constexpr (F32)
+    return A::fload(static_cast<const float*>(table) + i);
+  else
+    return A::load_half(static_cast<const uint16_t*>(table) + i);
+}
+
+template <class A, int Bits, int R, bool F32>
 void dot_rows(const int32_t* const* x_words, const float* const* x_scale, const float* const* x_sum,
               const int32_t* const* x_isum, int64_t groups, int64_t octs_per_group, const uint8_t* w,
-              const uint16_t* d, const uint16_t* m, float* const* y) {
+              const void* d, const void* m, float* const* y) {
   using F = typename A::F;
   using I = typename A::I;
   using W = typename A::W;
@@ -143,8 +152,8 @@ void dot_rows(const int32_t* const* x_words, const float* const* x_scale, const 
     }
     if (Bits == 8 && A::kDot8Offset)
       for (int r = 0; r < R; ++r) acc[r] = A::iadd(acc[r], A::iset(128 * x_isum[r][g]));
-    const F scale = A::load_half(d + g * 16);
-    const F minimum = A::load_half(m + g * 16);
+    const F scale = load_scales<A, F32>(d, g * 16);
+    const F minimum = load_scales<A, F32>(m, g * 16);
     for (int r = 0; r < R; ++r) {
       out[r] = A::fma(A::cvt(acc[r]), A::mul(scale, A::fset(x_scale[r][g])), out[r]);
       out[r] = A::fma(minimum, A::fset(x_sum[r][g]), out[r]);
@@ -153,10 +162,11 @@ void dot_rows(const int32_t* const* x_words, const float* const* x_scale, const 
   for (int r = 0; r < R; ++r) A::fstore(y[r], out[r]);
 }
 
-template <class A, int Bits>
+template <class A, int Bits, bool F32>
 void matmul_tiles_bits(const int8_t* xq, const float* scale, const float* sum, const int32_t* isum, int64_t rows,
-                       int64_t in, int64_t group, const uint8_t* w, const uint16_t* d, const uint16_t* m,
+                       int64_t in, int64_t group, const uint8_t* w, const void* d, const void* m,
                        int64_t t0, int64_t t1, float* y, int64_t y_stride) {
+  using S = std::conditional_t<F32, float, uint16_t>;  // the scale tables' element
   constexpr int kRows = 4;  // rows per pass over a tile's weights
   const int32_t* words = reinterpret_cast<const int32_t*>(xq);
   const int64_t groups = in / group, octs_per_group = group / 8;
@@ -176,13 +186,13 @@ void matmul_tiles_bits(const int8_t* xq, const float* scale, const float* sum, c
     for (int64_t t = t0; t < t1; ++t) {
       for (int r = 0; r < n; ++r) y_rows[r] = y + (r0 + r) * y_stride + t * 16;
       const uint8_t* wt = w + t * in * Bits * 2;
-      const uint16_t* dt = d + t * groups * 16;
-      const uint16_t* mt = m + t * groups * 16;
+      const S* dt = static_cast<const S*>(d) + t * groups * 16;
+      const S* mt = static_cast<const S*>(m) + t * groups * 16;
       switch (n) {
-        case 1: dot_rows<A, Bits, 1>(x_words, x_scale, x_sum, x_isum, groups, octs_per_group, wt, dt, mt, y_rows); break;
-        case 2: dot_rows<A, Bits, 2>(x_words, x_scale, x_sum, x_isum, groups, octs_per_group, wt, dt, mt, y_rows); break;
-        case 3: dot_rows<A, Bits, 3>(x_words, x_scale, x_sum, x_isum, groups, octs_per_group, wt, dt, mt, y_rows); break;
-        default: dot_rows<A, Bits, 4>(x_words, x_scale, x_sum, x_isum, groups, octs_per_group, wt, dt, mt, y_rows); break;
+        case 1: dot_rows<A, Bits, 1, F32>(x_words, x_scale, x_sum, x_isum, groups, octs_per_group, wt, dt, mt, y_rows); break;
+        case 2: dot_rows<A, Bits, 2, F32>(x_words, x_scale, x_sum, x_isum, groups, octs_per_group, wt, dt, mt, y_rows); break;
+        case 3: dot_rows<A, Bits, 3, F32>(x_words, x_scale, x_sum, x_isum, groups, octs_per_group, wt, dt, mt, y_rows); break;
+        default: dot_rows<A, Bits, 4, F32>(x_words, x_scale, x_sum, x_isum, groups, octs_per_group, wt, dt, mt, y_rows); break;
       }
     }
   }
@@ -190,12 +200,19 @@ void matmul_tiles_bits(const int8_t* xq, const float* scale, const float* sum, c
 
 template <class A>
 void matmul_tiles(const int8_t* xq, const float* scale, const float* sum, const int32_t* isum, int64_t rows,
-                  int64_t in, int64_t group, const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t /*out*/,
+                  int64_t in, int64_t group, const uint8_t* w, const void* d, const void* m, int64_t /*out*/,
                   int bits, int64_t t0, int64_t t1, float* y, int64_t y_stride) {
-  if (bits == 4)
-    matmul_tiles_bits<A, 4>(xq, scale, sum, isum, rows, in, group, w, d, m, t0, t1, y, y_stride);
-  else
-    matmul_tiles_bits<A, 8>(xq, scale, sum, isum, rows, in, group, w, d, m, t0, t1, y, y_stride);
+  const bool f32 = bits & outrider_native::kF32Scales;
+  if ((bits & 15) == 4) {
+    if (f32)
+      matmul_tiles_bits<A, 4, true>(xq, scale, sum, isum, rows, in, group, w, d, m, t0, t1, y, y_stride);
+    else
+      matmul_tiles_bits<A, 4, false>(xq, scale, sum, isum, rows, in, group, w, d, m, t0, t1, y, y_stride);
+  } else if (f32) {
+    matmul_tiles_bits<A, 8, true>(xq, scale, sum, isum, rows, in, group, w, d, m, t0, t1, y, y_stride);
+  } else {
+    matmul_tiles_bits<A, 8, false>(xq, scale, sum, isum, rows, in, group, w, d, m, t0, t1, y, y_stride);
+  }
 }
 
 // ---- attention ---------------------------------------------------------------------------------

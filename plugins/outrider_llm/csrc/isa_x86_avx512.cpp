@@ -77,9 +77,9 @@ struct Avx512 {
 
 // The generic dot_rows' arithmetic, R rows x T tiles at a time (register budget: R * T int32 +
 // R * T fp32 accumulators + 2T weights): one weight read serves up to 8 rows.
-template <int Bits, int R, int T>
+template <int Bits, bool F32, int R, int T>
 void dot_tiles(const int32_t* const* x_words, const float* const* x_scale, const float* const* x_sum, int64_t groups,
-               int64_t octs_per_group, int64_t octs, const uint8_t* w, const uint16_t* d, const uint16_t* m,
+               int64_t octs_per_group, int64_t octs, const uint8_t* w, const void* d, const void* m,
                float* const* y) {
   __m512 out[R][T];
   for (int r = 0; r < R; ++r)
@@ -110,8 +110,8 @@ void dot_tiles(const int32_t* const* x_words, const float* const* x_scale, const
       }
     }
     for (int t = 0; t < T; ++t) {
-      const __m512 scale = Avx512::load_half(d + (t * groups + g) * 16);
-      const __m512 minimum = Avx512::load_half(m + (t * groups + g) * 16);
+      const __m512 scale = load_scales<Avx512, F32>(d, (t * groups + g) * 16);
+      const __m512 minimum = load_scales<Avx512, F32>(m, (t * groups + g) * 16);
       for (int r = 0; r < R; ++r) {
         out[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][t]), _mm512_mul_ps(scale, _mm512_set1_ps(x_scale[r][g])),
                                     out[r][t]);
@@ -125,22 +125,26 @@ void dot_tiles(const int32_t* const* x_words, const float* const* x_scale, const
 
 constexpr int kRows = 8;
 using DotFn = void (*)(const int32_t* const*, const float* const*, const float* const*, int64_t, int64_t, int64_t,
-                       const uint8_t*, const uint16_t*, const uint16_t*, float* const*);
-// [bits == 8][rows - 1][0]: several tiles at once, [..][1]: one tile (the tail).
-#define OUTRIDER_DOT_ROWS(B)                                                           \
-  {{dot_tiles<B, 1, 4>, dot_tiles<B, 1, 1>}, {dot_tiles<B, 2, 4>, dot_tiles<B, 2, 1>}, \
-   {dot_tiles<B, 3, 2>, dot_tiles<B, 3, 1>}, {dot_tiles<B, 4, 2>, dot_tiles<B, 4, 1>}, \
-   {dot_tiles<B, 5, 1>, dot_tiles<B, 5, 1>}, {dot_tiles<B, 6, 1>, dot_tiles<B, 6, 1>}, \
-   {dot_tiles<B, 7, 1>, dot_tiles<B, 7, 1>}, {dot_tiles<B, 8, 1>, dot_tiles<B, 8, 1>}}
-const DotFn kDotFns[2][kRows][2] = {OUTRIDER_DOT_ROWS(4), OUTRIDER_DOT_ROWS(8)};
+                       const uint8_t*, const void*, const void*, float* const*);
+// [bits == 8][fp32 scales][rows - 1][0]: several tiles at once, [..][1]: one tile (the tail).
+#define OUTRIDER_DOT_ROWS(B, S)                                                                          \
+  {{dot_tiles<B, S, 1, 4>, dot_tiles<B, S, 1, 1>}, {dot_tiles<B, S, 2, 4>, dot_tiles<B, S, 2, 1>},     \
+   {dot_tiles<B, S, 3, 2>, dot_tiles<B, S, 3, 1>}, {dot_tiles<B, S, 4, 2>, dot_tiles<B, S, 4, 1>},     \
+   {dot_tiles<B, S, 5, 1>, dot_tiles<B, S, 5, 1>}, {dot_tiles<B, S, 6, 1>, dot_tiles<B, S, 6, 1>},     \
+   {dot_tiles<B, S, 7, 1>, dot_tiles<B, S, 7, 1>}, {dot_tiles<B, S, 8, 1>, dot_tiles<B, S, 8, 1>}}
+const DotFn kDotFns[2][2][kRows][2] = {{OUTRIDER_DOT_ROWS(4, false), OUTRIDER_DOT_ROWS(4, true)},
+                                       {OUTRIDER_DOT_ROWS(8, false), OUTRIDER_DOT_ROWS(8, true)}};
 constexpr int kDotTiles[kRows] = {4, 4, 2, 2, 1, 1, 1, 1};
 
 void matmul_tiles_avx512(const int8_t* xq, const float* scale, const float* sum, const int32_t* /*isum*/,
-                         int64_t rows, int64_t in, int64_t group, const uint8_t* w, const uint16_t* d,
-                         const uint16_t* m, int64_t /*out*/, int bits, int64_t t0, int64_t t1, float* y,
+                         int64_t rows, int64_t in, int64_t group, const uint8_t* w, const void* d,
+                         const void* m, int64_t /*out*/, int bits, int64_t t0, int64_t t1, float* y,
                          int64_t y_stride) {
   const int32_t* words = reinterpret_cast<const int32_t*>(xq);
   const int64_t groups = in / group, octs = in / 8, octs_per_group = group / 8;
+  const int f32 = (bits & outrider_native::kF32Scales) != 0;
+  const int scale_bytes = f32 ? 4 : 2;
+  bits &= 15;
   const int b8 = bits == 8;
   const int32_t* x_words[kRows];
   const float* x_scale[kRows];
@@ -156,8 +160,10 @@ void matmul_tiles_avx512(const int8_t* xq, const float* scale, const float* sum,
     for (int64_t t = t0; t < t1;) {
       const int step = t + kDotTiles[n - 1] <= t1 ? kDotTiles[n - 1] : 1;
       for (int r = 0; r < n; ++r) y_rows[r] = y + (r0 + r) * y_stride + t * 16;
-      kDotFns[b8][n - 1][step == 1](x_words, x_scale, x_sum, groups, octs_per_group, octs, w + t * in * bits * 2,
-                                    d + t * groups * 16, m + t * groups * 16, y_rows);
+      const int64_t at = t * groups * 16 * scale_bytes;  // bytes into the scale tables
+      kDotFns[b8][f32][n - 1][step == 1](x_words, x_scale, x_sum, groups, octs_per_group, octs,
+                                         w + t * in * bits * 2, static_cast<const char*>(d) + at,
+                                         static_cast<const char*>(m) + at, y_rows);
       t += step;
     }
   }

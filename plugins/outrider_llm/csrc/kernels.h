@@ -19,12 +19,15 @@
 namespace outrider_native {
 
 constexpr int64_t kTile = 16;  // outputs per weight tile (and the width of every vector below)
+constexpr int kF32Scales = 16;  // or-ed into `bits` (4 or 8): d and m are fp32, not fp16
 
 // One instruction set's kernels. Weight layouts (outrider_llm.native.pack_w4a8 / pack_w8a8):
 //   4-bit: w uint8 [N/16, K/8, 64]: per tile of 16 outputs, per 8 inputs k0..k0+7, byte 4i+p holds
 //          q[16t+i, k0+p] in its low nibble and q[16t+i, k0+4+p] in its high nibble;
 //   8-bit: w uint8 [N/16, K/4, 64]: per tile, per 4 inputs k0..k0+3, byte 4i+p holds q[16t+i, k0+p];
-//   d, m   fp16 [N/16, K/G, 16]: scale and minimum of each (group, output); w = q * d + m.
+//   d, m   fp16 [N/16, K/G, 16]: scale and minimum of each (group, output); w = q * d + m;
+//          or fp32, the same shape, where `bits` carries kF32Scales (a GGUF K type's sub-block
+//          scale d * sc needs up to 17 significant bits: fp16 would round it).
 struct KernelSet {
   const char* name;  // "scalar", "avx2", "avx_vnni", "avx512_vnni", "neon", "neon_dotprod"
   // Activations to int8 per row and group of `group` (scale amax / 127, round to nearest even):
@@ -33,7 +36,7 @@ struct KernelSet {
                         float* sum, int32_t* isum);
   // y[r, 16t .. 16t+15] for tiles t0 <= t < t1, every row: y = xq @ W.T, W in the 4- or 8-bit layout.
   void (*matmul_tiles)(const int8_t* xq, const float* scale, const float* sum, const int32_t* isum, int64_t rows,
-                       int64_t in, int64_t group, const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t out,
+                       int64_t in, int64_t group, const uint8_t* w, const void* d, const void* m, int64_t out,
                        int bits, int64_t t0, int64_t t1, float* y, int64_t y_stride);
   // One row and KV head: `group` query heads (q[g * dim ..]) over the keys and values at `pos`
   // (count of them; rows of `dim` floats); scores: scratch of group * (count + 16) floats.
@@ -72,8 +75,8 @@ void parallel_for(int64_t n, const std::function<void(int64_t, int64_t)>& fn);
 // ---- operations on whole tensors (ops.cpp), every one on active_kernels() ------------------------
 
 // y [rows, out] = x [rows, in] (fp32, quantized here per row and group) @ W.T.
-void a8_matmul(const float* x, int64_t rows, int64_t in, int64_t group, const uint8_t* w, const uint16_t* d,
-               const uint16_t* m, int64_t out, int bits, float* y);
+void a8_matmul(const float* x, int64_t rows, int64_t in, int64_t group, const uint8_t* w, const void* d,
+               const void* m, int64_t out, int bits, float* y);
 
 // One layer's attention for the chunks of a step (attend.cpp's contract, see ops.cpp).
 struct KvLayer {

@@ -36,8 +36,8 @@
 
 namespace outrider_native {
 
-void a8_matmul(const float* x, int64_t rows, int64_t in, int64_t group, const uint8_t* w, const uint16_t* d,
-               const uint16_t* m, int64_t out, int bits, float* y) {
+void a8_matmul(const float* x, int64_t rows, int64_t in, int64_t group, const uint8_t* w, const void* d,
+               const void* m, int64_t out, int bits, float* y) {
   if (rows == 0) return;
   const KernelSet& ks = active_kernels();
   const int64_t groups = in / group;

@@ -30,11 +30,11 @@ using namespace outrider_native;
 
 const uint16_t* half_ptr(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>()); }
 
-void check_scales(const at::Tensor& t, int64_t tiles, int64_t groups, const char* op) {
-  TORCH_CHECK(t.scalar_type() == at::kHalf && t.is_contiguous() && t.dim() == 3 && t.size(0) == tiles &&
-                  t.size(1) == groups && t.size(2) == kTile,
-              op, ": scales and minimums must be contiguous fp16 [", tiles, ", ", groups, ", 16], got ", t.sizes(),
-              " ", t.scalar_type());
+void check_scales(const at::Tensor& t, int64_t tiles, int64_t groups, const char* op, bool allow_f32 = false) {
+  TORCH_CHECK((t.scalar_type() == at::kHalf || (allow_f32 && t.scalar_type() == at::kFloat)) && t.is_contiguous() &&
+                  t.dim() == 3 && t.size(0) == tiles && t.size(1) == groups && t.size(2) == kTile,
+              op, ": scales and minimums must be contiguous fp16", allow_f32 ? " or fp32" : "", " [", tiles, ", ",
+              groups, ", 16], got ", t.sizes(), " ", t.scalar_type());
 }
 
 at::Tensor a8_mm(const at::Tensor& x_in, const at::Tensor& w, const at::Tensor& d, const at::Tensor& m,
@@ -50,11 +50,15 @@ at::Tensor a8_mm(const at::Tensor& x_in, const at::Tensor& w, const at::Tensor& 
   TORCH_CHECK(w.size(1) * per_block == in, op, ": w holds ", w.size(1) * per_block, " inputs, x has ", in);
   TORCH_CHECK(group_size > 0 && group_size % 16 == 0 && in % group_size == 0,
               op, ": group_size must be a multiple of 16 dividing ", in, ", got ", group_size);
-  check_scales(d, tiles, in / group_size, op);
-  check_scales(m, tiles, in / group_size, op);
+  check_scales(d, tiles, in / group_size, op, true);
+  check_scales(m, tiles, in / group_size, op, true);
+  TORCH_CHECK(d.scalar_type() == m.scalar_type(), op, ": scales and minimums must share a dtype, got ",
+              d.scalar_type(), " and ", m.scalar_type());
+  // fp32 tables: a GGUF K type's sub-block scales, which fp16 would round.
+  const bool f32 = d.scalar_type() == at::kFloat;
   at::Tensor y = at::empty({rows, out}, x.options());
-  a8_matmul(x.data_ptr<float>(), rows, in, group_size, w.data_ptr<uint8_t>(), half_ptr(d), half_ptr(m), out,
-            static_cast<int>(bits), y.data_ptr<float>());
+  a8_matmul(x.data_ptr<float>(), rows, in, group_size, w.data_ptr<uint8_t>(), d.data_ptr(), m.data_ptr(), out,
+            static_cast<int>(bits) | (f32 ? kF32Scales : 0), y.data_ptr<float>());
   return y;
 }
 
