@@ -39,6 +39,8 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_FORMAT = 2
 WEIGHTS_KIND = "llama-weights"
 NATIVE_KIND = "llama-gguf-blocks"  # the same layout, quantized matrices in the file's own blocks
+# Part of that artifact's key: bumped when the block conversion changes (2: fp32 K-type scale tables).
+BLOCKS_FORMAT = 2
 WEIGHTS_FILE, TOKENIZER_FILE, META_FILE = "weights.safetensors", "tokenizer.json", "meta.json"
 RAW_Q4_1 = ".q4_1."
 # Tokens that end a turn or a document in the chat models we ship; added to the GGUF's own EOS.
@@ -181,7 +183,7 @@ def load_native_artifact(gguf_path: "str | Path", cache: Optional[ArtifactCache]
 
     return cache.get_or_build(
         NATIVE_KIND, build, label=f"{path.name} -> its own blocks", sources=[path],
-        versions=["torch", "gguf", "transformers"], options={"format": CACHE_FORMAT},
+        versions=["torch", "gguf", "transformers"], options={"format": CACHE_FORMAT, "blocks": BLOCKS_FORMAT},
     )
 
 
