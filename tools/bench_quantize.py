@@ -215,15 +215,13 @@ def native_isa(isa: str) -> str:
     return isa or native.kernels()
 
 
-def bench_llm(n_code: int, n_chat: int, tokens: int, threads: int, llama_cpp: bool = True, isa: str = "",
-              llama_cpp_dir: str = "", q4_0: bool = False) -> None:
-    from outrider import Client
+def llama_cpp_workers(tokens: int, threads: int, llama_cpp_dir: str, q4_0: bool) -> tuple[dict, object]:
+    """({file kind: LlamaCpp worker} on the shipped Q4_1 and, with `q4_0`, on a Q4_0 made by
+    llama.cpp's quantizer in a temp dir (returned too, for `stop_all`)); workers that fail are left out."""
     from outrider_llm.loading import smollm2_gguf_path
 
-    prompts = llm_prompts(n_code, n_chat)
-    kernel_set = native_isa(isa)
     files = [("Q4_1", smollm2_gguf_path())]
-    tmp = tempfile.TemporaryDirectory(prefix="bench-quantize-") if llama_cpp and q4_0 else None
+    tmp = tempfile.TemporaryDirectory(prefix="bench-quantize-") if q4_0 else None
     if tmp is not None:
         from bench_native import q4_0_file
 
@@ -231,8 +229,25 @@ def bench_llm(n_code: int, n_chat: int, tokens: int, threads: int, llama_cpp: bo
             files.append(("Q4_0", q4_0_file(llama_cpp_dir, smollm2_gguf_path(), tmp.name, threads or 2)))
         except subprocess.CalledProcessError as exc:
             print(f"(no Q4_0 row: llama.cpp's quantizer failed: {exc.stderr.strip()[-300:]})")
-    cpps = {kind: LlamaCpp.start(tokens, threads, path, llama_cpp_dir) for kind, path in files} if llama_cpp else {}
-    cpps = {kind: cpp for kind, cpp in cpps.items() if cpp is not None}
+    cpps = {kind: LlamaCpp.start(tokens, threads, path, llama_cpp_dir) for kind, path in files}
+    return {kind: cpp for kind, cpp in cpps.items() if cpp is not None}, tmp
+
+
+def stop_all(server: "Server", cpps: dict, tmp: object) -> None:
+    server.stop()
+    for cpp in cpps.values():
+        cpp.close()
+    if tmp is not None:
+        tmp.cleanup()
+
+
+def bench_llm(n_code: int, n_chat: int, tokens: int, threads: int, llama_cpp: bool = True, isa: str = "",
+              llama_cpp_dir: str = "", q4_0: bool = False) -> None:
+    from outrider import Client
+
+    prompts = llm_prompts(n_code, n_chat)
+    kernel_set = native_isa(isa)
+    cpps, tmp = llama_cpp_workers(tokens, threads, llama_cpp_dir, q4_0) if llama_cpp else ({}, None)
     cpp = next(iter(cpps.values()), None)
     template = _chat_renderer() if cpp else None
     reference: dict[tuple[str, str], list[float]] | None = {} if cpp else None
@@ -264,11 +279,7 @@ def bench_llm(n_code: int, n_chat: int, tokens: int, threads: int, llama_cpp: bo
                                 reference.setdefault((file_kind, kind), []).append(rate)
         peak = rss_mb(server.proc.pid)[1]
     finally:
-        server.stop()
-        for worker in cpps.values():
-            worker.close()
-        if tmp is not None:
-            tmp.cleanup()
+        stop_all(server, cpps, tmp)
     print(f"\nSmolLM2-135M through outrider serve: {n_code} HumanEval prompts (problems 100+), {n_chat} chat "
           f"prompts, max {tokens} tokens, {threads} threads; median over prompts")
     print(f"smollm2-int8's native kernel set: {kernel_set}"
@@ -319,14 +330,7 @@ def bench_prefill(tokens: int, rounds: int, threads: int, isa: str = "", llama_c
 
     text = long_prompt(tokens, artifact_tokenizer(load_weights_artifact(smollm2_gguf_path())))
     kernel_set = native_isa(isa)
-    files = [("Q4_1", smollm2_gguf_path())]
-    tmp = tempfile.TemporaryDirectory(prefix="bench-prefill-") if q4_0 else None
-    if tmp is not None:
-        from bench_native import q4_0_file
-
-        files.append(("Q4_0", q4_0_file(llama_cpp_dir, smollm2_gguf_path(), tmp.name, threads or 2)))
-    cpps = {kind: LlamaCpp.start(2, threads, path, llama_cpp_dir) for kind, path in files}
-    cpps = {kind: cpp for kind, cpp in cpps.items() if cpp is not None}
+    cpps, tmp = llama_cpp_workers(2, threads, llama_cpp_dir, q4_0)
     server = Server([str(ROOT / "manifests/smollm2-int8.yaml")], threads, isa)
     rows: dict[str, list[float]] = {}
     prompt_tokens: dict[str, int] = {}
@@ -346,11 +350,7 @@ def bench_prefill(tokens: int, rounds: int, threads: int, isa: str = "", llama_c
                         rows.setdefault(f"llama.cpp {kind}", []).append(got[1])
                         prompt_tokens[f"llama.cpp {kind}"] = got[2]
     finally:
-        server.stop()
-        for cpp in cpps.values():
-            cpp.close()
-        if tmp is not None:
-            tmp.cleanup()
+        stop_all(server, cpps, tmp)
     print(f"\nTime to first token, one {tokens}-token prompt (HumanEval text), {threads} threads, median of "
           f"{rounds} interleaved rounds; smollm2-int8 alone in the server, kernel set {kernel_set}"
           + (f" (OUTRIDER_NATIVE_ISA={isa})" if isa else ""))

@@ -58,6 +58,8 @@ from .linear import (  # noqa: F401  (re-exported: `from outrider_llm.model impo
 
 log = logging.getLogger("outrider.llm")
 
+ROPE_ROWS_AT_START = 2048  # positions the RoPE tables hold before a longer sequence grows them
+
 # Chunks longer than this attend through SDPA (flash kernel, no [n, L] score matrix in memory);
 # shorter ones through two batched matmuls, faster for decode and verification.
 SDPA_MIN_TOKENS = 128
@@ -384,7 +386,8 @@ class LlamaModel(torch.nn.Module):
         if config.num_heads % config.num_kv_heads:
             raise ValueError("num_heads must be a multiple of num_kv_heads")
         self._load(state_dict)
-        self._rope_table(config.max_position_embeddings)
+        # Grown on demand (forward): a Llama 3 file's 131,072 positions would be 134 MB up front.
+        self._rope_table(min(config.max_position_embeddings, ROPE_ROWS_AT_START))
         self.native_attention = self._native_attention_usable()
         self._fast_layers = self._plan_fast_layers()
 
