@@ -46,6 +46,7 @@ def _reference(path):
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     ids = tokenizer.encode(TEXT, add_special_tokens=False)
     with torch.no_grad():
+        _reference.model = model  # for tests that compare weights too
         return model(torch.tensor([ids])).logits[0], ids, tokenizer
 
 
@@ -85,6 +86,9 @@ def test_quantized_gguf_served_in_its_blocks_matches_transformers(arch, kind, tm
     assert (model._fast_layers is not None) == (arch in ("llama", "mistral", "phi3") and kind == "Q4_0")
     got = _logits(model, ids)
     assert float((got - want).norm() / want.norm()) < 0.06  # the int8 activations, not the weights
+    # The head's rows (a draft head's vocabulary; tied: the embeddings) are the file's, exactly.
+    rows = torch.tensor([0, 7, 100, 266])
+    assert torch.equal(model.lm_head_rows(rows), _reference.model.lm_head.weight.detach()[rows])
     cache = model.new_cache(1, 128)
     steps = []
     for i, token in enumerate(ids):

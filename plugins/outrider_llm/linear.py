@@ -454,7 +454,8 @@ def _dequantize_rows(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, t: torch
 
 
 class TiedRows:
-    """Embedding lookups served by the tied LM head's own tiles (no second copy of the table)."""
+    """Rows of the LM head's weight read from its own tiles (no second copy): a tied embedding's
+    lookups, or a draft head's restricted vocabulary."""
 
     __slots__ = ("head", "shape")
 

@@ -501,7 +501,10 @@ class LlamaModel(torch.nn.Module):
         self.embed_weight = AffineTable(embed) if cpu else embed.dequantize().to(self.device)
         if head is not None:
             self.head = linear(head)
-            self.head_weight = AffineTable(head) if head.mode == "affine" and cpu else head.dequantize().to(self.device)
+            if cpu and getattr(self.head, "kernel", "") in ("w4a8", "w8a8"):
+                self.head_weight = TiedRows(self.head, head.shape)  # a draft head's rows, from the head's tiles
+            else:
+                self.head_weight = AffineTable(head) if head.mode == "affine" and cpu else head.dequantize().to(self.device)
         else:
             self.head_weight = get("lm_head.weight").clone()
             self.head = _Linear(self.head_weight, self.dtype, self.uses_onednn)
