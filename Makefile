@@ -30,7 +30,7 @@ $(VENV)/.outrider-serve: pyproject.toml
 
 # A changed kernel source rebuilds the library (the editable install does not track them).
 $(VENV)/.outrider-native: $(VENV)/.outrider-serve $(NATIVE_SOURCES)
-	$(EDITABLE) --no-deps .
+	$(EDITABLE) . --no-deps
 	@$(NATIVE_STATUS)
 	touch $@
 

@@ -48,7 +48,7 @@ def test_simple_types_map_exactly(type_name):
     raw = _quantized(type_name)
     groups = gguf_blocks.to_affine(raw, type_name, (48, 256))
     assert groups.exact and groups.source == type_name
-    assert groups.bits == (4 if type_name.startswith("Q4") else 8)
+    assert groups.bits == {"Q4": 4, "Q5": 5, "Q8": 8}[type_name[:2]]
     assert groups.q.dtype == np.uint8 and int(groups.q.max()) < 2 ** groups.bits
     assert groups.d.dtype == np.float16 and groups.d.shape == (48, 256 // groups.group)
     np.testing.assert_array_equal(groups.dequantize(), _reference(raw, type_name))
@@ -75,6 +75,17 @@ def test_k_types_keep_fp32_scales_where_fp16_would_round_them_and_stay_exact(typ
 def test_types_without_an_affine_form_say_so():
     assert gguf_blocks.to_affine(np.zeros((1, 84), np.uint8), "Q2_K", (1, 256)) is None
     assert not gguf_blocks.supported("IQ4_NL") and gguf_blocks.supported("Q6_K")
+
+
+def test_five_bit_tiles_round_trip():
+    torch = pytest.importorskip("torch")
+    from outrider_llm import native
+
+    q = torch.randint(0, 32, (48, 96), dtype=torch.uint8, generator=torch.Generator().manual_seed(8))
+    packed = native.pack_w5(q)
+    assert packed.shape == (3, 12, 80)
+    rows = torch.tensor([0, 17, 47, 5, 17])
+    assert torch.equal(native.unpack_w5_rows(packed, rows // 16, rows % 16), q[rows])
 
 
 def test_rows_keep_their_groups():
@@ -138,14 +149,16 @@ def _blocks_state_dict(weights: dict, types: dict) -> tuple[dict, dict]:
 MIXES = {
     "Q4_0": {"weight": "Q4_0"},
     "Q8_0": {"weight": "Q8_0"},
+    "Q5_1": {"weight": "Q5_1"},  # 5-bit tiles everywhere, the tied head's rows read back from them
+    "Q5_K": {"weight": "Q5_K"},
     # A Q4_K_M-like file: K types, v and down in Q6_K, the embeddings in Q6_K, one Q5_0 matrix.
     "Q4_K_M": {"v_proj.weight": "Q6_K", "down_proj.weight": "Q6_K", "embed_tokens.weight": "Q6_K",
                "o_proj.weight": "Q5_0", "weight": "Q4_K"},
 }
 
 
-@pytest.mark.parametrize("mix", list(MIXES))
-def test_a_model_from_its_files_blocks_computes_with_the_files_weights(mix):
+@pytest.mark.parametrize("mix", [*MIXES, "Q5_1:w8", "Q5_1:w5"])
+def test_a_model_from_its_files_blocks_computes_with_the_files_weights(mix, monkeypatch):
     torch = pytest.importorskip("torch")
     from outrider.generation.contract import Chunk
     from outrider_llm import native
@@ -154,6 +167,9 @@ def test_a_model_from_its_files_blocks_computes_with_the_files_weights(mix):
 
     if not native.w4a8_kernel()[0]:
         pytest.skip(f"native kernels not loaded: {native.w4a8_kernel()[1]}")
+    mix, _, layout = mix.partition(":")
+    if layout:  # 5-bit weights in either layout (native.five_bit_tiles), forced
+        monkeypatch.setenv("OUTRIDER_NATIVE_W5", "1" if layout == "w5" else "0")
     config = tiny_llama_config(vocab_size=256, hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2)
     config.intermediate_size = 512
     weights = random_llama_weights(config, seed=5)
@@ -162,6 +178,8 @@ def test_a_model_from_its_files_blocks_computes_with_the_files_weights(mix):
     model = LlamaModel(config, quantized)
     float_model = LlamaModel(config, reference)
     assert model.native_attention  # every matrix on the native kernels: exact draft-tree rows
+    if layout:
+        assert model.layers[0].down.kernel == ("w5a8" if layout == "w5" else "w8a8")
     assert (model._fast_layers is not None) == (mix == "Q4_0")  # the fused stack takes 4-bit layers only
     # Lookups give the file's embedding rows exactly.
     tokens = torch.tensor([3, 200, 7, 7, 64, 1, 99, 12])
@@ -241,3 +259,29 @@ speculative:
             spec = client.generate("plain-gguf", prompt=prompt, max_tokens=40, speculative=True)
             assert plain.token_ids == spec.token_ids, prompt
             assert len(plain.token_ids) > 0 and plain.text.strip()
+
+
+def test_five_bit_weights_give_the_same_bits_in_either_layout_on_every_kernel_set():
+    """native.five_bit_tiles picks w5a8 or 8-bit groups by speed alone: the results are identical."""
+    torch = pytest.importorskip("torch")
+    from outrider_llm import native
+    from outrider_llm.linear import W5A8Linear, W8A8Linear
+
+    if not native.w4a8_kernel()[0]:
+        pytest.skip(f"native kernels not loaded: {native.w4a8_kernel()[1]}")
+    raw = _quantized("Q5_1", out=64, inp=576)
+    groups = gguf_blocks.to_affine(raw, "Q5_1", (64, 576))
+    q = torch.from_numpy(groups.q)
+    d, m = torch.from_numpy(groups.d).float(), torch.from_numpy(groups.m).float()
+    five, eight = W5A8Linear(q, d, m), W8A8Linear(q, d, m)
+    assert five.nbytes < 0.7 * eight.nbytes
+    x = torch.randn(9, 576, generator=torch.Generator().manual_seed(9))
+    active = native.kernels()
+    try:
+        for name in native.kernel_sets():
+            native.select(name)
+            assert torch.equal(five(x), eight(x)), name
+    finally:
+        native.select(active)
+    rows = torch.tensor([0, 31, 63])
+    assert torch.equal(five.rows(rows), eight.rows(rows))

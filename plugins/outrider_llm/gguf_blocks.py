@@ -1,19 +1,19 @@
 """GGUF's quantized block types as the native kernels' affine groups: w = q * d + m.
 
 Every type the kernels serve is, per group of inputs, an unsigned integer q times a scale d plus
-a minimum m; the kernels hold d and m in fp16 (csrc/kernels.h). So each block type maps onto 4- or
-8-bit groups without going through fp32, and each maps exactly (the dequantized weights equal
+a minimum m; the kernels hold d and m in fp16 (csrc/kernels.h). So each block type maps onto 4-,
+5- or 8-bit groups without going through fp32, and each maps exactly (the dequantized weights equal
 gguf-py's own dequantization bit for bit):
 
 | type | block | here | exact |
 |---|---|---|---|
 | Q4_0 | d, 4-bit q; w = (q - 8) d | 4-bit, group 32, m = -8 d | yes |
 | Q4_1 | d, m, 4-bit q; w = q d + m | 4-bit, group 32 | yes |
-| Q5_0 | d, 5-bit q; w = (q - 16) d | 8-bit (0..31), group 32, m = -16 d | yes |
-| Q5_1 | d, m, 5-bit q | 8-bit (0..31), group 32 | yes |
+| Q5_0 | d, 5-bit q; w = (q - 16) d | 5-bit, group 32, m = -16 d | yes |
+| Q5_1 | d, m, 5-bit q | 5-bit, group 32 | yes |
 | Q8_0 | d, int8 q; w = q d | 8-bit (q + 128), group 32, m = -128 d | yes |
 | Q4_K | super-block of 256: fp16 d, dmin; 8 x (6-bit scale, 6-bit min); 4-bit q | 4-bit, group 32, d = d sc, m = -dmin mn | yes |
-| Q5_K | the same with 5-bit q | 8-bit (0..31), group 32 | yes |
+| Q5_K | the same with 5-bit q | 5-bit, group 32 | yes |
 | Q6_K | fp16 d; 16 x int8 scale; 6-bit q; w = d sc (q - 32) | 8-bit (0..63), group 16 | yes |
 
 A K type's sub-block scale d * sc has up to 17 (Q6_K: 18) significant bits: exact in fp32, not in
@@ -39,7 +39,7 @@ QK_K = 256  # elements per K-type super-block
 class AffineGroups:
     """One weight [out, in] as groups of `group` inputs: w = q * d + m (d, m exact)."""
 
-    bits: int  # 4 or 8: the kernel layout the values fit
+    bits: int  # 4, 5 or 8: the kernel layout the values fit
     q: np.ndarray  # uint8 [out, in], values 0 .. 2^bits - 1
     d: np.ndarray  # float16 [out, in / group], or float32 where fp16 would round a K type's scales
     m: np.ndarray  # the same shape and dtype
@@ -122,13 +122,13 @@ def _q5_0(raw: np.ndarray, out: int, inp: int) -> AffineGroups:
     b = raw.reshape(out, inp // 32, 22)
     d = _half(b, 0)
     q = (_nibbles(b[..., 6:]) | _fifth_bits(b[..., 2:6])).reshape(out, inp)
-    return AffineGroups(8, q, d, (d.astype(np.float32) * -16).astype(np.float16), 32, True, "Q5_0")
+    return AffineGroups(5, q, d, (d.astype(np.float32) * -16).astype(np.float16), 32, True, "Q5_0")
 
 
 def _q5_1(raw: np.ndarray, out: int, inp: int) -> AffineGroups:
     b = raw.reshape(out, inp // 32, 24)
     q = (_nibbles(b[..., 8:]) | _fifth_bits(b[..., 4:8])).reshape(out, inp)
-    return AffineGroups(8, q, _half(b, 0), _half(b, 2), 32, True, "Q5_1")
+    return AffineGroups(5, q, _half(b, 0), _half(b, 2), 32, True, "Q5_1")
 
 
 def _q8_0(raw: np.ndarray, out: int, inp: int) -> AffineGroups:
@@ -177,7 +177,7 @@ def _q5_k(raw: np.ndarray, out: int, inp: int) -> AffineGroups:
     qs = b[..., 48:].reshape(out, inp // QK_K, 4, 1, 32)
     low = np.concatenate([qs & 15, qs >> 4], axis=-2).reshape(out, inp // QK_K, 8, 32)
     high = ((qh[..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1) << 4  # [.., 8, 32]
-    return AffineGroups(8, (low | high).reshape(out, inp), d, m, 32, True, "Q5_K")
+    return AffineGroups(5, (low | high).reshape(out, inp), d, m, 32, True, "Q5_K")
 
 
 def _q6_k(raw: np.ndarray, out: int, inp: int) -> AffineGroups:

@@ -198,7 +198,7 @@ class QuantTensor:
     q: torch.Tensor
     scale: torch.Tensor
     zero: Optional[torch.Tensor] = None
-    bits: int = 0  # affine only: 4 or 8
+    bits: int = 0  # affine only: 4, 5 or 8
     source: str = ""  # affine only: the GGUF type it came from
 
     @property
@@ -284,7 +284,7 @@ AFFINE_KEYS = ("q", "d", "m", "bits")  # N.affine.*: see `affine_state_dict`
 def affine_state_dict(name: str, groups: "object") -> dict[str, torch.Tensor]:
     """State-dict entries of weight `name` held as a GGUF file's own groups (`gguf_blocks.AffineGroups`):
     N.affine.q uint8 [out, in] (4-bit values packed two to a byte, as `pack_int4`), N.affine.d and
-    N.affine.m fp16 [out, in / group], N.affine.bits uint8 [1] (4 or 8)."""
+    N.affine.m fp16 [out, in / group], N.affine.bits uint8 [1] (4, 5 or 8; 5 and 8 held a byte each)."""
     import numpy as np
 
     q = torch.from_numpy(np.ascontiguousarray(groups.q))
@@ -302,8 +302,8 @@ def _affine_from_state_dict(sd: dict[str, torch.Tensor], name: str) -> QuantTens
     except KeyError as exc:
         raise ValueError(f"{name}: affine weights need .affine.q, .d, .m and .bits; {exc} missing") from None
     bits = int(bits.reshape(-1)[0])
-    if bits not in (4, 8) or q.dtype != torch.uint8 or q.dim() != 2 or d.shape != m.shape or d.dim() != 2:
-        raise ValueError(f"{name}: expected affine.q uint8 2-D, d/m of one 2-D shape and 4 or 8 bits, got "
+    if bits not in (4, 5, 8) or q.dtype != torch.uint8 or q.dim() != 2 or d.shape != m.shape or d.dim() != 2:
+        raise ValueError(f"{name}: expected affine.q uint8 2-D, d/m of one 2-D shape and 4, 5 or 8 bits, got "
                          f"{q.dtype} {tuple(q.shape)}, {tuple(d.shape)}, {tuple(m.shape)}, {bits} bits")
     values = unpack_int4(q) if bits == 4 else q
     if d.shape[0] != values.shape[0] or values.shape[1] % d.shape[1]:
@@ -459,7 +459,7 @@ class TiedRows:
 
     __slots__ = ("head", "shape")
 
-    def __init__(self, head: "Int4Linear | W8A8Linear", shape: tuple[int, int]) -> None:
+    def __init__(self, head: "Int4Linear | W5A8Linear | W8A8Linear", shape: tuple[int, int]) -> None:
         self.head, self.shape = head, shape
 
     def index_select(self, dim: int, index: torch.Tensor) -> torch.Tensor:
@@ -549,6 +549,40 @@ class Int8Linear(_PackedLinear):
         return self.q.numel() + self.scale.numel() * 2
 
 
+class W5A8Linear:
+    """5-bit affine weight (w = q * d + m, q 0..31: GGUF Q5_0, Q5_1, Q5_K) with int8 activations
+    (native.py `w5a8_mm`, every CPU): 5 bits a weight plus the tables, where 8-bit groups took 8.
+    fp32 or bf16 in, fp32 out."""
+
+    __slots__ = ("packed", "scales", "minimums", "group", "dtype")
+    kernel = "w5a8"
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> None:
+        from .native import _per_tile, pack_w5, table_dtype
+
+        self.group = q.shape[1] // scale.shape[1]
+        self.dtype = torch.float32
+        self.packed = pack_w5(q)
+        self.scales, self.minimums = _per_tile(scale, minimum, dtype=table_dtype(scale, minimum))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype not in (torch.float32, torch.bfloat16):
+            x = x.float()
+        return torch.ops.outrider.w5a8_mm(x, self.packed, self.scales, self.minimums, self.group)
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        """fp32 weight rows `index` (q * d + m), read from the tiles."""
+        from .native import unpack_w5_rows
+
+        t, i = index // 16, index % 16
+        return _dequantize_rows(unpack_w5_rows(self.packed, t, i), self.scales, self.minimums, t, i, self.group)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of weight this kernel holds."""
+        return self.packed.numel() + self.scales.nbytes + self.minimums.nbytes
+
+
 class ConcatLinear:
     """Projections fused in the model's layout (QKV, gate/up) whose weights a GGUF file holds in
     different block types (a Q4_K_M file: Q4_K q and k, Q6_K v): each part runs its own kernel,
@@ -571,13 +605,13 @@ class ConcatLinear:
         return sum(getattr(p, "nbytes", 0) for p in self.parts)
 
 
-#: kernels that compute with outrider's native int8-activation matmuls (w4a8_mm / w8a8_mm)
-NATIVE_KERNELS = {"int4native", "w4a8", "w8a8", "native"}
+#: kernels that compute with outrider's native int8-activation matmuls (w4a8_mm / w5a8_mm / w8a8_mm)
+NATIVE_KERNELS = {"int4native", "w4a8", "w5a8", "w8a8", "native"}
 
 
 def affine_linear(weight: QuantTensor) -> Callable[[torch.Tensor], torch.Tensor]:
     """The native kernel for an affine weight (the file's own groups): w4a8 for 4 bits (as an
-    `Int4Linear`, so the fused layer stack takes it), w8a8 for 8; where the native kernels cannot
+    `Int4Linear`, so the fused layer stack takes it), w5a8 for 5, w8a8 for 8; where the native kernels cannot
     run or take the shape, a dense fp32 copy of the same weights (logged once)."""
     from . import native
 
@@ -594,6 +628,8 @@ def affine_linear(weight: QuantTensor) -> Callable[[torch.Tensor], torch.Tensor]
                 linear.scales_zeros, linear.minimums = native._per_tile(
                     weight.scale, weight.zero, dtype=native.table_dtype(weight.scale, weight.zero))
                 return linear
+        elif weight.bits == 5 and inp % 8 == 0 and native.five_bit_tiles():
+            return W5A8Linear(weight.q, weight.scale, weight.zero)
         else:
             return W8A8Linear(weight.q, weight.scale, weight.zero)
     _note_dense_affine(weight, "" if native.w4a8_kernel()[0] else native.w4a8_kernel()[1])

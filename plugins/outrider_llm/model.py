@@ -493,7 +493,7 @@ class LlamaModel(torch.nn.Module):
         if self.config.tie_word_embeddings:
             self.head_weight = None
             self.head = linear(head if head is not None else embed)
-            if head is None and cpu and getattr(self.head, "kernel", "") in ("w4a8", "w8a8"):
+            if head is None and cpu and getattr(self.head, "kernel", "") in ("w4a8", "w5a8", "w8a8"):
                 self.embed_weight = TiedRows(self.head, embed.shape)
             else:
                 self.embed_weight = AffineTable(embed) if cpu else embed.dequantize().to(self.device)
@@ -501,7 +501,7 @@ class LlamaModel(torch.nn.Module):
         self.embed_weight = AffineTable(embed) if cpu else embed.dequantize().to(self.device)
         if head is not None:
             self.head = linear(head)
-            if cpu and getattr(self.head, "kernel", "") in ("w4a8", "w8a8"):
+            if cpu and getattr(self.head, "kernel", "") in ("w4a8", "w5a8", "w8a8"):
                 self.head_weight = TiedRows(self.head, head.shape)  # a draft head's rows, from the head's tiles
             else:
                 self.head_weight = AffineTable(head) if head.mode == "affine" and cpu else head.dequantize().to(self.device)

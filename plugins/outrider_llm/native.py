@@ -229,18 +229,63 @@ def pack_affine(groups: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     out, inp = q.shape
     if groups.bits == 4:
         return pack_w4a8(q, d, m + 8 * d)[0], *_per_tile(d, m, dtype=dtype)
+    if groups.bits == 5:
+        return pack_w5(q), *_per_tile(d, m, dtype=dtype)
     if groups.bits != 8:
-        raise ValueError(f"affine groups of {groups.bits} bits: the kernels take 4 or 8")
+        raise ValueError(f"affine groups of {groups.bits} bits: the kernels take 4, 5 or 8")
     if out % TILE or inp % 4:
         raise ValueError(f"w8a8 tiles need out % {TILE} == 0 and in % 4 == 0, got {tuple(q.shape)}")
     packed = q.view(out // TILE, TILE, inp // 4, 4).permute(0, 2, 1, 3).contiguous().view(out // TILE, inp // 4, 64)
     return (packed, *_per_tile(d, m, dtype=dtype))
 
 
+def five_bit_tiles() -> bool:
+    """Whether 5-bit weights (Q5_0, Q5_1, Q5_K) take the w5a8 layout here, or 8-bit groups (the same
+    results bit for bit). w5a8 holds 5 bits a weight instead of 8 but spends instructions putting
+    the fifth bit back: one on AVX-512 (a mask move), ~12 per 64 weights on AVX2, ~16 on NEON. On a
+    cache-resident 576 x 1536 matrix that made w5a8 2.6x faster than w8a8 on AVX-512 and 0.45x on
+    AVX2; but a decode step reads ~100 MB of weights, and end to end on AVX2 (SmolLM2 Q4_K_M, 166 of
+    its matrices Q5_0; tools/bench_gguf.py --isa avx2, two A/B pairs) w5a8 decoded 143.0 and 138.6
+    tok/s against 135.3 and 126.2, in 39 MB less. So w5a8 on x86; NEON keeps 8-bit groups until it
+    is measured on an ARM board. `OUTRIDER_NATIVE_W5=1` / `=0` forces either."""
+    forced = os.environ.get("OUTRIDER_NATIVE_W5", "")
+    if forced in ("0", "1"):
+        return forced == "1"
+    return library()[0] and not kernels().startswith("neon")
+
+
+def pack_w5(q: torch.Tensor) -> torch.Tensor:
+    """5-bit values q uint8 [out, in] (0..31) -> the w5a8 layout uint8 [out/16, in/8, 80] (csrc/kernels.h):
+    per tile and 8 inputs, the w4a8 layout's 64 bytes of low nibbles, then 16 bytes of fifth bits."""
+    out, inp = q.shape
+    if out % TILE or inp % 8:
+        raise ValueError(f"w5a8 tiles need out % {TILE} == 0 and in % 8 == 0, got {tuple(q.shape)}")
+    q = q.to(torch.uint8)
+    nibbles = pack_w4a8(q & 15, torch.ones(out, 1), torch.zeros(out, 1))[0]  # [t, oct, 64]
+    high = (q >> 4).view(out // TILE, TILE, inp // 8, 2, 4).permute(0, 2, 3, 1, 4)  # [t, oct, half, i, p]
+    lanes = high.reshape(out // TILE, inp // 8, 2, 8, 8).to(torch.int32)  # lane 4i+p, in bytes of 8 bits
+    weights = torch.tensor([1 << k for k in range(8)], dtype=torch.int32)
+    plane = (lanes * weights).sum(dim=-1).to(torch.uint8).view(out // TILE, inp // 8, 16)
+    return torch.cat([nibbles, plane], dim=2).contiguous()
+
+
+def unpack_w5_rows(w: torch.Tensor, t: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+    """uint8 [n, in] values of rows (tile t, lane i) of a w5a8 layout (the inverse of `pack_w5`)."""
+    tiles, octs, _ = w.shape
+    b = w[..., :64].reshape(tiles, octs, 16, 4)[t, :, i, :]  # [n, oct, p]
+    low = torch.stack([b & 15, b >> 4], dim=2)  # [n, oct, half, p]
+    plane = w[..., 64:].reshape(tiles, octs, 2, 8)[t]  # [n, oct, half, byte]
+    bits = (plane[..., None] >> torch.arange(8, dtype=torch.uint8)) & 1  # [n, oct, half, byte, bit]: lane 8 byte + bit
+    lane = bits.reshape(len(t), octs, 2, 64)  # lanes 4i+p
+    index = (4 * i)[:, None, None, None] + torch.arange(4)  # [n, 1, 1, 4]
+    high = torch.gather(lane, 3, index.expand(len(t), octs, 2, 4))
+    return (low | (high << 4)).reshape(len(t), octs * 8)
+
+
 def affine_mm(x: torch.Tensor, w: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int,
               group_size: int) -> torch.Tensor:
-    """fp32 [rows, out] = x @ W.T for W as `pack_affine` gives it (`bits` 4 or 8)."""
-    op = torch.ops.outrider.w4a8_mm if bits == 4 else torch.ops.outrider.w8a8_mm
+    """fp32 [rows, out] = x @ W.T for W as `pack_affine` gives it (`bits` 4, 5 or 8)."""
+    op = {4: torch.ops.outrider.w4a8_mm, 5: torch.ops.outrider.w5a8_mm, 8: torch.ops.outrider.w8a8_mm}[bits]
     return op(x, w, d, m, group_size)
 
 

@@ -81,7 +81,7 @@ void check_set(const KernelSet& set) {
   const int64_t out = 80;  // 5 tiles: AVX-512's 4-tile step and its tail
   for (int64_t in : {64, 576, 1536}) {
     const int64_t group = 32;
-    for (int bits : {4, 8}) {
+    for (int bits : {4, 5, 8}) {
       const std::vector<uint8_t> w = bytes(out * in * bits / 8);
       const std::vector<uint16_t> d = halves(out * in / group, false), m = halves(out * in / group, true);
       for (int64_t rows : {1, 2, 3, 4, 5, 8, 9, 17}) {
@@ -94,7 +94,7 @@ void check_set(const KernelSet& set) {
         });
       }
     }
-    for (int bits : {4, 8}) {  // fp32 scale tables (kF32Scales: GGUF K types), groups of 32 and 16 (Q6_K)
+    for (int bits : {4, 5, 8}) {  // fp32 scale tables (kF32Scales: GGUF K types), groups of 32 and 16 (Q6_K)
       for (int64_t g : {int64_t(32), int64_t(16)}) {
         const std::vector<uint8_t> w = bytes(out * in * bits / 8);
         const std::vector<float> d = floats(out * in / g, 1e-4f, 2e-2f), m = floats(out * in / g, -0.3f, 0.3f);
@@ -114,7 +114,7 @@ void check_set(const KernelSet& set) {
         const std::vector<uint8_t> w(out * in, fill);
         const std::vector<uint16_t> d = halves(out * in / group, false), m = halves(out * in / group, true);
         const std::vector<float> x(2 * in, value);
-        for (int bits : {4, 8})
+        for (int bits : {4, 5, 8})
           against_scalar(set, "matmul w" + std::to_string(bits) + " extreme " + std::to_string(fill) + " x " +
                                   std::to_string(value) + " in " + std::to_string(in), [&] {
             std::vector<float> y(2 * out);

@@ -84,6 +84,16 @@ struct NeonBase {
     for (int i = 0; i < 4; ++i) w.q[i] = vshrq_n_u8(w.q[i], 4);
     return w;
   }
+  // 5-bit weights: lane L gains 16 where bit L of the 8-byte plane is set (vtst against 1 << L % 8).
+  static W with_high_bits(W w, const uint8_t* bits) {
+    static const uint8_t kBit[16] = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
+    const uint8x16_t bit = vld1q_u8(kBit), sixteen = vdupq_n_u8(16);
+    for (int i = 0; i < 4; ++i) {
+      const uint8x16_t bytes = vcombine_u8(vdup_n_u8(bits[2 * i]), vdup_n_u8(bits[2 * i + 1]));
+      w.q[i] = vorrq_u8(w.q[i], vandq_u8(vtstq_u8(bytes, bit), sixteen));
+    }
+    return w;
+  }
   // 4-bit weights (0..15) are signed bytes as they are; 8-bit ones become w - 128.
   static int8x16_t as_signed4(uint8x16_t w) { return vreinterpretq_s8_u8(w); }
   static int8x16_t as_signed8(uint8x16_t w) { return vreinterpretq_s8_u8(veorq_u8(w, vdupq_n_u8(0x80))); }

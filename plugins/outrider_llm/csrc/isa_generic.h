@@ -14,7 +14,8 @@
 //   float max_lanes(F);
 //   I izero(), iset(int32), iadd; I cvt_round(F) (to nearest even); int32 sum_lanes(I);
 //     store_i8(int8_t*, I) (values in int8 range);
-//   W wload(const uint8_t*), lo_nibbles(W), hi_nibbles(W);
+//   W wload(const uint8_t*), lo_nibbles(W), hi_nibbles(W); with_high_bits(W, const uint8_t* plane): lane L
+//     plus 16 where bit L of the 8-byte plane is set (5-bit weights);
 //   I dot4(I acc, W w, int32 x): acc[i] += sum_p w[4i+p] * x_p, w in 0..15, x four int8;
 //   I dot8(I acc, W w, int32 x): the same for w in 0..255, or, where kDot8Offset, for w - 128
 //     (the caller then adds 128 * sum(x): the same exact integer);
@@ -136,12 +137,16 @@ void dot_rows(const int32_t* const* x_words, const float* const* x_scale, const 
         const W v = A::wload(w + j * 64);
         lo = A::lo_nibbles(v);  // inputs k0..k0+3
         hi = A::hi_nibbles(v);  // inputs k0+4..k0+7
+      } else if (Bits == 5) {  // per oct: 64 bytes of nibbles, then 8 + 8 bytes of fifth bits
+        const W v = A::wload(w + j * 80);
+        lo = A::with_high_bits(A::lo_nibbles(v), w + j * 80 + 64);
+        hi = A::with_high_bits(A::hi_nibbles(v), w + j * 80 + 72);
       } else {
         lo = A::wload(w + j * 128);
         hi = A::wload(w + j * 128 + 64);
       }
       for (int r = 0; r < R; ++r) {
-        if (Bits == 4) {
+        if (Bits != 8) {  // 0..31: every path's 4-bit dot holds it (pairs of products <= 31 x 128 x 2)
           acc[r] = A::dot4(acc[r], lo, x_words[r][2 * j]);
           acc[r] = A::dot4(acc[r], hi, x_words[r][2 * j + 1]);
         } else {
@@ -208,6 +213,11 @@ void matmul_tiles(const int8_t* xq, const float* scale, const float* sum, const 
       matmul_tiles_bits<A, 4, true>(xq, scale, sum, isum, rows, in, group, w, d, m, t0, t1, y, y_stride);
     else
       matmul_tiles_bits<A, 4, false>(xq, scale, sum, isum, rows, in, group, w, d, m, t0, t1, y, y_stride);
+  } else if ((bits & 15) == 5) {
+    if (f32)
+      matmul_tiles_bits<A, 5, true>(xq, scale, sum, isum, rows, in, group, w, d, m, t0, t1, y, y_stride);
+    else
+      matmul_tiles_bits<A, 5, false>(xq, scale, sum, isum, rows, in, group, w, d, m, t0, t1, y, y_stride);
   } else if (f32) {
     matmul_tiles_bits<A, 8, true>(xq, scale, sum, isum, rows, in, group, w, d, m, t0, t1, y, y_stride);
   } else {

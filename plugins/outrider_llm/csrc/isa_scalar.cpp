@@ -79,6 +79,11 @@ struct Scalar {
     for (int i = 0; i < 64; ++i) a.b[i] >>= 4;
     return a;
   }
+  // 5-bit weights: lane L gains 16 where bit L (byte L / 8, bit L % 8) of the plane is set.
+  static W with_high_bits(W a, const uint8_t* bits) {
+    for (int i = 0; i < 64; ++i) a.b[i] |= static_cast<uint8_t>(((bits[i >> 3] >> (i & 7)) & 1) << 4);
+    return a;
+  }
   static I dot4(I acc, W w, int32_t x) { return dot8(acc, w, x); }
   static I dot8(I acc, W w, int32_t x) {
     int8_t xb[4];

@@ -82,6 +82,22 @@ struct Avx2Base {
     const __m256i nibble = _mm256_set1_epi8(0x0F);
     return {_mm256_and_si256(_mm256_srli_epi16(w.a, 4), nibble), _mm256_and_si256(_mm256_srli_epi16(w.b, 4), nibble)};
   }
+  // 32 bits -> 32 bytes, 0xFF where bit j is set (llama.cpp's bytes_from_bits_32).
+  static __m256i bytes_from_bits(const uint8_t* p) {
+    uint32_t bits;
+    std::memcpy(&bits, p, sizeof bits);
+    const __m256i spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32(static_cast<int>(bits)),
+        _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0x0000000000000000));
+    const __m256i others = _mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+    return _mm256_cmpeq_epi8(others, _mm256_set1_epi64x(-1));
+  }
+  // 5-bit weights: lane L gains 16 where bit L of the 8-byte plane is set.
+  static W with_high_bits(W w, const uint8_t* bits) {
+    const __m256i sixteen = _mm256_set1_epi8(16);
+    return {_mm256_or_si256(w.a, _mm256_and_si256(bytes_from_bits(bits), sixteen)),
+            _mm256_or_si256(w.b, _mm256_and_si256(bytes_from_bits(bits + 4), sixteen))};
+  }
   // Lanes 0..7 = tree16 of v[0..7], for 8 vectors at once: AVX-512's transpose tree (isa_x86_avx512.cpp)
   // on 128-bit quarters, the halves of each vector kept apart until the last step.
   static __m256 sum8(const F* v) {

@@ -55,6 +55,12 @@ struct Avx512 {
   static W wload(const uint8_t* p) { return _mm512_loadu_si512(p); }
   static W lo_nibbles(W w) { return _mm512_and_si512(w, _mm512_set1_epi8(0x0F)); }
   static W hi_nibbles(W w) { return _mm512_and_si512(_mm512_srli_epi16(w, 4), _mm512_set1_epi8(0x0F)); }
+  // 5-bit weights: lane L gains 16 where bit L of the 8-byte plane is set (the plane is a mask).
+  static W with_high_bits(W w, const uint8_t* bits) {
+    __mmask64 k;
+    std::memcpy(&k, bits, sizeof k);
+    return _mm512_or_si512(w, _mm512_maskz_mov_epi8(k, _mm512_set1_epi8(16)));
+  }
   static I dot8(I acc, W w, int32_t x) { return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(x)); }
   static I dot4(I acc, W w, int32_t x) { return dot8(acc, w, x); }
 
@@ -95,6 +101,11 @@ void dot_tiles(const int32_t* const* x_words, const float* const* x_scale, const
           const __m512i v = Avx512::wload(w + (t * octs + j) * 64);
           lo[t] = Avx512::lo_nibbles(v);
           hi[t] = Avx512::hi_nibbles(v);
+        } else if (Bits == 5) {  // per oct: 64 bytes of nibbles, then 16 bytes of fifth bits
+          const uint8_t* block = w + (t * octs + j) * 80;
+          const __m512i v = Avx512::wload(block);
+          lo[t] = Avx512::with_high_bits(Avx512::lo_nibbles(v), block + 64);
+          hi[t] = Avx512::with_high_bits(Avx512::hi_nibbles(v), block + 72);
         } else {
           lo[t] = Avx512::wload(w + (t * octs + j) * 128);
           hi[t] = Avx512::wload(w + (t * octs + j) * 128 + 64);
@@ -126,13 +137,15 @@ void dot_tiles(const int32_t* const* x_words, const float* const* x_scale, const
 constexpr int kRows = 8;
 using DotFn = void (*)(const int32_t* const*, const float* const*, const float* const*, int64_t, int64_t, int64_t,
                        const uint8_t*, const void*, const void*, float* const*);
-// [bits == 8][fp32 scales][rows - 1][0]: several tiles at once, [..][1]: one tile (the tail).
+// [bits][fp32 scales][rows - 1][0]: several tiles at once, [..][1]: one tile (the tail).
 #define OUTRIDER_DOT_ROWS(B, S)                                                                          \
   {{dot_tiles<B, S, 1, 4>, dot_tiles<B, S, 1, 1>}, {dot_tiles<B, S, 2, 4>, dot_tiles<B, S, 2, 1>},     \
    {dot_tiles<B, S, 3, 2>, dot_tiles<B, S, 3, 1>}, {dot_tiles<B, S, 4, 2>, dot_tiles<B, S, 4, 1>},     \
    {dot_tiles<B, S, 5, 1>, dot_tiles<B, S, 5, 1>}, {dot_tiles<B, S, 6, 1>, dot_tiles<B, S, 6, 1>},     \
    {dot_tiles<B, S, 7, 1>, dot_tiles<B, S, 7, 1>}, {dot_tiles<B, S, 8, 1>, dot_tiles<B, S, 8, 1>}}
-const DotFn kDotFns[2][2][kRows][2] = {{OUTRIDER_DOT_ROWS(4, false), OUTRIDER_DOT_ROWS(4, true)},
+// [bits: 4, 5, 8]
+const DotFn kDotFns[3][2][kRows][2] = {{OUTRIDER_DOT_ROWS(4, false), OUTRIDER_DOT_ROWS(4, true)},
+                                       {OUTRIDER_DOT_ROWS(5, false), OUTRIDER_DOT_ROWS(5, true)},
                                        {OUTRIDER_DOT_ROWS(8, false), OUTRIDER_DOT_ROWS(8, true)}};
 constexpr int kDotTiles[kRows] = {4, 4, 2, 2, 1, 1, 1, 1};
 
@@ -145,7 +158,7 @@ void matmul_tiles_avx512(const int8_t* xq, const float* scale, const float* sum,
   const int f32 = (bits & outrider_native::kF32Scales) != 0;
   const int scale_bytes = f32 ? 4 : 2;
   bits &= 15;
-  const int b8 = bits == 8;
+  const int kind = bits == 4 ? 0 : bits == 5 ? 1 : 2;
   const int32_t* x_words[kRows];
   const float* x_scale[kRows];
   const float* x_sum[kRows];
@@ -161,7 +174,7 @@ void matmul_tiles_avx512(const int8_t* xq, const float* scale, const float* sum,
       const int step = t + kDotTiles[n - 1] <= t1 ? kDotTiles[n - 1] : 1;
       for (int r = 0; r < n; ++r) y_rows[r] = y + (r0 + r) * y_stride + t * 16;
       const int64_t at = t * groups * 16 * scale_bytes;  // bytes into the scale tables
-      kDotFns[b8][f32][n - 1][step == 1](x_words, x_scale, x_sum, groups, octs_per_group, octs,
+      kDotFns[kind][f32][n - 1][step == 1](x_words, x_scale, x_sum, groups, octs_per_group, octs,
                                          w + t * in * bits * 2, static_cast<const char*>(d) + at,
                                          static_cast<const char*>(m) + at, y_rows);
       t += step;

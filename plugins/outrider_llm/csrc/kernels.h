@@ -19,11 +19,14 @@
 namespace outrider_native {
 
 constexpr int64_t kTile = 16;  // outputs per weight tile (and the width of every vector below)
-constexpr int kF32Scales = 16;  // or-ed into `bits` (4 or 8): d and m are fp32, not fp16
+constexpr int kF32Scales = 16;  // or-ed into `bits` (4, 5 or 8): d and m are fp32, not fp16
 
 // One instruction set's kernels. Weight layouts (outrider_llm.native.pack_w4a8 / pack_w8a8):
 //   4-bit: w uint8 [N/16, K/8, 64]: per tile of 16 outputs, per 8 inputs k0..k0+7, byte 4i+p holds
 //          q[16t+i, k0+p] in its low nibble and q[16t+i, k0+4+p] in its high nibble;
+//   5-bit: w uint8 [N/16, K/8, 80]: per tile and 8 inputs, the 4-bit layout's 64 bytes of low
+//          nibbles, then 16 bytes of fifth bits: bit L of bytes 0..7 for lane L of inputs k0..k0+3
+//          (lane 4i+p: output i, input k0+p), bytes 8..15 the same for k0+4..k0+7 (Q5_0/Q5_1/Q5_K);
 //   8-bit: w uint8 [N/16, K/4, 64]: per tile, per 4 inputs k0..k0+3, byte 4i+p holds q[16t+i, k0+p];
 //   d, m   fp16 [N/16, K/G, 16]: scale and minimum of each (group, output); w = q * d + m;
 //          or fp32, the same shape, where `bits` carries kF32Scales (a GGUF K type's sub-block

@@ -39,12 +39,14 @@ void check_scales(const at::Tensor& t, int64_t tiles, int64_t groups, const char
 
 at::Tensor a8_mm(const at::Tensor& x_in, const at::Tensor& w, const at::Tensor& d, const at::Tensor& m,
                  int64_t group_size, int64_t bits) {
-  const char* op = bits == 4 ? "outrider::w4a8_mm" : "outrider::w8a8_mm";
+  const char* op = bits == 4 ? "outrider::w4a8_mm" : bits == 5 ? "outrider::w5a8_mm" : "outrider::w8a8_mm";
   TORCH_CHECK(x_in.dim() == 2 && (x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16),
               op, ": x must be fp32 or bf16 [rows, in], got ", x_in.sizes(), " ", x_in.scalar_type());
-  const int64_t per_block = bits == 4 ? 8 : 4;  // inputs per 64-byte block of one tile
-  TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kByte && w.size(2) == 64 && w.is_contiguous(),
-              op, ": w must be contiguous uint8 [out/16, in/", per_block, ", 64], got ", w.sizes());
+  // Inputs per block of one tile, and its bytes: 8 in 64 (4-bit), 8 in 80 (5-bit: nibbles, then the
+  // fifth bits), 4 in 64 (8-bit).
+  const int64_t per_block = bits == 8 ? 4 : 8, block_bytes = bits == 5 ? 80 : 64;
+  TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kByte && w.size(2) == block_bytes && w.is_contiguous(),
+              op, ": w must be contiguous uint8 [out/16, in/", per_block, ", ", block_bytes, "], got ", w.sizes());
   const at::Tensor x = x_in.to(at::kFloat).contiguous();  // bf16 -> fp32 is exact
   const int64_t rows = x.size(0), in = x.size(1), tiles = w.size(0), out = tiles * kTile;
   TORCH_CHECK(w.size(1) * per_block == in, op, ": w holds ", w.size(1) * per_block, " inputs, x has ", in);
@@ -70,6 +72,11 @@ at::Tensor w4a8_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& d
 at::Tensor w8a8_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& d, const at::Tensor& m,
                    int64_t group_size) {
   return a8_mm(x, w, d, m, group_size, 8);
+}
+
+at::Tensor w5a8_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& d, const at::Tensor& m,
+                   int64_t group_size) {
+  return a8_mm(x, w, d, m, group_size, 5);
 }
 
 // kv: one layer [2, slots, KV, capacity, D] with rows of D contiguous.
@@ -200,6 +207,7 @@ std::string native_cpu_features() { return cpu_features(); }
 TORCH_LIBRARY(outrider, lib) {
   lib.def("w4a8_mm(Tensor x, Tensor w, Tensor d, Tensor m, int group_size) -> Tensor");
   lib.def("w8a8_mm(Tensor x, Tensor w, Tensor d, Tensor m, int group_size) -> Tensor");
+  lib.def("w5a8_mm(Tensor x, Tensor w, Tensor d, Tensor m, int group_size) -> Tensor");
   lib.def("attend(Tensor qkv, Tensor(a!) kv, Tensor chunks, Tensor visible, int num_heads, int num_kv_heads) -> Tensor");
   lib.def("w4a8_layers(Tensor(a!) x, Tensor cos, Tensor sin, Tensor(b!) kv, Tensor chunks, Tensor visible, "
           "Tensor[] norms, Tensor[] packed, Tensor[] scales, Tensor[] minimums, int group_size, int num_heads, "
@@ -213,6 +221,7 @@ TORCH_LIBRARY(outrider, lib) {
 TORCH_LIBRARY_IMPL(outrider, CPU, lib) {
   lib.impl("w4a8_mm", w4a8_mm);
   lib.impl("w8a8_mm", w8a8_mm);
+  lib.impl("w5a8_mm", w5a8_mm);
   lib.impl("attend", attend_op);
   lib.impl("w4a8_layers", w4a8_layers_op);
 }
