@@ -285,3 +285,26 @@ def test_five_bit_weights_give_the_same_bits_in_either_layout_on_every_kernel_se
         native.select(active)
     rows = torch.tensor([0, 31, 63])
     assert torch.equal(five.rows(rows), eight.rows(rows))
+
+
+@pytest.mark.parametrize("type_name,offset", [("Q8_0", 128), ("Q5_0", 16), ("Q5_1", 0)])
+def test_symmetric_types_hold_no_minimums_table_and_compute_the_same(type_name, offset):
+    """Q8_0, Q5_0 (and Q6_K): every minimum is -offset * d, so the kernels form it instead of
+    reading a table, to the same bits."""
+    torch = pytest.importorskip("torch")
+    from outrider_llm import native
+    from outrider_llm.linear import W5A8Linear, W8A8Linear
+
+    if not native.w4a8_kernel()[0]:
+        pytest.skip(f"native kernels not loaded: {native.w4a8_kernel()[1]}")
+    groups = gguf_blocks.to_affine(_quantized(type_name, out=32, inp=256), type_name, (32, 256))
+    q = torch.from_numpy(groups.q)
+    d, m = torch.from_numpy(groups.d).float(), torch.from_numpy(groups.m).float()
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(10))
+    for cls, op in ((W8A8Linear, torch.ops.outrider.w8a8_mm), (W5A8Linear, torch.ops.outrider.w5a8_mm)):
+        linear = cls(q, d, m)
+        assert linear.offset == offset and (linear.minimums.numel() == 0) == (offset > 0)
+        table = native._per_tile(m, dtype=linear.scales.dtype)[0]
+        assert torch.equal(linear(x), op(x, linear.packed, linear.scales, table, linear.group, 0))
+    with pytest.raises(RuntimeError, match="offset must be 0 or a power of two"):
+        op(x, linear.packed, linear.scales, torch.empty(0), linear.group, 24)

@@ -446,10 +446,12 @@ class Int4Linear(_PackedLinear):
 
 
 def _dequantize_rows(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, t: torch.Tensor, i: torch.Tensor,
-                     group: int) -> torch.Tensor:
-    """fp32 [n, in] = q * d + m per group, d and m taken from per-tile [tiles, groups, 16] tables."""
+                     group: int, offset: int = 0) -> torch.Tensor:
+    """fp32 [n, in] = q * d + m per group, d and m taken from per-tile [tiles, groups, 16] tables
+    (m = -offset * d where `offset` is set and there is no table)."""
     n, cols = q.shape
-    scale, minimum = d[t, :, i].float()[..., None], m[t, :, i].float()[..., None]
+    scale = d[t, :, i].float()[..., None]
+    minimum = scale * -offset if offset else m[t, :, i].float()[..., None]
     return (q.view(n, cols // group, group).float() * scale + minimum).view(n, cols)
 
 
@@ -477,7 +479,7 @@ class W8A8Linear:
     activations (native.py `w8a8_mm`, every CPU): the LM head next to "w4a8" layers, read
     from the file's own Q8_0 values. fp32 or bf16 in, fp32 out."""
 
-    __slots__ = ("packed", "scales", "minimums", "group", "dtype")
+    __slots__ = ("packed", "scales", "minimums", "offset", "group", "dtype")
     kernel = "w8a8"
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, minimum: Optional[torch.Tensor] = None) -> None:
@@ -488,7 +490,8 @@ class W8A8Linear:
         self.group = q.shape[1] // scale.shape[1]
         self.dtype = torch.float32
         if minimum is None:
-            self.packed, self.scales, self.minimums = pack_w8a8(q, scale)
+            self.packed, self.scales, _ = pack_w8a8(q, scale)
+            self.minimums, self.offset = _NO_TABLE, 128  # w = (q + 128 - 128) d: Q8_0
         else:
             out, inp = q.shape
             if out % TILE or inp % 4:
@@ -497,7 +500,7 @@ class W8A8Linear:
             self.packed = tiles.contiguous().view(out // TILE, inp // 4, 64)
             from .native import _per_tile, table_dtype
 
-            self.scales, self.minimums = _per_tile(scale, minimum, dtype=table_dtype(scale, minimum))
+            self.scales, self.minimums, self.offset = _scale_tables(scale, minimum)
 
     @staticmethod
     def usable(out: int, inp: int, group: int = 32) -> bool:
@@ -509,19 +512,36 @@ class W8A8Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype not in (torch.float32, torch.bfloat16):
             x = x.float()
-        return torch.ops.outrider.w8a8_mm(x, self.packed, self.scales, self.minimums, self.group)
+        return torch.ops.outrider.w8a8_mm(x, self.packed, self.scales, self.minimums, self.group, self.offset)
 
     def rows(self, index: torch.Tensor) -> torch.Tensor:
         """fp32 weight rows `index` (q * d + m), read from the tiles: a tied embedding's lookups."""
         tiles, quads, _ = self.packed.shape
         t, i = index // 16, index % 16
         q = self.packed.view(tiles, quads, 16, 4)[t, :, i, :].reshape(len(index), quads * 4)
-        return _dequantize_rows(q, self.scales, self.minimums, t, i, self.group)
+        return _dequantize_rows(q, self.scales, self.minimums, t, i, self.group, self.offset)
 
     @property
     def nbytes(self) -> int:
         """Bytes of weight this kernel holds."""
         return self.packed.numel() + self.scales.nbytes + self.minimums.nbytes
+
+
+_NO_TABLE = torch.empty(0)  # the minimums of a symmetric type: -offset * d, formed in the kernel
+_OFFSETS = (128, 32, 16, 8)  # Q8_0, Q6_K, Q5_0, Q4_0: w = (q - offset) d
+
+
+def _scale_tables(scale: torch.Tensor, minimum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(d, m, offset) per-tile tables for an 8- or 5-bit kernel: m is empty and `offset` its power of
+    two where every minimum is -offset * d (a symmetric type: that table would be half the bytes of
+    scale, for nothing), else the table and 0. Tables in fp16 where their values fit, else fp32."""
+    from .native import _per_tile, table_dtype
+
+    dtype = table_dtype(scale, minimum)
+    for offset in _OFFSETS:
+        if torch.equal(minimum.float(), scale.float() * -offset):
+            return _per_tile(scale, dtype=dtype)[0], _NO_TABLE, offset
+    return (*_per_tile(scale, minimum, dtype=dtype), 0)
 
 
 class Int8Linear(_PackedLinear):
@@ -554,28 +574,29 @@ class W5A8Linear:
     (native.py `w5a8_mm`, every CPU): 5 bits a weight plus the tables, where 8-bit groups took 8.
     fp32 or bf16 in, fp32 out."""
 
-    __slots__ = ("packed", "scales", "minimums", "group", "dtype")
+    __slots__ = ("packed", "scales", "minimums", "offset", "group", "dtype")
     kernel = "w5a8"
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> None:
-        from .native import _per_tile, pack_w5, table_dtype
+        from .native import pack_w5
 
         self.group = q.shape[1] // scale.shape[1]
         self.dtype = torch.float32
         self.packed = pack_w5(q)
-        self.scales, self.minimums = _per_tile(scale, minimum, dtype=table_dtype(scale, minimum))
+        self.scales, self.minimums, self.offset = _scale_tables(scale, minimum)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype not in (torch.float32, torch.bfloat16):
             x = x.float()
-        return torch.ops.outrider.w5a8_mm(x, self.packed, self.scales, self.minimums, self.group)
+        return torch.ops.outrider.w5a8_mm(x, self.packed, self.scales, self.minimums, self.group, self.offset)
 
     def rows(self, index: torch.Tensor) -> torch.Tensor:
         """fp32 weight rows `index` (q * d + m), read from the tiles."""
         from .native import unpack_w5_rows
 
         t, i = index // 16, index % 16
-        return _dequantize_rows(unpack_w5_rows(self.packed, t, i), self.scales, self.minimums, t, i, self.group)
+        return _dequantize_rows(unpack_w5_rows(self.packed, t, i), self.scales, self.minimums, t, i, self.group,
+                                self.offset)
 
     @property
     def nbytes(self) -> int:

@@ -109,6 +109,22 @@ void check_set(const KernelSet& set) {
         }
       }
     }
+    for (int bits : {5, 8}) {  // symmetric types: no minimums table, m = -offset d in the kernel
+      const std::vector<uint8_t> w = bytes(out * in * bits / 8);
+      const std::vector<uint16_t> d = halves(out * in / group, false);
+      for (int f32 : {0, 1}) {
+        const std::vector<float> d32 = floats(out * in / group, 1e-4f, 2e-2f);
+        const std::vector<float> x = floats(3 * in, -3.f, 3.f);
+        against_scalar(set, "matmul w" + std::to_string(bits) + " symmetric" + (f32 ? " fp32" : "") + " in " +
+                                std::to_string(in), [&] {
+          std::vector<float> y(3 * out);
+          const void* dp = f32 ? static_cast<const void*>(d32.data()) : static_cast<const void*>(d.data());
+          a8_matmul(x.data(), 3, in, group, w.data(), dp, nullptr, out,
+                    with_offset(bits | (f32 ? kF32Scales : 0), bits == 8 ? 7 : 4), y.data());
+          return y;
+        });
+      }
+    }
     for (uint8_t fill : {uint8_t(0xFF), uint8_t(0x00)}) {  // the largest sums a path may have to hold
       for (float value : {1.f, -1.f}) {
         const std::vector<uint8_t> w(out * in, fill);

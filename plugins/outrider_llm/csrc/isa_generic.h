@@ -113,10 +113,17 @@ inline typename A::F load_scales(const void* table, int64_t i) {
     return A::load_half(static_cast<const uint16_t*>(table) + i);
 }
 
+// A group's minimums: the table's, or (no table: m null) -offset * scale, exact for the power of two
+// `offset` of a symmetric type (Q8_0: 128, Q6_K: 32, Q5_0: 16), the same value a table would hold.
+template <class A, bool F32>
+inline typename A::F group_minimum(const void* m, int64_t i, typename A::F scale, float neg_offset) {
+  return m != nullptr ? load_scales<A, F32>(m, i) : A::mul(scale, A::fset(neg_offset));
+}
+
 template <class A, int Bits, int R, bool F32>
 void dot_rows(const int32_t* const* x_words, const float* const* x_scale, const float* const* x_sum,
               const int32_t* const* x_isum, int64_t groups, int64_t octs_per_group, const uint8_t* w,
-              const void* d, const void* m, float* const* y) {
+              const void* d, const void* m, float neg_offset, float* const* y) {
   using F = typename A::F;
   using I = typename A::I;
   using W = typename A::W;
@@ -158,7 +165,7 @@ void dot_rows(const int32_t* const* x_words, const float* const* x_scale, const 
     if (Bits == 8 && A::kDot8Offset)
       for (int r = 0; r < R; ++r) acc[r] = A::iadd(acc[r], A::iset(128 * x_isum[r][g]));
     const F scale = load_scales<A, F32>(d, g * 16);
-    const F minimum = load_scales<A, F32>(m, g * 16);
+    const F minimum = group_minimum<A, F32>(m, g * 16, scale, neg_offset);
     for (int r = 0; r < R; ++r) {
       out[r] = A::fma(A::cvt(acc[r]), A::mul(scale, A::fset(x_scale[r][g])), out[r]);
       out[r] = A::fma(minimum, A::fset(x_sum[r][g]), out[r]);
@@ -170,7 +177,7 @@ void dot_rows(const int32_t* const* x_words, const float* const* x_scale, const 
 template <class A, int Bits, bool F32>
 void matmul_tiles_bits(const int8_t* xq, const float* scale, const float* sum, const int32_t* isum, int64_t rows,
                        int64_t in, int64_t group, const uint8_t* w, const void* d, const void* m,
-                       int64_t t0, int64_t t1, float* y, int64_t y_stride) {
+                       float neg_offset, int64_t t0, int64_t t1, float* y, int64_t y_stride) {
   using S = std::conditional_t<F32, float, uint16_t>;  // the scale tables' element
   constexpr int kRows = 4;  // rows per pass over a tile's weights
   const int32_t* words = reinterpret_cast<const int32_t*>(xq);
@@ -192,12 +199,12 @@ void matmul_tiles_bits(const int8_t* xq, const float* scale, const float* sum, c
       for (int r = 0; r < n; ++r) y_rows[r] = y + (r0 + r) * y_stride + t * 16;
       const uint8_t* wt = w + t * in * Bits * 2;
       const S* dt = static_cast<const S*>(d) + t * groups * 16;
-      const S* mt = static_cast<const S*>(m) + t * groups * 16;
+      const S* mt = m != nullptr ? static_cast<const S*>(m) + t * groups * 16 : nullptr;
       switch (n) {
-        case 1: dot_rows<A, Bits, 1, F32>(x_words, x_scale, x_sum, x_isum, groups, octs_per_group, wt, dt, mt, y_rows); break;
-        case 2: dot_rows<A, Bits, 2, F32>(x_words, x_scale, x_sum, x_isum, groups, octs_per_group, wt, dt, mt, y_rows); break;
-        case 3: dot_rows<A, Bits, 3, F32>(x_words, x_scale, x_sum, x_isum, groups, octs_per_group, wt, dt, mt, y_rows); break;
-        default: dot_rows<A, Bits, 4, F32>(x_words, x_scale, x_sum, x_isum, groups, octs_per_group, wt, dt, mt, y_rows); break;
+        case 1: dot_rows<A, Bits, 1, F32>(x_words, x_scale, x_sum, x_isum, groups, octs_per_group, wt, dt, mt, neg_offset, y_rows); break;
+        case 2: dot_rows<A, Bits, 2, F32>(x_words, x_scale, x_sum, x_isum, groups, octs_per_group, wt, dt, mt, neg_offset, y_rows); break;
+        case 3: dot_rows<A, Bits, 3, F32>(x_words, x_scale, x_sum, x_isum, groups, octs_per_group, wt, dt, mt, neg_offset, y_rows); break;
+        default: dot_rows<A, Bits, 4, F32>(x_words, x_scale, x_sum, x_isum, groups, octs_per_group, wt, dt, mt, neg_offset, y_rows); break;
       }
     }
   }
@@ -208,20 +215,21 @@ void matmul_tiles(const int8_t* xq, const float* scale, const float* sum, const 
                   int64_t in, int64_t group, const uint8_t* w, const void* d, const void* m, int64_t /*out*/,
                   int bits, int64_t t0, int64_t t1, float* y, int64_t y_stride) {
   const bool f32 = bits & outrider_native::kF32Scales;
+  const float neg_offset = outrider_native::minimum_offset(bits);
   if ((bits & 15) == 4) {
     if (f32)
-      matmul_tiles_bits<A, 4, true>(xq, scale, sum, isum, rows, in, group, w, d, m, t0, t1, y, y_stride);
+      matmul_tiles_bits<A, 4, true>(xq, scale, sum, isum, rows, in, group, w, d, m, neg_offset, t0, t1, y, y_stride);
     else
-      matmul_tiles_bits<A, 4, false>(xq, scale, sum, isum, rows, in, group, w, d, m, t0, t1, y, y_stride);
+      matmul_tiles_bits<A, 4, false>(xq, scale, sum, isum, rows, in, group, w, d, m, neg_offset, t0, t1, y, y_stride);
   } else if ((bits & 15) == 5) {
     if (f32)
-      matmul_tiles_bits<A, 5, true>(xq, scale, sum, isum, rows, in, group, w, d, m, t0, t1, y, y_stride);
+      matmul_tiles_bits<A, 5, true>(xq, scale, sum, isum, rows, in, group, w, d, m, neg_offset, t0, t1, y, y_stride);
     else
-      matmul_tiles_bits<A, 5, false>(xq, scale, sum, isum, rows, in, group, w, d, m, t0, t1, y, y_stride);
+      matmul_tiles_bits<A, 5, false>(xq, scale, sum, isum, rows, in, group, w, d, m, neg_offset, t0, t1, y, y_stride);
   } else if (f32) {
-    matmul_tiles_bits<A, 8, true>(xq, scale, sum, isum, rows, in, group, w, d, m, t0, t1, y, y_stride);
+    matmul_tiles_bits<A, 8, true>(xq, scale, sum, isum, rows, in, group, w, d, m, neg_offset, t0, t1, y, y_stride);
   } else {
-    matmul_tiles_bits<A, 8, false>(xq, scale, sum, isum, rows, in, group, w, d, m, t0, t1, y, y_stride);
+    matmul_tiles_bits<A, 8, false>(xq, scale, sum, isum, rows, in, group, w, d, m, neg_offset, t0, t1, y, y_stride);
   }
 }
 

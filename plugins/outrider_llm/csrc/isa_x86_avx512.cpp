@@ -86,7 +86,7 @@ struct Avx512 {
 template <int Bits, bool F32, int R, int T>
 void dot_tiles(const int32_t* const* x_words, const float* const* x_scale, const float* const* x_sum, int64_t groups,
                int64_t octs_per_group, int64_t octs, const uint8_t* w, const void* d, const void* m,
-               float* const* y) {
+               float neg_offset, float* const* y) {
   __m512 out[R][T];
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < T; ++t) out[r][t] = _mm512_setzero_ps();
@@ -122,7 +122,7 @@ void dot_tiles(const int32_t* const* x_words, const float* const* x_scale, const
     }
     for (int t = 0; t < T; ++t) {
       const __m512 scale = load_scales<Avx512, F32>(d, (t * groups + g) * 16);
-      const __m512 minimum = load_scales<Avx512, F32>(m, (t * groups + g) * 16);
+      const __m512 minimum = group_minimum<Avx512, F32>(m, (t * groups + g) * 16, scale, neg_offset);
       for (int r = 0; r < R; ++r) {
         out[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][t]), _mm512_mul_ps(scale, _mm512_set1_ps(x_scale[r][g])),
                                     out[r][t]);
@@ -136,7 +136,7 @@ void dot_tiles(const int32_t* const* x_words, const float* const* x_scale, const
 
 constexpr int kRows = 8;
 using DotFn = void (*)(const int32_t* const*, const float* const*, const float* const*, int64_t, int64_t, int64_t,
-                       const uint8_t*, const void*, const void*, float* const*);
+                       const uint8_t*, const void*, const void*, float, float* const*);
 // [bits][fp32 scales][rows - 1][0]: several tiles at once, [..][1]: one tile (the tail).
 #define OUTRIDER_DOT_ROWS(B, S)                                                                          \
   {{dot_tiles<B, S, 1, 4>, dot_tiles<B, S, 1, 1>}, {dot_tiles<B, S, 2, 4>, dot_tiles<B, S, 2, 1>},     \
@@ -157,6 +157,7 @@ void matmul_tiles_avx512(const int8_t* xq, const float* scale, const float* sum,
   const int64_t groups = in / group, octs = in / 8, octs_per_group = group / 8;
   const int f32 = (bits & outrider_native::kF32Scales) != 0;
   const int scale_bytes = f32 ? 4 : 2;
+  const float neg_offset = outrider_native::minimum_offset(bits);
   bits &= 15;
   const int kind = bits == 4 ? 0 : bits == 5 ? 1 : 2;
   const int32_t* x_words[kRows];
@@ -176,7 +177,8 @@ void matmul_tiles_avx512(const int8_t* xq, const float* scale, const float* sum,
       const int64_t at = t * groups * 16 * scale_bytes;  // bytes into the scale tables
       kDotFns[kind][f32][n - 1][step == 1](x_words, x_scale, x_sum, groups, octs_per_group, octs,
                                          w + t * in * bits * 2, static_cast<const char*>(d) + at,
-                                         static_cast<const char*>(m) + at, y_rows);
+                                         m != nullptr ? static_cast<const char*>(m) + at : nullptr, neg_offset,
+                                         y_rows);
       t += step;
     }
   }

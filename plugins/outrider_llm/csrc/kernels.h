@@ -20,6 +20,14 @@ namespace outrider_native {
 
 constexpr int64_t kTile = 16;  // outputs per weight tile (and the width of every vector below)
 constexpr int kF32Scales = 16;  // or-ed into `bits` (4, 5 or 8): d and m are fp32, not fp16
+// `bits` may also carry log2(offset) << 8 for a symmetric type (w = (q - offset) d: Q8_0, Q6_K,
+// Q5_0): then m is null and each minimum is -offset * d, exactly the table's value, in no bytes.
+constexpr int kOffsetShift = 8;
+inline int with_offset(int bits, int log2_offset) { return bits | (log2_offset << kOffsetShift); }
+inline float minimum_offset(int bits) {  // -offset, or 0 where m is a table
+  const int log2_offset = (bits >> kOffsetShift) & 15;
+  return log2_offset ? -static_cast<float>(1 << log2_offset) : 0.f;
+}
 
 // One instruction set's kernels. Weight layouts (outrider_llm.native.pack_w4a8 / pack_w8a8):
 //   4-bit: w uint8 [N/16, K/8, 64]: per tile of 16 outputs, per 8 inputs k0..k0+7, byte 4i+p holds

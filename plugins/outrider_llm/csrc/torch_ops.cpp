@@ -38,7 +38,7 @@ void check_scales(const at::Tensor& t, int64_t tiles, int64_t groups, const char
 }
 
 at::Tensor a8_mm(const at::Tensor& x_in, const at::Tensor& w, const at::Tensor& d, const at::Tensor& m,
-                 int64_t group_size, int64_t bits) {
+                 int64_t group_size, int64_t bits, int64_t offset = 0) {
   const char* op = bits == 4 ? "outrider::w4a8_mm" : bits == 5 ? "outrider::w5a8_mm" : "outrider::w8a8_mm";
   TORCH_CHECK(x_in.dim() == 2 && (x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16),
               op, ": x must be fp32 or bf16 [rows, in], got ", x_in.sizes(), " ", x_in.scalar_type());
@@ -53,14 +53,24 @@ at::Tensor a8_mm(const at::Tensor& x_in, const at::Tensor& w, const at::Tensor& 
   TORCH_CHECK(group_size > 0 && group_size % 16 == 0 && in % group_size == 0,
               op, ": group_size must be a multiple of 16 dividing ", in, ", got ", group_size);
   check_scales(d, tiles, in / group_size, op, true);
-  check_scales(m, tiles, in / group_size, op, true);
-  TORCH_CHECK(d.scalar_type() == m.scalar_type(), op, ": scales and minimums must share a dtype, got ",
-              d.scalar_type(), " and ", m.scalar_type());
+  // offset > 0: a symmetric type (w = (q - offset) d), no minimums table (m empty).
+  int log2_offset = 0;
+  while (log2_offset < 15 && (int64_t{1} << log2_offset) < offset) ++log2_offset;
+  TORCH_CHECK(offset == 0 || (offset >= 2 && (int64_t{1} << log2_offset) == offset),
+              op, ": offset must be 0 or a power of two from 2 to 32768, got ", offset);
+  if (offset == 0) {
+    check_scales(m, tiles, in / group_size, op, true);
+    TORCH_CHECK(d.scalar_type() == m.scalar_type(), op, ": scales and minimums must share a dtype, got ",
+                d.scalar_type(), " and ", m.scalar_type());
+  } else {
+    TORCH_CHECK(m.numel() == 0, op, ": with an offset the minimums come from it; m must be empty, got ", m.sizes());
+  }
   // fp32 tables: a GGUF K type's sub-block scales, which fp16 would round.
   const bool f32 = d.scalar_type() == at::kFloat;
+  const int code = with_offset(static_cast<int>(bits) | (f32 ? kF32Scales : 0), offset ? log2_offset : 0);
   at::Tensor y = at::empty({rows, out}, x.options());
-  a8_matmul(x.data_ptr<float>(), rows, in, group_size, w.data_ptr<uint8_t>(), d.data_ptr(), m.data_ptr(), out,
-            static_cast<int>(bits) | (f32 ? kF32Scales : 0), y.data_ptr<float>());
+  a8_matmul(x.data_ptr<float>(), rows, in, group_size, w.data_ptr<uint8_t>(), d.data_ptr(),
+            offset ? nullptr : m.data_ptr(), out, code, y.data_ptr<float>());
   return y;
 }
 
@@ -70,13 +80,13 @@ at::Tensor w4a8_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& d
 }
 
 at::Tensor w8a8_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& d, const at::Tensor& m,
-                   int64_t group_size) {
-  return a8_mm(x, w, d, m, group_size, 8);
+                   int64_t group_size, int64_t offset) {
+  return a8_mm(x, w, d, m, group_size, 8, offset);
 }
 
 at::Tensor w5a8_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& d, const at::Tensor& m,
-                   int64_t group_size) {
-  return a8_mm(x, w, d, m, group_size, 5);
+                   int64_t group_size, int64_t offset) {
+  return a8_mm(x, w, d, m, group_size, 5, offset);
 }
 
 // kv: one layer [2, slots, KV, capacity, D] with rows of D contiguous.
@@ -206,8 +216,8 @@ std::string native_cpu_features() { return cpu_features(); }
 
 TORCH_LIBRARY(outrider, lib) {
   lib.def("w4a8_mm(Tensor x, Tensor w, Tensor d, Tensor m, int group_size) -> Tensor");
-  lib.def("w8a8_mm(Tensor x, Tensor w, Tensor d, Tensor m, int group_size) -> Tensor");
-  lib.def("w5a8_mm(Tensor x, Tensor w, Tensor d, Tensor m, int group_size) -> Tensor");
+  lib.def("w8a8_mm(Tensor x, Tensor w, Tensor d, Tensor m, int group_size, int offset=0) -> Tensor");
+  lib.def("w5a8_mm(Tensor x, Tensor w, Tensor d, Tensor m, int group_size, int offset=0) -> Tensor");
   lib.def("attend(Tensor qkv, Tensor(a!) kv, Tensor chunks, Tensor visible, int num_heads, int num_kv_heads) -> Tensor");
   lib.def("w4a8_layers(Tensor(a!) x, Tensor cos, Tensor sin, Tensor(b!) kv, Tensor chunks, Tensor visible, "
           "Tensor[] norms, Tensor[] packed, Tensor[] scales, Tensor[] minimums, int group_size, int num_heads, "
