@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -133,6 +134,9 @@ def main() -> None:
                                                                 args.threads, kind)
             rows.append(bench_file(kind, path, prompts, args.tokens, args.threads, args.llama_cpp, Path(tmp)))
             print(f"  {kind}: done", file=sys.stderr)
+    floor = subprocess.run([sys.executable, "-c", "import torch; print(open('/proc/self/status').read())"],
+                           capture_output=True, text=True).stdout
+    torch_mb = next((int(line.split()[1]) / 1024 for line in floor.splitlines() if line.startswith("VmRSS")), 0.0)
     print(f"\nSmolLM2-135M-Instruct GGUFs served by a plain manifest, {args.prompts} HumanEval prompts, "
           f"{args.tokens} greedy tokens, {args.threads} threads; medians; llama.cpp: {args.llama_cpp or 'installed'}; Outrider's kernel set: "
           f"{args.isa or 'the best this CPU runs'}")
@@ -145,6 +149,7 @@ def main() -> None:
         print(f"{r['kind']:<8}{r['plain']:>8.1f}{r['spec']:>8.1f}{(cpp or 0):>11.1f}{ratio:>7}{spec:>11}"
               f"{r['idle_rss']:>9.0f}{r['peak_rss']:>9.0f}{r.get('llama_cpp_rss', 0):>10.0f}"
               f"{r['first_ready']:>9.1f}{r['warm_ready']:>8.1f}  {r['served']}")
+    print(f"(a Python process that has imported torch and nothing else: {torch_mb:.0f} MB RSS)")
 
 
 if __name__ == "__main__":

@@ -242,12 +242,12 @@ def pack_affine(groups: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 def five_bit_tiles() -> bool:
     """Whether 5-bit weights (Q5_0, Q5_1, Q5_K) take the w5a8 layout here, or 8-bit groups (the same
     results bit for bit). w5a8 holds 5 bits a weight instead of 8 but spends instructions putting
-    the fifth bit back: one on AVX-512 (a mask move), ~12 per 64 weights on AVX2, ~16 on NEON. On a
-    cache-resident 576 x 1536 matrix that made w5a8 2.6x faster than w8a8 on AVX-512 and 0.45x on
-    AVX2; but a decode step reads ~100 MB of weights, and end to end on AVX2 (SmolLM2 Q4_K_M, 166 of
-    its matrices Q5_0; tools/bench_gguf.py --isa avx2, two A/B pairs) w5a8 decoded 143.0 and 138.6
-    tok/s against 135.3 and 126.2, in 39 MB less. So w5a8 on x86; NEON keeps 8-bit groups until it
-    is measured on an ARM board. `OUTRIDER_NATIVE_W5=1` / `=0` forces either."""
+    the fifth bit back: one on AVX-512 (a mask move), ~12 per 64 weights on AVX2, ~16 on NEON; a
+    decode step reads ~100 MB of weights, so the bytes count for more. End to end on AVX2 (SmolLM2
+    Q4_K_M, 166 of its matrices Q5_0; `OUTRIDER_NATIVE_W5=0|1 tools/bench_gguf.py --isa avx2
+    --types Q4_K_M`, two A/B pairs) w5a8 decoded 143.0 and 138.6 tok/s against 135.3 and 126.2, in
+    39 MB less. So w5a8 on x86; NEON keeps 8-bit groups until it is measured on an ARM board.
+    `OUTRIDER_NATIVE_W5=1` / `=0` forces either."""
     forced = os.environ.get("OUTRIDER_NATIVE_W5", "")
     if forced in ("0", "1"):
         return forced == "1"
