@@ -97,6 +97,21 @@ def llama3_rope_factors(config, head_dim: int) -> Optional[np.ndarray]:
     return np.array(out, dtype=np.float32)
 
 
+# Types gguf-py has no quantizer for: (block bytes, offsets of their fp16 super-block scales).
+RANDOM_BLOCKS = {"Q2_K": (84, (80, 82)), "Q3_K": (110, (108,))}
+
+
+def random_blocks(kind: str, rows: int, cols: int, seed: int) -> np.ndarray:
+    """Random blocks of `kind` (any bytes are valid values) with fp16 scales of a trained model's size."""
+    size, scales = RANDOM_BLOCKS[kind]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (rows, cols // 256, size), dtype=np.uint8)
+    for start in scales:
+        values = rng.uniform(2e-3, 1e-2, (rows, cols // 256)).astype(np.float16)
+        raw[..., start:start + 2] = values.view(np.uint8).reshape(rows, cols // 256, 2)
+    return raw.reshape(rows, -1)
+
+
 def _permute(weights: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's Q/K row order for llama-style RoPE (convert_hf_to_gguf.py LlamaModel.permute)."""
     return weights.reshape(heads, 2, weights.shape[0] // heads // 2, *weights.shape[1:]).swapaxes(1, 2).reshape(
@@ -177,7 +192,12 @@ def write_tiny_gguf(directory: Path, arch: str, seed: int = 0, matrix_type: str 
         kind = next((t for suffix, t in (types or {}).items() if out.endswith(suffix)), matrix_type)
         if values.ndim == 2 and kind != "F32":
             qtype = gguf.GGMLQuantizationType[kind]
-            data = values.astype(np.float16) if kind == "F16" else gguf.quants.quantize(values, qtype)
+            if kind == "F16":
+                data = values.astype(np.float16)
+            elif kind in RANDOM_BLOCKS:  # a type gguf-py cannot quantize to: random blocks, sane scales
+                data = random_blocks(kind, *values.shape, seed=len(out))
+            else:
+                data = gguf.quants.quantize(values, qtype)
             writer.add_tensor(out, data, raw_dtype=qtype)  # the writer reads the shape off the bytes
         else:
             writer.add_tensor(out, np.ascontiguousarray(values, dtype=np.float32))

@@ -180,3 +180,29 @@ def test_train_draft_trains_a_head_for_another_model_and_the_head_serves_only_it
     with pytest.raises(ManifestError) as info:
         make_eagle_drafter(other, {"weights": str(out)})
     assert "trained for other target weights" in str(info.value)
+
+
+def test_a_type_without_native_kernels_is_converted_once_and_said(tmp_path, caplog):
+    """Q3_K (no affine form) is requantized once to Q4_1 at conversion, with a warning naming the
+    matrices; the model stays close to the file's (transformers' dequantization of it)."""
+    import logging
+
+    from outrider_llm import native
+    from outrider_llm.loading import read_artifact_meta
+
+    if not native.w4a8_kernel()[0]:
+        pytest.skip(f"native kernels not loaded: {native.w4a8_kernel()[1]}")
+    path, _ = write_tiny_gguf(tmp_path, "llama", seed=11, matrix_type="Q8_0", types={"attn_v.weight": "Q3_K"},
+                              hidden_size=256, intermediate_size=512)
+    want, ids, _ = _reference(path)
+    with caplog.at_level(logging.WARNING, logger="outrider.llm"):
+        model, _ = _ours(path, tmp_path, native=True)
+    from outrider.artifacts import ArtifactCache
+    from outrider_llm.loading import load_native_artifact
+
+    meta = read_artifact_meta(load_native_artifact(path, ArtifactCache(tmp_path / "cache")))
+    assert meta["converted"] == {"Q3_K -> Q4_1": ["blk.0.attn_v.weight", "blk.1.attn_v.weight"]}
+    assert meta["block_types"] == {"Q8_0": 13, "Q3_K->Q4_1": 2}
+    assert any("Q3_K -> Q4_1" in r.getMessage() and "blk.0.attn_v.weight" in r.getMessage() for r in caplog.records)
+    got = _logits(model, ids)
+    assert float((got - want).norm() / want.norm()) < 0.1  # Q4_1's rounding of the Q3_K weights on top
