@@ -226,6 +226,8 @@ def test_smollm2_served_in_its_own_blocks(tmp_path):
     want = float_model.forward(float_model.new_cache(1, 128), chunk).logits
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
     assert model.weight_bytes() < 0.3 * float_model.weight_bytes()
+    # The same fingerprint as the float load: the shipped draft head serves a plain manifest too.
+    assert model.fingerprint() == float_model.fingerprint()
 
 
 def test_a_plain_manifest_serves_the_files_blocks_and_speculation_stays_exact(tmp_path, server_factory):
