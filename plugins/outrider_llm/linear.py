@@ -485,7 +485,7 @@ class W8A8Linear:
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, minimum: Optional[torch.Tensor] = None) -> None:
         """Signed q with w = q * scale (Q8_0); or, with `minimum`, unsigned q (0..255) with
         w = q * scale + minimum (an affine weight of 8 bits: Q5_x, Q8_0, Q5_K, Q6_K)."""
-        from .native import TILE, pack_w8a8
+        from .native import byte_tiles, pack_w8a8
 
         self.group = q.shape[1] // scale.shape[1]
         self.dtype = torch.float32
@@ -493,13 +493,7 @@ class W8A8Linear:
             self.packed, self.scales, _ = pack_w8a8(q, scale)
             self.minimums, self.offset = _NO_TABLE, 128  # w = (q + 128 - 128) d: Q8_0
         else:
-            out, inp = q.shape
-            if out % TILE or inp % 4:
-                raise RuntimeError(f"w8a8 tiles need out % {TILE} == 0 and in % 4 == 0, got {tuple(q.shape)}")
-            tiles = q.to(torch.uint8).view(out // TILE, TILE, inp // 4, 4).permute(0, 2, 1, 3)
-            self.packed = tiles.contiguous().view(out // TILE, inp // 4, 64)
-            from .native import _per_tile, table_dtype
-
+            self.packed = byte_tiles(q)
             self.scales, self.minimums, self.offset = _scale_tables(scale, minimum)
 
     @staticmethod

@@ -186,12 +186,26 @@ def pack_w4a8(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple
     (w uint8 [out/16, in/8, 64], d fp16 [out/16, groups, 16], m fp16 [out/16, groups, 16]) with
     w = q * d + m; exact in fp16 for weights from GGUF Q4_1 blocks (see `pack_int4_tiles`).
     """
+    return (nibble_tiles(q), *_tile_scales(scale, zero))
+
+
+def nibble_tiles(q: torch.Tensor) -> torch.Tensor:
+    """uint8 [out, in] values 0..15 -> the w4a8 layout uint8 [out/16, in/8, 64] (csrc/kernels.h)."""
     out, inp = q.shape
     if out % TILE or inp % 8:
         raise ValueError(f"w4a8 tiles need out % {TILE} == 0 and in % 8 == 0, got {tuple(q.shape)}")
     tiles = q.to(torch.uint8).view(out // TILE, TILE, inp // 8, 2, 4)  # [t, i, oct, half, p]: k = 8j + 4h + p
     packed = (tiles[:, :, :, 0, :] | (tiles[:, :, :, 1, :] << 4)).permute(0, 2, 1, 3).contiguous()  # [t, oct, i, p]
-    return (packed.view(out // TILE, inp // 8, 64), *_tile_scales(scale, zero))
+    return packed.view(out // TILE, inp // 8, 64)
+
+
+def byte_tiles(q: torch.Tensor) -> torch.Tensor:
+    """uint8 [out, in] values 0..255 -> the w8a8 layout uint8 [out/16, in/4, 64] (csrc/kernels.h)."""
+    out, inp = q.shape
+    if out % TILE or inp % 4:
+        raise ValueError(f"w8a8 tiles need out % {TILE} == 0 and in % 4 == 0, got {tuple(q.shape)}")
+    tiles = q.to(torch.uint8).view(out // TILE, TILE, inp // 4, 4)  # [t, i, quad, p]
+    return tiles.permute(0, 2, 1, 3).contiguous().view(out // TILE, inp // 4, 64)  # [t, quad, i, p]
 
 
 def dequantize_w4a8(w: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
@@ -209,34 +223,21 @@ def pack_w8a8(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch
     """The kernel's layout for block-wise int8 weights w = q * scale (GGUF Q8_0: q int8 [out, in],
     scale [out, in / group]): (w uint8 [out/16, in/4, 64], d, m fp16 [out/16, groups, 16]) with
     w = (q + 128) * d + m, m = -128 d. Exact in fp16 for a Q8_0 file's own fp16 scales."""
-    out, inp = q.shape
-    if out % TILE or inp % 4:
-        raise ValueError(f"w8a8 tiles need out % {TILE} == 0 and in % 4 == 0, got {tuple(q.shape)}")
-    shifted = (q.to(torch.int16) + 128).to(torch.uint8).view(out // TILE, TILE, inp // 4, 4)  # [t, i, quad, p]
-    packed = shifted.permute(0, 2, 1, 3).contiguous().view(out // TILE, inp // 4, 64)  # [t, quad, i, p]
-    return (packed, *_per_tile(scale.float(), -128 * scale.float()))
+    return (byte_tiles((q.to(torch.int16) + 128).to(torch.uint8)), *_per_tile(scale.float(), -128 * scale.float()))
 
 
 def pack_affine(groups: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The kernel layout of `gguf_blocks.AffineGroups` (w = q * d + m, q uint8 [out, in] of
-    `groups.bits` bits, d and m fp16 [out, in / group]): 4-bit as `pack_w4a8`, 8-bit as `pack_w8a8`
-    (q as it is: 0..255). d and m go over unchanged (fp16, or fp32 where fp16 would round them), so
-    the kernel computes with the file's weights."""
+    `groups.bits` bits, d and m fp16 [out, in / group]): `nibble_tiles`, `pack_w5` or `byte_tiles`.
+    d and m go over unchanged (fp16, or fp32 where fp16 would round them), so the kernel computes
+    with the file's weights."""
     q = torch.from_numpy(np.ascontiguousarray(groups.q))
     d = torch.from_numpy(np.ascontiguousarray(groups.d)).float()
     m = torch.from_numpy(np.ascontiguousarray(groups.m)).float()
-    dtype = table_dtype(d, m)
-    out, inp = q.shape
-    if groups.bits == 4:
-        return pack_w4a8(q, d, m + 8 * d)[0], *_per_tile(d, m, dtype=dtype)
-    if groups.bits == 5:
-        return pack_w5(q), *_per_tile(d, m, dtype=dtype)
-    if groups.bits != 8:
+    pack = {4: nibble_tiles, 5: pack_w5, 8: byte_tiles}.get(groups.bits)
+    if pack is None:
         raise ValueError(f"affine groups of {groups.bits} bits: the kernels take 4, 5 or 8")
-    if out % TILE or inp % 4:
-        raise ValueError(f"w8a8 tiles need out % {TILE} == 0 and in % 4 == 0, got {tuple(q.shape)}")
-    packed = q.view(out // TILE, TILE, inp // 4, 4).permute(0, 2, 1, 3).contiguous().view(out // TILE, inp // 4, 64)
-    return (packed, *_per_tile(d, m, dtype=dtype))
+    return pack(q), *_per_tile(d, m, dtype=table_dtype(d, m))
 
 
 def five_bit_tiles() -> bool:
@@ -261,7 +262,7 @@ def pack_w5(q: torch.Tensor) -> torch.Tensor:
     if out % TILE or inp % 8:
         raise ValueError(f"w5a8 tiles need out % {TILE} == 0 and in % 8 == 0, got {tuple(q.shape)}")
     q = q.to(torch.uint8)
-    nibbles = pack_w4a8(q & 15, torch.ones(out, 1), torch.zeros(out, 1))[0]  # [t, oct, 64]
+    nibbles = nibble_tiles(q & 15)  # [t, oct, 64]
     high = (q >> 4).view(out // TILE, TILE, inp // 8, 2, 4).permute(0, 2, 3, 1, 4)  # [t, oct, half, i, p]
     lanes = high.reshape(out // TILE, inp // 8, 2, 8, 8).to(torch.int32)  # lane 4i+p, in bytes of 8 bits
     weights = torch.tensor([1 << k for k in range(8)], dtype=torch.int32)
