@@ -310,3 +310,19 @@ def test_symmetric_types_hold_no_minimums_table_and_compute_the_same(type_name, 
         assert torch.equal(linear(x), op(x, linear.packed, linear.scales, table, linear.group, 0))
     with pytest.raises(RuntimeError, match="offset must be 0 or a power of two"):
         op(x, linear.packed, linear.scales, torch.empty(0), linear.group, 24)
+
+
+def test_an_embedding_table_keeps_k_type_scales_exact():
+    """An untied model's embeddings in a K type whose scales fp16 would round: lookups still give
+    the file's rows bit for bit (AffineTable keeps fp32 tables then)."""
+    torch = pytest.importorskip("torch")
+    from outrider_llm.linear import AffineTable, QuantTensor
+
+    raw = _k_blocks("Q4_K", 32, 512, seed=13, simple_scales=False)
+    groups = gguf_blocks.to_affine(raw, "Q4_K", (32, 512))
+    assert groups.d.dtype == np.float32
+    weight = QuantTensor("affine", torch.from_numpy(groups.q), torch.from_numpy(groups.d), torch.from_numpy(groups.m),
+                         4)
+    rows = torch.tensor([0, 9, 31])
+    want = torch.from_numpy(_reference(raw, "Q4_K").reshape(32, 512))[rows]
+    assert torch.equal(AffineTable(weight).index_select(0, rows), want)

@@ -321,7 +321,11 @@ class AffineTable:
         # Our own copy: q may point into the artifact's safetensors mmap, whose touched pages all
         # stay resident while any tensor holds the mapping (+110 MB RSS for SmolLM2).
         self.q = weight.q.clone(memory_format=torch.contiguous_format)
-        self.d, self.m = weight.scale.half(), weight.zero.half()  # exact: they came from fp16
+        from .native import table_dtype
+
+        # fp16 where the file's d and m fit it, else fp32 (a K type's sub-block scales): exact either way.
+        dtype = table_dtype(weight.scale, weight.zero)
+        self.d, self.m = weight.scale.to(dtype), weight.zero.to(dtype)
         self.group = weight.group_size
         self.shape = weight.q.shape
 
@@ -339,7 +343,7 @@ class AffineTable:
     @property
     def nbytes(self) -> int:
         """Bytes held."""
-        return self.q.numel() + (self.d.numel() + self.m.numel()) * 2
+        return self.q.numel() + self.d.nbytes + self.m.nbytes
 
 
 # ---- quantized kernels ---------------------------------------------------------------------------
