@@ -489,25 +489,28 @@ class LlamaModel(torch.nn.Module):
                                 get: Callable) -> None:
         """Embeddings (and the head) from a GGUF file's own blocks: no fp32 copy of either, and for
         a tied head one copy of the table, the head's tiles, that lookups read rows from."""
-        cpu = self.device.type == "cpu"
         if self.config.tie_word_embeddings:
             self.head_weight = None
             self.head = linear(head if head is not None else embed)
-            if head is None and cpu and getattr(self.head, "kernel", "") in ("w4a8", "w5a8", "w8a8"):
-                self.embed_weight = TiedRows(self.head, embed.shape)
-            else:
-                self.embed_weight = AffineTable(embed) if cpu else embed.dequantize().to(self.device)
-            return
-        self.embed_weight = AffineTable(embed) if cpu else embed.dequantize().to(self.device)
-        if head is not None:
-            self.head = linear(head)
-            if cpu and getattr(self.head, "kernel", "") in ("w4a8", "w5a8", "w8a8"):
-                self.head_weight = TiedRows(self.head, head.shape)  # a draft head's rows, from the head's tiles
-            else:
-                self.head_weight = AffineTable(head) if head.mode == "affine" and cpu else head.dequantize().to(self.device)
+            self.embed_weight = self._rows_of(embed, self.head if head is None else None)
         else:
-            self.head_weight = get("lm_head.weight").clone()
-            self.head = _Linear(self.head_weight, self.dtype, self.uses_onednn)
+            self.embed_weight = self._rows_of(embed)
+            if head is not None:
+                self.head = linear(head)
+                self.head_weight = self._rows_of(head, self.head)  # a draft head's rows
+            else:
+                self.head_weight = get("lm_head.weight").clone()
+                self.head = _Linear(self.head_weight, self.dtype, self.uses_onednn)
+
+    def _rows_of(self, weight: QuantTensor,
+                 kernel: Optional[Callable] = None) -> "torch.Tensor | AffineTable | TiedRows":
+        """What row lookups of `weight` read: `kernel`'s own tiles when it is a native kernel of
+        that same weight (no second copy), else the file's groups, else (not a CPU) fp32."""
+        if self.device.type != "cpu":
+            return weight.dequantize().to(self.device)
+        if getattr(kernel, "kernel", "") in ("w4a8", "w5a8", "w8a8"):
+            return TiedRows(kernel, weight.shape)
+        return AffineTable(weight) if weight.mode == "affine" else weight.dequantize()
 
     def _native_attention_usable(self) -> bool:
         """Attention through `outrider::attend` (see csrc/ops.cpp) where the layers run outrider's
