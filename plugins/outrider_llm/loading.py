@@ -34,6 +34,7 @@ from .model import LlamaConfig, LlamaModel, release_free_memory, tune_malloc
 
 log = logging.getLogger("outrider.llm")
 
+
 class GGUFError(ArtifactError, ValueError):
     """A GGUF this backend cannot serve (an architecture, a RoPE scaling, a tensor it does not
     know): deterministic, so the model fails once with this as its reason, and is not restarted."""
@@ -325,8 +326,9 @@ def _config_from_gguf(reader: Any, path: Path) -> LlamaConfig:
     arch = _field(reader, "general.architecture")
     if arch not in ARCHITECTURES:
         need = _MISSING.get(arch, "a layer body the llm backend does not have")
-        raise GGUFError(f"{path}: architecture {arch!r} is not supported: the llm backend runs llama (Llama, "
-                         f"Mistral and SmolLM2, which llama.cpp writes as llama), qwen2 and qwen3; {arch} needs {need}")
+        raise GGUFError(f"{path}: architecture {arch!r} is not supported: the llm backend runs "
+                        f"{', '.join(ARCHITECTURES)} (llama: Llama, Mistral and SmolLM2, which llama.cpp writes as "
+                        f"llama); {arch} needs {need}")
 
     def key(name: str, default: Any = None) -> Any:
         return _field(reader, f"{arch}.{name}", default)
@@ -368,6 +370,8 @@ def _config_from_gguf(reader: Any, path: Path) -> LlamaConfig:
         qk_norm="blk.0.attn_q_norm.weight" in names,
         rope_scaling_factor=factor if scaling == "linear" else 1.0,
     )
+
+
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
@@ -423,8 +427,8 @@ def _read_gguf(path: Path, native: bool = False) -> tuple[LlamaConfig, dict[str,
         if parts[0] == "blk" and parts[2] in _FUSED and not (parts[2] == "ffn_up" and f"blk.{parts[1]}.ffn_gate.weight"
                                                                in names):
             # phi3's fused q|k|v and gate|up: split by rows into the names the model reads.
-            for hf, rows in _fused_parts(config, parts[1], parts[2], suffix):
-                _add_tensor(state_dict, tensor, hf, rows, native, converted, served, config, arch, parts)
+            _add_tensor(state_dict, tensor, _fused_parts(config, parts[1], parts[2], suffix), native, converted,
+                        served, config, arch, parts)
             continue
         if parts[0] == "blk":
             if parts[2] not in _LAYER_NAMES:
@@ -438,7 +442,7 @@ def _read_gguf(path: Path, native: bool = False) -> tuple[LlamaConfig, dict[str,
             continue
         else:
             continue
-        _add_tensor(state_dict, tensor, hf, None, native, converted, served, config, arch, parts)
+        _add_tensor(state_dict, tensor, [(hf, slice(None))], native, converted, served, config, arch, parts)
     meta = {
         "chat_template": _field(reader, "tokenizer.chat_template"),
         "bos_token_id": config.bos_token_id,
@@ -469,42 +473,45 @@ def _fused_parts(config: LlamaConfig, layer: str, kind: str, suffix: str) -> lis
     return [(f"{p}mlp.gate_proj.{suffix}", slice(0, inter)), (f"{p}mlp.up_proj.{suffix}", slice(inter, 2 * inter))]
 
 
-def _add_tensor(state_dict: dict, tensor: Any, hf: str, rows: Optional[slice], native: bool, converted: dict,
+def _add_tensor(state_dict: dict, tensor: Any, pieces: list[tuple[str, slice]], native: bool, converted: dict,
                 served: dict, config: LlamaConfig, arch: str, parts: list[str]) -> None:
-    """One GGUF tensor (or the `rows` of it) into the state dict under `hf`: as the file's own
-    blocks (`native`, a quantized matrix), else as fp32 (plus the raw Q4_1 blocks)."""
+    """One GGUF tensor into the state dict, converted once and its rows split into `pieces`
+    ((Hugging Face name, rows); one piece of every row but for phi3's fused tensors): as the
+    file's own blocks (`native`, a quantized matrix), else as fp32 (plus the raw Q4_1 blocks)."""
     import numpy as np
     from gguf import GGMLQuantizationType, dequantize
 
     from .linear import affine_state_dict
 
-    permuted = arch in _PERMUTED_QK and parts[0] == "blk" and parts[2] in ("attn_q", "attn_k") and hf.endswith(".weight")
+    permuted = arch in _PERMUTED_QK and parts[0] == "blk" and parts[2] in ("attn_q", "attn_k")
     heads = config.num_heads if parts[2:3] == ["attn_q"] else config.num_kv_heads
     if native and tensor.tensor_type.name not in _DENSE_TYPES and len(tensor.shape) == 2:
         cols, total = (int(n) for n in tensor.shape)  # GGUF lists ne0 (the row length) first
         groups = _native_groups(tensor, total, cols, converted)
-        if rows is not None:
-            groups.q, groups.d, groups.m = groups.q[rows], groups.d[rows], groups.m[rows]
-        if permuted:
-            groups.q, groups.d, groups.m = (_unpermute_rows(v, heads) for v in (groups.q, groups.d, groups.m))
-        served[groups.source] = served.get(groups.source, 0) + 1
-        state_dict.update(affine_state_dict(hf, groups))
+        whole = groups.q, groups.d, groups.m
+        for hf, rows in pieces:
+            values = tuple(v[rows] for v in whole)
+            if permuted and hf.endswith(".weight"):
+                values = tuple(_unpermute_rows(v, heads) for v in values)
+            groups.q, groups.d, groups.m = values
+            served[groups.source] = served.get(groups.source, 0) + 1
+            state_dict.update(affine_state_dict(hf, groups))
         return
-    weights = dequantize(tensor.data, tensor.tensor_type)
-    raw = _q4_1_blocks(tensor.data) if tensor.tensor_type == GGMLQuantizationType.Q4_1 else None
-    if rows is not None:
-        weights = weights[rows]
-        raw = None if raw is None else {k: v[rows] for k, v in raw.items()}
-    if permuted:
-        # llama.cpp interleaves the RoPE halves of Q/K rows; undo it for rotate_half RoPE.
-        weights = _unpermute_rows(weights, heads)
-        raw = None if raw is None else {k: _unpermute_rows(v, heads) for k, v in raw.items()}
-    state_dict[hf] = torch.from_numpy(np.array(weights, dtype=np.float32))  # a writable copy
-    if raw is not None and len(weights.shape) == 2:
-        # The tied head's blocks are the embedding's (token_embd), kept under the head's name.
-        name = "lm_head.weight" if hf == "model.embed_tokens.weight" and config.tie_word_embeddings else hf
-        for key, value in raw.items():
-            state_dict[f"{name}.q4_1.{key}"] = torch.from_numpy(np.ascontiguousarray(value))
+    all_weights = dequantize(tensor.data, tensor.tensor_type)
+    all_raw = _q4_1_blocks(tensor.data) if tensor.tensor_type == GGMLQuantizationType.Q4_1 else None
+    for hf, rows in pieces:
+        weights = all_weights[rows]
+        raw = None if all_raw is None else {k: v[rows] for k, v in all_raw.items()}
+        if permuted and hf.endswith(".weight"):
+            # llama.cpp interleaves the RoPE halves of Q/K rows; undo it for rotate_half RoPE.
+            weights = _unpermute_rows(weights, heads)
+            raw = None if raw is None else {k: _unpermute_rows(v, heads) for k, v in raw.items()}
+        state_dict[hf] = torch.from_numpy(np.array(weights, dtype=np.float32))  # a writable copy
+        if raw is not None and len(weights.shape) == 2:
+            # The tied head's blocks are the embedding's (token_embd), kept under the head's name.
+            name = "lm_head.weight" if hf == "model.embed_tokens.weight" and config.tie_word_embeddings else hf
+            for key, value in raw.items():
+                state_dict[f"{name}.q4_1.{key}"] = torch.from_numpy(np.ascontiguousarray(value))
 
 
 def _unpermute_rows(rows: Any, heads: int) -> Any:
