@@ -98,18 +98,39 @@ def llama3_rope_factors(config, head_dim: int) -> Optional[np.ndarray]:
 
 
 # Types gguf-py has no quantizer for: (block bytes, offsets of their fp16 super-block scales).
-RANDOM_BLOCKS = {"Q2_K": (84, (80, 82)), "Q3_K": (110, (108,))}
+RANDOM_BLOCKS = {"Q2_K": (84, (80, 82)), "Q3_K": (110, (108,)), "Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2)),
+                 "Q6_K": (210, (208,))}
 
 
-def random_blocks(kind: str, rows: int, cols: int, seed: int) -> np.ndarray:
-    """Random blocks of `kind` (any bytes are valid values) with fp16 scales of a trained model's size."""
+def random_blocks(kind: str, rows: int, cols: int, seed: int, powers_of_two: bool = False) -> np.ndarray:
+    """Random blocks of `kind` (any bytes are valid values) with fp16 super-block scales of a
+    trained model's size; with `powers_of_two`, scales 2^-12 .. 2^-5, so that every K-type
+    sub-block scale (scale x a 6- or 8-bit integer) is exact in fp16."""
     size, scales = RANDOM_BLOCKS[kind]
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, (rows, cols // 256, size), dtype=np.uint8)
     for start in scales:
-        values = rng.uniform(2e-3, 1e-2, (rows, cols // 256)).astype(np.float16)
+        if powers_of_two:
+            values = (2.0 ** rng.integers(-12, -4, (rows, cols // 256))).astype(np.float16)
+        else:
+            values = rng.uniform(1e-4, 2e-2, (rows, cols // 256)).astype(np.float16)
         raw[..., start:start + 2] = values.view(np.uint8).reshape(rows, cols // 256, 2)
     return raw.reshape(rows, -1)
+
+
+def one_token_logits(model, tokens) -> "object":
+    """The logits of `tokens` fed to `model` (an outrider LlamaModel) one token at a time, each
+    committed: what a prefill of them must equal bit for bit on the native paths."""
+    import torch
+
+    from outrider.generation.contract import Chunk
+
+    cache = model.new_cache(1, len(tokens) + 1)
+    steps = []
+    for i, token in enumerate(tokens):
+        steps.append(model.forward(cache, [Chunk(0, torch.tensor([int(token)]), torch.tensor([i]))]).logits)
+        cache.commit(0, [0])
+    return torch.cat(steps)
 
 
 def _permute(weights: np.ndarray, heads: int) -> np.ndarray:

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(
     reason="needs torch, transformers and gguf",
 )
 
-from gguf_models import ARCHITECTURES, write_tiny_gguf  # noqa: E402
+from gguf_models import ARCHITECTURES, one_token_logits, write_tiny_gguf  # noqa: E402
 
 TEXT = "hello there, the cat sat on the mat"
 
@@ -73,7 +73,6 @@ def test_float_gguf_matches_transformers(arch, tmp_path):
 def test_quantized_gguf_served_in_its_blocks_matches_transformers(arch, kind, tmp_path):
     import torch
 
-    from outrider.generation.contract import Chunk
     from outrider_llm import native
 
     if not native.w4a8_kernel()[0]:
@@ -89,12 +88,7 @@ def test_quantized_gguf_served_in_its_blocks_matches_transformers(arch, kind, tm
     # The head's rows (a draft head's vocabulary; tied: the embeddings) are the file's, exactly.
     rows = torch.tensor([0, 7, 100, 266])
     assert torch.equal(model.lm_head_rows(rows), _reference.model.lm_head.weight.detach()[rows])
-    cache = model.new_cache(1, 128)
-    steps = []
-    for i, token in enumerate(ids):
-        steps.append(model.forward(cache, [Chunk(0, torch.tensor([token]), torch.tensor([i]))]).logits)
-        cache.commit(0, [0])
-    assert torch.equal(torch.cat(steps), got)
+    assert torch.equal(one_token_logits(model, ids), got)  # a prefill is one-token steps, bit for bit
 
 
 def test_llama3_rope_freqs_match_transformers_llama3_rope(tmp_path):

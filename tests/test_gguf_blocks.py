@@ -11,10 +11,11 @@ import pytest
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType, quants  # noqa: E402
 
+from gguf_models import one_token_logits, random_blocks  # noqa: E402
 from outrider_llm import gguf_blocks  # noqa: E402
 
 SIMPLE = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]  # gguf-py quantizes these itself
-K_TYPES = {"Q4_K": (144, [(0, 2)]), "Q5_K": (176, [(0, 2)]), "Q6_K": (210, [(208, 2)])}
+K_TYPES = ("Q4_K", "Q5_K", "Q6_K")  # gguf-py only dequantizes these: tests make random blocks
 
 
 def _quantized(type_name: str, out: int = 48, inp: int = 256, seed: int = 0) -> np.ndarray:
@@ -25,18 +26,9 @@ def _quantized(type_name: str, out: int = 48, inp: int = 256, seed: int = 0) -> 
 
 
 def _k_blocks(type_name: str, out: int, inp: int, seed: int, simple_scales: bool) -> np.ndarray:
-    """Random K-type blocks (any bytes are valid values) with sane fp16 super-block scales; with
-    `simple_scales` powers of two, so that every sub-block scale is exact in fp16."""
-    size, halves = K_TYPES[type_name]
-    rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, (out, inp // 256, size), dtype=np.uint8)
-    for start, _ in halves + ([(2, 2)] if type_name != "Q6_K" else []):
-        if simple_scales:
-            values = (2.0 ** rng.integers(-12, -4, (out, inp // 256))).astype(np.float16)
-        else:
-            values = rng.uniform(1e-4, 2e-2, (out, inp // 256)).astype(np.float16)
-        raw[..., start:start + 2] = values.view(np.uint8).reshape(out, inp // 256, 2)
-    return raw.reshape(out, -1)
+    """Random K-type blocks with sane fp16 super-block scales (powers of two with `simple_scales`,
+    so that every sub-block scale is exact in fp16)."""
+    return random_blocks(type_name, out, inp, seed, powers_of_two=simple_scales)
 
 
 def _reference(raw: np.ndarray, type_name: str) -> np.ndarray:
@@ -190,12 +182,7 @@ def test_a_model_from_its_files_blocks_computes_with_the_files_weights(mix, monk
     # The difference is the int8 activations (llama.cpp's Q8 activations), not the weights.
     assert (got - want).norm() / want.norm() < 0.06, ((got - want).norm() / want.norm()).item()
     # The same sequence fed one token at a time gives the same logits bit for bit.
-    cache = model.new_cache(1, 64)
-    steps = []
-    for i in range(len(tokens)):
-        steps.append(model.forward(cache, [Chunk(slot=0, tokens=tokens[i:i + 1], positions=torch.tensor([i]))]).logits)
-        cache.commit(0, [0])
-    assert torch.equal(torch.cat(steps), got)
+    assert torch.equal(one_token_logits(model, tokens), got)
 
 
 def test_smollm2_served_in_its_own_blocks(tmp_path):
