@@ -38,7 +38,7 @@ inline float minimum_offset(int bits) {  // -offset, or 0 where m is a table
 //   8-bit: w uint8 [N/16, K/4, 64]: per tile, per 4 inputs k0..k0+3, byte 4i+p holds q[16t+i, k0+p];
 //   d, m   fp16 [N/16, K/G, 16]: scale and minimum of each (group, output); w = q * d + m;
 //          or fp32, the same shape, where `bits` carries kF32Scales (a GGUF K type's sub-block
-//          scale d * sc needs up to 17 significant bits: fp16 would round it).
+//          scale d * sc needs up to 18 significant bits: fp16 would round it).
 struct KernelSet {
   const char* name;  // "scalar", "avx2", "avx_vnni", "avx512_vnni", "neon", "neon_dotprod"
   // Activations to int8 per row and group of `group` (scale amax / 127, round to nearest even):

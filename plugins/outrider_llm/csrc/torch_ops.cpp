@@ -30,11 +30,11 @@ using namespace outrider_native;
 
 const uint16_t* half_ptr(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>()); }
 
-void check_scales(const at::Tensor& t, int64_t tiles, int64_t groups, const char* op, bool allow_f32 = false) {
-  TORCH_CHECK((t.scalar_type() == at::kHalf || (allow_f32 && t.scalar_type() == at::kFloat)) && t.is_contiguous() &&
-                  t.dim() == 3 && t.size(0) == tiles && t.size(1) == groups && t.size(2) == kTile,
-              op, ": scales and minimums must be contiguous fp16", allow_f32 ? " or fp32" : "", " [", tiles, ", ",
-              groups, ", 16], got ", t.sizes(), " ", t.scalar_type());
+void check_scales(const at::Tensor& t, int64_t tiles, int64_t groups, const char* op) {
+  TORCH_CHECK((t.scalar_type() == at::kHalf || t.scalar_type() == at::kFloat) && t.is_contiguous() && t.dim() == 3 &&
+                  t.size(0) == tiles && t.size(1) == groups && t.size(2) == kTile,
+              op, ": scales and minimums must be contiguous fp16 or fp32 [", tiles, ", ", groups, ", 16], got ",
+              t.sizes(), " ", t.scalar_type());
 }
 
 at::Tensor a8_mm(const at::Tensor& x_in, const at::Tensor& w, const at::Tensor& d, const at::Tensor& m,
@@ -52,14 +52,14 @@ at::Tensor a8_mm(const at::Tensor& x_in, const at::Tensor& w, const at::Tensor& 
   TORCH_CHECK(w.size(1) * per_block == in, op, ": w holds ", w.size(1) * per_block, " inputs, x has ", in);
   TORCH_CHECK(group_size > 0 && group_size % 16 == 0 && in % group_size == 0,
               op, ": group_size must be a multiple of 16 dividing ", in, ", got ", group_size);
-  check_scales(d, tiles, in / group_size, op, true);
+  check_scales(d, tiles, in / group_size, op);
   // offset > 0: a symmetric type (w = (q - offset) d), no minimums table (m empty).
   int log2_offset = 0;
   while (log2_offset < 15 && (int64_t{1} << log2_offset) < offset) ++log2_offset;
   TORCH_CHECK(offset == 0 || (offset >= 2 && (int64_t{1} << log2_offset) == offset),
               op, ": offset must be 0 or a power of two from 2 to 32768, got ", offset);
   if (offset == 0) {
-    check_scales(m, tiles, in / group_size, op, true);
+    check_scales(m, tiles, in / group_size, op);
     TORCH_CHECK(d.scalar_type() == m.scalar_type(), op, ": scales and minimums must share a dtype, got ",
                 d.scalar_type(), " and ", m.scalar_type());
   } else {
