@@ -174,6 +174,8 @@ def write_tiny_gguf(directory: Path, arch: str, seed: int = 0, matrix_type: str 
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_rope_freq_base(rope_theta(config))
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    if getattr(config, "sliding_window", None):
+        writer.add_sliding_window(config.sliding_window)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     if arch in ("llama", "mistral", "phi3"):
         writer.add_rope_dimension_count(head_dim)

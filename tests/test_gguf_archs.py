@@ -247,3 +247,24 @@ def test_files_the_backend_cannot_serve_fail_once_with_what_is_wrong(tmp_path, s
         assert "not retried" in model["reason"] and "bad_artifact" in model["reason"], model
         assert model["stats"]["instance_restarts"] == 0 and model["instances"][0]["generation"] == 0
     assert server.log().count("moe instance 0: load failed, not retried") == 1, server.log()[-3000:]
+
+
+def test_a_sliding_window_caps_the_context_where_attention_is_exact(tmp_path, server_factory):
+    """phi3 with a 24-token sliding window: the forward attends over the whole context, which is
+    the model's own attention only within the window, so the server caps max_length there (said
+    in metadata and the log), refuses a longer prompt clearly, and generates within it."""
+    from conftest import write_manifest
+    from outrider import OutriderError
+
+    path, _ = write_tiny_gguf(tmp_path, "phi3", seed=13, sliding_window=24)
+    manifest = write_manifest(tmp_path, f"name: sw\nbackend: llm\nmodel: {{path: {path}}}\n"
+                                        f"options: {{max_length: 2048, max_sequences: 2}}\n", "sw.yaml")
+    server = server_factory([manifest], ["outrider_llm"])
+    with server.client(timeout=60) as client:
+        described = next(m for m in client.models() if m["name"] == "sw")
+        assert described["metadata"]["max_length"] == 24, described
+        out = client.generate("sw", prompt="ab", max_tokens=20)
+        assert 0 < len(out.token_ids) <= 20
+        with pytest.raises(OutriderError, match="context holds 24"):
+            client.generate("sw", prompt="abcd " * 12, max_tokens=4)
+    assert "max_length 2048 capped at 24" in server.log()

@@ -95,3 +95,37 @@ def test_release_cpu_threads_hands_back_the_calling_threads_openmp_team():
     assert seen["released"] == seen["before"], seen
     assert seen["again"] == seen["with_team"] and seen["right"], seen
     assert seen["twice"] == seen["before"], seen
+
+
+def test_an_llm_instance_hands_freed_heap_back_once_per_idle_spell(monkeypatch):
+    """The llm backend's idle(): malloc_trim once an idle spell has lasted RELEASE_MEMORY_AFTER_S
+    (a finished request's KV cache goes back to the OS), not again while the spell lasts, and
+    again after the next work."""
+    import types
+
+    import outrider_llm
+    from outrider_llm import model as llm_model
+
+    trims: list[int] = []
+    monkeypatch.setattr(llm_model, "release_free_memory", lambda: trims.append(1))
+    monkeypatch.setattr(outrider_llm, "release_cpu_threads", lambda: None)
+    clock = [100.0]
+    monkeypatch.setattr(outrider_llm.time, "monotonic", lambda: clock[0])
+    backend = outrider_llm.LlmBackend.__new__(outrider_llm.LlmBackend)
+    backend.device = "cpu"
+    backend.engine = types.SimpleNamespace(steps=5)
+    after = outrider_llm.RELEASE_MEMORY_AFTER_S
+    backend.idle()  # the spell starts
+    clock[0] += after / 2
+    backend.idle()
+    assert trims == []
+    clock[0] += after
+    backend.idle()
+    backend.idle()
+    assert trims == [1]
+    backend.engine.steps = 9  # it worked in between: a new spell
+    backend.idle()
+    assert trims == [1]
+    clock[0] += after
+    backend.idle()
+    assert trims == [1, 1]

@@ -38,6 +38,10 @@ __version__ = "0.1.0"
 
 log = logging.getLogger("outrider.llm")
 
+#: seconds without a step after which freed heap (a finished request's KV cache, temporaries) goes
+#: back to the OS; tune_malloc keeps it otherwise, so that a burst of requests never page-faults
+RELEASE_MEMORY_AFTER_S = 1.0
+
 
 @hookimpl
 def outrider_register_backends(register: Callable[[type], None]) -> None:
@@ -136,12 +140,23 @@ class LlmBackend(Backend):
             strategy = strategy.for_instance()  # drafter state is per engine, not per model
         self.engine = GenerationEngine(
             self.model, self.tokenizer, strategy=strategy,
-            max_sequences=options.max_sequences, max_length=options.max_length, stats=self.stats,
+            max_sequences=options.max_sequences, max_length=self._max_length(options.max_length), stats=self.stats,
         )
         if self.engine.strategy is not None:
             self.engine.strategy.attach(self.model, self.tokenizer)
         if on_cuda and options.cuda_graphs:
             self.model.use_cuda_graphs(self.engine.cache)
+
+    def _max_length(self, asked: int) -> int:
+        """The context a sequence may use: `max_length`, capped at the model's sliding window (the
+        forward attends over the whole context; within the window that is exactly the reference)."""
+        window = self.model.config.sliding_window
+        if window is None or asked <= window:
+            return asked
+        log.warning("model %s: max_length %d capped at %d, the model's sliding attention window (%s.attention."
+                    "sliding_window): a longer context would attend over tokens the model's own attention drops",
+                    self.manifest.name, asked, window, self.model.config.architecture)
+        return window
 
     def _serves_file_blocks(self, options: LlmOptions, on_cuda: bool) -> bool:
         """Whether this load serves the GGUF's own block types: asked for (`weights: file`, the
@@ -166,8 +181,10 @@ class LlmBackend(Backend):
         """Generate a few tokens through the whole engine (prefill, drafts, verification)."""
         prompt = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n"
         try:
+            tokens = max(1, min(8, self.engine.max_length // 4))
+            ids = self.tokenizer.encode(prompt)[: self.engine.max_length - tokens - 1]  # a short context fits too
             for _ in range(max(1, self.manifest.warmup.iterations)):
-                self.engine.warm_up(self.tokenizer.encode(prompt), max_tokens=8)
+                self.engine.warm_up(ids, max_tokens=tokens)
             from .model import release_free_memory
 
             # Loading and drafter set-up leave freed temporaries in the heap, which tune_malloc
@@ -188,10 +205,24 @@ class LlmBackend(Backend):
         raise BadRequestError(f"model {self.manifest.name!r} generates text; send a generate request")
 
     def idle(self) -> None:
-        """Waiting for work: hand this thread's OpenMP team back, so that a busy torch model beside
-        this one keeps libgomp's fast path (see outrider.torch_process)."""
-        if self.device.startswith("cpu"):
-            release_cpu_threads()
+        """Waiting for work (called every few hundred ms while it lasts): hand this thread's OpenMP
+        team back, so that a busy torch model beside this one keeps libgomp's fast path (see
+        outrider.torch_process); once the spell has lasted RELEASE_MEMORY_AFTER_S, hand the heap the
+        last requests freed back to the OS, so that an idle server's RSS is its model's."""
+        if not self.device.startswith("cpu"):
+            return
+        release_cpu_threads()
+        engine = getattr(self, "engine", None)
+        if engine is None:
+            return
+        now = time.monotonic()
+        if engine.steps != getattr(self, "_idle_steps", None):  # it worked since: a new idle spell
+            self._idle_steps, self._idle_since, self._memory_released = engine.steps, now, False
+        elif not self._memory_released and now - self._idle_since >= RELEASE_MEMORY_AFTER_S:
+            from .model import release_free_memory
+
+            release_free_memory()
+            self._memory_released = True
 
     def health(self) -> dict[str, Any]:
         engine = getattr(self, "engine", None)

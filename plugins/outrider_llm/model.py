@@ -96,6 +96,9 @@ class LlamaConfig:
     qk_norm: bool = False  # qwen3: RMSNorm over each head of q and of k, before RoPE
     rope_scaling_factor: float = 1.0  # linear RoPE scaling: positions / factor
     rope_freq_factors: Optional[list] = None  # Llama 3: each RoPE frequency divided by its factor
+    #: phi3 (and Mistral v0.1): each token attends to the last N only. The forward attends over the
+    #: whole context, so the llm backend caps a sequence at N tokens, where the two are the same.
+    sliding_window: Optional[int] = None
 
     def to_dict(self) -> dict:
         """Plain JSON-able fields."""

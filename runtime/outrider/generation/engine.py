@@ -98,6 +98,7 @@ class GenerationEngine:
         self.waiting: deque[PendingRequest] = deque()
         self.stats = stats
         self.eos = set(tokenizer.eos_token_ids)
+        self.steps = 0  # forward passes run so far (warmup included): a backend tells idle spells apart by it
 
     # -- admission ------------------------------------------------------------------------
 
@@ -197,6 +198,7 @@ class GenerationEngine:
         Raises only when the shared forward fails; its sequences are then already answered
         and their slots free (see `fail_active`).
         """
+        self.steps += 1
         self._drop_cancelled()
         while self.waiting and self.free_slots:
             request = self.waiting.popleft()
