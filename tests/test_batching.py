@@ -12,7 +12,7 @@ import yaml
 from outrider import AsyncClient
 from outrider.errors import BadRequestError, ExecutionError
 from outrider.manifest import validate_manifest
-from outrider.model import PendingRequest
+from outrider.serving.request import PendingRequest
 
 from conftest import MANIFESTS, write_manifest
 
@@ -252,7 +252,7 @@ def test_minilm_bad_text_fails_alone(server_factory, minilm_manifests):
 
 def _drive(batcher, queue, backend, turns: int) -> list[list]:
     """Run `turns` batches as an instance would; returns the ids (and piece rows) of each batch."""
-    from outrider.model import DEFERRED
+    from outrider.serving.request import DEFERRED
 
     seen = []
     for _ in range(turns):
@@ -265,7 +265,7 @@ def _drive(batcher, queue, backend, turns: int) -> list[list]:
 
 
 def test_a_request_larger_than_a_batch_is_split_takes_turns_and_is_joined_in_order():
-    from outrider.model import RequestQueue
+    from outrider.serving.queue import RequestQueue
 
     class Echo:
         calls: list = []
@@ -293,7 +293,7 @@ def test_a_request_larger_than_a_batch_is_split_takes_turns_and_is_joined_in_ord
 
 
 def test_a_split_request_fails_once_when_a_piece_fails_or_its_outputs_cannot_be_joined():
-    from outrider.model import RequestQueue
+    from outrider.serving.queue import RequestQueue
 
     class Summing:
         def execute(self, inputs):

@@ -16,7 +16,8 @@ import pytest
 
 from outrider.errors import BadRequestError
 from outrider.manifest import validate_manifest
-from outrider.model import DEFERRED, PendingRequest, RequestQueue
+from outrider.serving.queue import RequestQueue
+from outrider.serving.request import DEFERRED, PendingRequest
 
 from conftest import MANIFESTS, ROOT
 

@@ -20,7 +20,7 @@ from outrider.backend import BackendChoice
 from outrider.client import Client
 from outrider.devices import GPU, Inventory
 from outrider.manifest import validate_manifest
-from outrider.model import ServedModel
+from outrider.serving.served_model import ServedModel
 from outrider.plugins import create_registry
 from outrider.server import Server
 

@@ -17,7 +17,7 @@ pytest.importorskip("safetensors")
 
 from outrider.errors import ManifestError  # noqa: E402
 from outrider.manifest import validate_manifest  # noqa: E402
-from outrider.model import PendingRequest  # noqa: E402
+from outrider.serving.request import PendingRequest  # noqa: E402
 from outrider.plugins import create_registry  # noqa: E402
 from outrider.generation.contract import Chunk  # noqa: E402
 from outrider_speculative.eagle import (  # noqa: E402

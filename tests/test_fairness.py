@@ -11,7 +11,8 @@ import pytest
 
 from conftest import write_manifest
 from outrider.errors import OverloadedError
-from outrider.model import PendingRequest, RequestQueue
+from outrider.serving.queue import RequestQueue
+from outrider.serving.request import PendingRequest
 
 SENT: list[tuple[PendingRequest, dict]] = []
 

@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 
 from outrider.errors import BadRequestError, CancelledError  # noqa: E402
 from outrider.manifest import validate_manifest  # noqa: E402
-from outrider.model import PendingRequest  # noqa: E402
+from outrider.serving.request import PendingRequest  # noqa: E402
 from outrider.plugins import create_registry  # noqa: E402
 
 from conftest import MANIFESTS  # noqa: E402

@@ -12,7 +12,8 @@ import sys
 import threading
 import time
 
-from outrider.model import PendingRequest, RequestQueue
+from outrider.serving.queue import RequestQueue
+from outrider.serving.request import PendingRequest
 
 
 def _request(rid: int) -> PendingRequest:

@@ -331,13 +331,13 @@ warmup: {iterations: 0}
 
 
 def test_process_instances_get_a_default_execute_timeout(tmp_path):
-    from outrider.backend import BackendChoice
+    from outrider.backend import Backend, BackendChoice
     from outrider.manifest import DEFAULT_PROCESS_EXECUTE_TIMEOUT_MS, validate_manifest
-    from outrider.model import ServedModel
+    from outrider.serving.served_model import ServedModel
 
     def served(scheduling: str) -> ServedModel:
         manifest = validate_manifest({"name": "m", "backend": "echo", "scheduling": json.loads(scheduling)}, "<test>")
-        return ServedModel(manifest, BackendChoice(backend=object, device="cpu"), make_task=lambda: None)
+        return ServedModel(manifest, BackendChoice(backend=Backend, device="cpu"), make_task=lambda: None)
 
     assert DEFAULT_PROCESS_EXECUTE_TIMEOUT_MS == 60_000
     assert served('{"instance_kind": "process"}').execute_timeout_ms == DEFAULT_PROCESS_EXECUTE_TIMEOUT_MS

@@ -22,7 +22,7 @@ import zmq
 
 from conftest import raw_dealer as _dealer, write_manifest
 from outrider.protocol import encode_message
-from outrider.server import _BURST_BYTES
+from outrider.zmq_front import _BURST_BYTES
 from outrider.transport import SERVER_RCVHWM
 
 

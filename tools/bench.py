@@ -359,7 +359,7 @@ def _bucketing_rows(manifest, backend, rounds: int) -> list[tuple[str, float, fl
     """Mixed-length batches of 32: one padded call vs the batcher's length buckets, interleaved."""
     import random
 
-    from outrider.model import PendingRequest
+    from outrider.serving.request import PendingRequest
     from outrider_batching import DynamicBatcher
 
     batcher = DynamicBatcher(manifest)

@@ -133,7 +133,7 @@ class _Collect:
 
 def generate(engine: Any, prompt_ids: list[int], tokenizer: Any, max_tokens: int) -> tuple[list[int], float, dict]:
     """One greedy generation through the engine: (tokens, seconds after the first token, stats)."""
-    from outrider.model import PendingRequest
+    from outrider.serving.request import PendingRequest
 
     collect = _Collect()
     text = tokenizer.decode(prompt_ids)

@@ -115,7 +115,7 @@ class EngineRow:
 
     def run(self, params: dict, temperature: float, seed: int) -> tuple[dict, float]:
         """One request to the end; (its final reply, wall seconds)."""
-        from outrider.model import PendingRequest
+        from outrider.serving.request import PendingRequest
 
         finals: list[dict] = []
 

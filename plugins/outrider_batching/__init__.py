@@ -63,7 +63,10 @@ from outrider.errors import (
 )
 from outrider.accelerators import AcceleratorSpec
 from outrider.manifest import BatchingSpec, Manifest
-from outrider.model import DEFERRED, InstanceCrashed, PendingRequest, RequestQueue, Scheduler
+from outrider.errors import InstanceCrashed
+from outrider.serving.queue import RequestQueue
+from outrider.serving.request import DEFERRED, PendingRequest
+from outrider.serving.scheduler import Scheduler
 
 __version__ = "0.1.0"
 

@@ -157,7 +157,7 @@ def routes(dispatch: Dispatcher) -> list[Route]:
         if model is None:
             raise ApiError(404, f"The model '{name[:128]}' does not exist; served here: {sorted(server.models)}",
                            "model_not_found", "model")
-        if bool(getattr(model.choice.backend, "generates", False)) != generates:
+        if model.generates != generates:
             what = "does not generate text" if generates else "generates text; use /v1/completions or /v1/chat/completions"
             raise _bad(f"model '{name}' {what}", "model")
         return model

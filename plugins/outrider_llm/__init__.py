@@ -29,7 +29,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from outrider import hookimpl
-from outrider.backend import Availability, Backend, require_packages, torch_device
+from outrider.backend import Availability, GeneratingBackend, require_packages, torch_device
 from outrider.errors import BadRequestError
 from outrider.manifest import Manifest
 from outrider.torch_process import CudaHealth, is_out_of_memory, release_cpu_threads, set_torch_threads
@@ -65,11 +65,10 @@ class LlmOptions(BaseModel):
     weights: Literal["file", "float"] = "file"
 
 
-class LlmBackend(Backend):
+class LlmBackend(GeneratingBackend):
     """Text generation; infer requests are refused, generate requests go to the engine."""
 
     name = "llm"
-    generates = True
     device_kinds = ("cpu", "cuda")
     options_model = LlmOptions
 

@@ -40,7 +40,7 @@ from outrider.backend import Availability, Backend, Task
 from outrider.devices import inventory
 from outrider.errors import BadRequestError, ExecutionError, OutriderError
 from outrider.manifest import Manifest
-from outrider.model import InstanceCrashed
+from outrider.errors import InstanceCrashed
 from outrider_onnxruntime.onnx_artifact import onnx_model
 from outrider_onnxruntime.profiles import ProfileBounds, concat_rows, profile_bounds, profile_shapes, row_chunks
 from outrider_torch.onnx_export import DEFAULT_OPSET  # stdlib-only module: no torch

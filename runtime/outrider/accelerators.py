@@ -7,7 +7,7 @@ Roles, and where the core calls them:
   in order (export -> quantize -> engine build), each through the core `ArtifactCache`. The object
   a factory returns has `apply(artifact, context) -> Artifact`.
 - `batch_policy`: between the model's queue and its instances. The object is an
-  `outrider.model.Scheduler` (the dynamic batcher). A backend that schedules its own work
+  `outrider.serving.scheduler.Scheduler` (the dynamic batcher). A backend that schedules its own work
   (generation: continuous batching) cannot take one: asking for both is a ManifestError.
 - `decode_strategy`: asked by a generating backend at each step; the object implements
   `outrider.generation.contract.DecodeStrategy` (speculative decoding).
@@ -176,12 +176,12 @@ def select(specs: list[AcceleratorSpec], manifest: Any, backend: Any) -> Acceler
                 f"{backend_name!r}; only one may"
             )
         spec = usable[0]
-        if spec.role == "batch_policy" and getattr(backend, "make_scheduler", None) is not None:
+        if spec.role == "batch_policy" and backend.generates:
             raise ManifestError(
                 f"{where}: field '{section}': backend {backend_name!r} schedules its own work "
                 f"(continuous batching); remove this section"
             )
-        if spec.role == "decode_strategy" and not getattr(backend, "generates", False):
+        if spec.role == "decode_strategy" and not backend.generates:
             raise ManifestError(f"{where}: field '{section}': backend {backend_name!r} does not generate text")
         config = validate_section(spec, value, where)
         out[section] = spec.factory(manifest, config)

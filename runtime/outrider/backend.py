@@ -8,7 +8,8 @@ from typing import Any, ClassVar, Optional
 
 import numpy as np
 
-from .errors import BackendUnavailableError, BadRequestError, TooLargeError
+from .accelerators import AcceleratorSet
+from .errors import BackendUnavailableError, BadRequestError, OutriderError, TooLargeError
 from .manifest import Manifest, TensorSpec
 from .protocol import TensorFrame, datatype_of, numpy_dtype
 
@@ -77,13 +78,17 @@ class Backend:
     #: the I/O thread then runs single requests itself while the queue is empty, saving the hand-off
     #: to an instance thread. May be set per instance in `load()` (echo turns it off with a delay).
     runs_inline: bool = False
+    #: True for a GeneratingBackend (keeps sequences, answers `generate`, never `infer`)
+    generates: ClassVar[bool] = False
+    #: whether `kill()` stops a hung execute (a worker process can be killed; a thread cannot)
+    killable: ClassVar[bool] = False
 
     def __init__(self, manifest: Manifest, device: str, task: Optional[Task] = None) -> None:
         self.manifest = manifest
         self.device = device
         self.task = task
-        #: accelerator objects by manifest section (an `AcceleratorSet`), set by the core before `load()`.
-        self.accelerators: dict[str, Any] = {}
+        #: the accelerators the manifest turns on, by section; set by the core before `load()`.
+        self.accelerators = AcceleratorSet()
         #: the model's ModelStats (set by the core), for backends that count more than requests.
         self.stats: Any = None
         #: what the artifact transforms did (kind, figures, quality gate), shown in health
@@ -104,7 +109,7 @@ class Backend:
         from .accelerators import TransformContext
         from .artifacts import ArtifactCache
 
-        transforms = getattr(self.accelerators, "artifact_transforms", [])
+        transforms = self.accelerators.artifact_transforms
         if not transforms:
             return artifact
         context = TransformContext(self.manifest, self.name, self.device, ArtifactCache(), helpers)
@@ -171,12 +176,58 @@ class Backend:
         """{'healthy': bool, ...}: anything an operator should see (provider fallbacks, device)."""
         return {"healthy": True, "device": self.device}
 
+    def heartbeat(self) -> dict[str, Any]:
+        """`health()` within a bounded time: what the instance asks every second. In process it is
+        health(); a worker proxy raises InstanceCrashed when its process does not answer in time."""
+        return self.health()
+
+    def exited(self) -> Optional[str]:
+        """Why the process running this backend is gone (a worker that crashed or was killed), or None."""
+        return None
+
+    def kill(self) -> None:
+        """Stop a hung execute now, where `killable` (the supervisor calls it past execute_timeout_ms)."""
+
     def unload(self) -> None:
         """Free what `load` took."""
 
     def metadata(self) -> dict[str, Any]:
         """Extra facts for `models` replies (e.g. execution providers)."""
         return {}
+
+
+class GeneratingBackend(Backend):
+    """A backend that generates text (the `llm` backend): it keeps sequences in an engine of its
+    own and answers `generate` requests; `infer` is refused.
+
+    The core drives it with the scheduler it brings (`make_scheduler`; usually
+    `outrider.generation.engine.GenerationScheduler`), on thread instances only (a worker process
+    only answers execute). After `load()`, `engine` is the `GenerationEngine` that scheduler steps
+    and `tokenizer` its tokenizer (`outrider.generation.contract` holds the protocols both follow).
+    """
+
+    generates: ClassVar[bool] = True
+    engine: Any = None
+    tokenizer: Any = None
+
+    @classmethod
+    def make_scheduler(cls, manifest: Manifest) -> Any:
+        """The scheduler (a `outrider.serving.scheduler.Scheduler`) that serves this backend's instances."""
+        raise NotImplementedError(f"backend {cls.name!r} generates, so it must bring its scheduler (make_scheduler)")
+
+    def execute(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        raise BadRequestError(f"model {self.manifest.name!r} generates text; send a generate request")
+
+
+def check_backend_class(cls: Any) -> None:
+    """Raise OutriderError naming what is missing when `cls` is not a usable backend class (at registration)."""
+    if not (isinstance(cls, type) and issubclass(cls, Backend)) or not cls.name:
+        raise OutriderError(f"register_backends: {cls!r} is not a Backend subclass with a name")
+    if cls.generates and not issubclass(cls, GeneratingBackend):
+        raise OutriderError(f"register_backends: backend {cls.name!r} says it generates; subclass "
+                            f"outrider.backend.GeneratingBackend (the contract the generation engine needs)")
+    if issubclass(cls, GeneratingBackend) and cls.make_scheduler.__func__ is GeneratingBackend.make_scheduler.__func__:
+        raise OutriderError(f"register_backends: generating backend {cls.name!r} must implement make_scheduler")
 
 
 def check_options(manifest: Manifest, backend: type[Backend]) -> None:

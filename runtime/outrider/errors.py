@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class OutriderError(Exception):
     """Base of every error Outrider raises to a caller; carries a stable code."""
@@ -84,6 +86,25 @@ class ExecutionError(OutriderError):
     """The backend failed while computing this request."""
 
     code = "execution_error"
+
+
+class InstanceCrashed(ExecutionError):
+    """The instance died (its worker process exited, or was killed because it hung); it will be replaced.
+
+    Schedulers must let it propagate to the instance (never turn it into one request's result),
+    so that the instance is failed and replaced; the instance answers the batch. `delivered` is
+    False when the work never reached the worker (the reply code is then `unavailable`: retrying
+    is safe); a scheduler that had results for part of the batch before the crash puts them in
+    `partial` (one entry per request of the batch, None where there is none) so they still reply.
+    """
+
+    def __init__(self, message: str, code: str | None = None, delivered: bool = True,
+                 reason: str | None = None) -> None:
+        super().__init__(message, code)
+        self.delivered = delivered
+        #: what happened, without the model and instance (health shows it under the instance)
+        self.reason = reason or message
+        self.partial: list[Any] | None = None
 
 
 class ManifestError(OutriderError):

@@ -1,7 +1,7 @@
 """Front-ends: what a plugin implements to take requests in another protocol (HTTP, gRPC, ...).
 
 The ZeroMQ socket is the core's own front. Another front runs in the same process beside it and
-hands every request to `Server.submit`, so it shares the models' queues, batching, limits,
+hands every request to `Submitter.submit` (the server), so it shares the models' queues, batching, limits,
 deadlines, cancellation and metrics with ZeroMQ clients; it never calls a backend itself.
 """
 
@@ -9,10 +9,34 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from typing import TYPE_CHECKING, Any, ClassVar, Optional
+from typing import Any, Callable, ClassVar, Mapping, Optional, Protocol, Sequence
 
-if TYPE_CHECKING:
-    from .server import Server
+from .protocol import Limits
+from .serving.request import PendingRequest
+from .serving.served_model import ServedModel
+
+
+class Submitter(Protocol):
+    """What a front may use of the server it runs in (`outrider.server.Server` is one).
+
+    `models` is for reading (describe(), health(), `generates`, `manifest`); requests go in
+    through `submit` only, and a front never calls a backend itself.
+    """
+
+    limits: Limits
+    started: float  # time.time() when the server started
+    models: Mapping[str, ServedModel]
+
+    @property
+    def ready(self) -> bool: ...
+
+    def health(self) -> dict[str, Any]: ...
+
+    def submit(self, kind: str, model: str, parameters: Optional[dict] = None, inputs: Sequence[dict] = (),
+               buffers: Sequence[Any] = (), *, client: bytes, on_reply: Callable[[dict, Optional[dict]], None],
+               on_chunk: Optional[Callable[[dict], None]] = None) -> PendingRequest: ...
+
+    def cancel(self, request: PendingRequest, why: str = "the client disconnected") -> bool: ...
 
 
 class Front:
@@ -26,7 +50,7 @@ class Front:
 
     name: ClassVar[str] = ""
 
-    def __init__(self, server: "Server", address: str) -> None:
+    def __init__(self, server: Submitter, address: str) -> None:
         self.server = server
         self.address = address
 

@@ -14,7 +14,7 @@ import pluggy
 
 from . import hookspecs
 from .accelerators import AcceleratorSet, AcceleratorSpec, select
-from .backend import Backend, BackendChoice, Task, choose_backend
+from .backend import Backend, BackendChoice, Task, check_backend_class, choose_backend
 from .errors import ManifestError, OutriderError
 from .front import Front
 from .hookspecs import hookimpl
@@ -87,8 +87,7 @@ class PluginRegistry:
         self._claim(self.drafters, "drafter", name, factory)
 
     def _register_backend(self, cls: type) -> None:
-        if not (isinstance(cls, type) and issubclass(cls, Backend)) or not cls.name:
-            raise OutriderError(f"register_backends: {cls!r} is not a Backend subclass with a name")
+        check_backend_class(cls)
         self._claim(self.backends, "backend", cls.name, cls)
 
     def _register_task(self, cls: type) -> None:

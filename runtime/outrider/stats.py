@@ -206,7 +206,7 @@ class PrometheusCollector:
             for key, fam in hists.items():
                 fam.add_metric([name], _buckets(snap[key]), sum_value=snap[key]["sum"])
             if compat is not None:
-                compat.add(name, snap, queued, active, bool(getattr(model.choice.backend, "generates", False)))
+                compat.add(name, snap, queued, active, model.generates)
         yield from (req, ok, bad, ready, load, warm, restarts, depth, running, tokens, drafted, accepted,
                     *hists.values())
         if compat is not None:

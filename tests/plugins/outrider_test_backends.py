@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import time
 
+from typing import Any
+
 import numpy as np
 
 from outrider import hookimpl
-from outrider.backend import Backend
+from outrider.backend import Backend, GeneratingBackend
+from outrider.serving.scheduler import Scheduler
 
 
 class SlowWarmupBackend(Backend):
@@ -137,11 +140,15 @@ class CountBackend(Backend):
         return {name: np.array([a.size], np.int64) for name, a in inputs.items()}
 
 
-class FakeGeneratorBackend(Backend):
-    """Says it generates text (so the server takes `generate` for it) and answers with no outputs."""
+class FakeGeneratorBackend(GeneratingBackend):
+    """Generates (so the server takes `generate` for it) and answers each request with no outputs,
+    one at a time: its scheduler is the core's default one-request policy."""
 
     name = "fake-generator"
-    generates = True
+
+    @classmethod
+    def make_scheduler(cls, manifest: Any) -> Scheduler:
+        return Scheduler(manifest)
 
     def warmup(self) -> None:
         pass

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from outrider import hookimpl
 from outrider.accelerators import AcceleratorSpec
-from outrider.model import Scheduler
+from outrider.serving.scheduler import Scheduler
 
 
 class ShortResults(Scheduler):

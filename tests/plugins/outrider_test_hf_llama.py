@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from outrider import hookimpl
-from outrider.backend import Backend
+from outrider.backend import GeneratingBackend
 from outrider.errors import BadRequestError
 from outrider.generation.contract import Chunk, ForwardOutput
 
@@ -154,11 +154,10 @@ class HFLlama:
         return hashlib.sha256(self.hf.model.embed_tokens.weight.detach().numpy().tobytes()).hexdigest()
 
 
-class HFLlamaBackend(Backend):
+class HFLlamaBackend(GeneratingBackend):
     """Text generation on `HFLlama` through the core engine (and the speculative accelerator)."""
 
     name = "hf-llama"
-    generates = True
 
     @classmethod
     def make_scheduler(cls, manifest: Any) -> Any:

@@ -23,7 +23,9 @@ from typing import Any, Optional
 import torch
 
 from outrider.errors import BadRequestError, ExecutionError, OutriderError
-from outrider.model import PendingRequest, RequestQueue, Scheduler
+from outrider.serving.queue import RequestQueue
+from outrider.serving.request import PendingRequest
+from outrider.serving.scheduler import InstanceHandle, Scheduler
 
 from .contract import Chunk, DraftTree
 from .sampling import SamplingParams, parse_prompt, parse_sampling, sample_token
@@ -411,7 +413,7 @@ class GenerationEngine:
 class GenerationScheduler(Scheduler):
     """Feeds the engine from the model's queue and runs steps while it has work."""
 
-    def serve(self, instance: Any, queue: RequestQueue) -> None:
+    def serve(self, instance: InstanceHandle, queue: RequestQueue) -> None:
         engine: GenerationEngine = instance.backend.engine
         if engine.busy():
             new = queue.take_more(engine.capacity())
@@ -421,10 +423,9 @@ class GenerationScheduler(Scheduler):
                 return
             new = [request] + queue.take_more(engine.capacity() - 1)
         engine.admit(new)
-        instance.current = engine.requests()  # what a hang or crash must answer
-        instance.busy_since = time.monotonic()
         try:
-            engine.step()
+            with instance.working_on(engine.requests()):  # what a hang or crash must answer
+                engine.step()
         except Exception as exc:
             # The shared forward failed: step() answered its sequences and freed their slots.
             # Anything else that escaped is a bug here; either way answer what is active, keep
@@ -433,6 +434,3 @@ class GenerationScheduler(Scheduler):
                 log.exception("generation step failed")
             engine.fail_active(exc if isinstance(exc, OutriderError) else
                                ExecutionError(f"generation step failed: {type(exc).__name__}: {exc}"))
-        finally:
-            instance.busy_since = None
-            instance.current = []

@@ -1,4 +1,4 @@
-"""Process instances: a backend in a worker process, driven over a private ZeroMQ PAIR socket.
+"""Process instances, the server's side: a backend in a worker process, driven over a private ZeroMQ PAIR socket.
 
 A crash (even a segfault in native code) or a hang in the worker costs the requests of one
 batch, never the server: the supervisor kills a hung worker, and a dead one is replaced.
@@ -14,7 +14,6 @@ so a late reply to an abandoned call is never taken for the answer to the next o
 from __future__ import annotations
 
 import json
-import logging
 import os
 import select
 import shutil
@@ -29,24 +28,11 @@ from typing import Any, Optional
 import numpy as np
 import zmq
 
-from .backend import Backend
-from .errors import ExecutionError, OutriderError, error_from_wire
-from .manifest import Manifest, validate_manifest
-from .protocol import decode_tensors, encode_message, parse_type_frame, unpack_header, Limits
-
-log = logging.getLogger("outrider.worker")
-
-WORKER_KINDS = frozenset({"load", "warmup", "execute", "health", "metadata", "unload"})
-_LIMITS = Limits(max_message_bytes=1 << 31, max_header_bytes=16 << 20, max_tensors=4096,
-                 max_tensor_elements=1 << 31)
-_POLL_MS = 100  # how often a wait re-checks the process where no pidfd is available
-#: seconds a new worker has to start and connect (imports, plugin registration); load itself is unbounded
-CONNECT_TIMEOUT_S = 60.0
-#: seconds a worker has to answer a health check; one that does not is wedged and gets killed
-HEARTBEAT_TIMEOUT_S = 5.0
-#: seconds the worker waits for the server to take a reply before it gives up (the server is gone)
-_WORKER_SNDTIMEO_MS = 10_000
-
+from ..backend import Backend
+from ..errors import ExecutionError, InstanceCrashed, OutriderError, error_from_wire
+from ..manifest import Manifest
+from ..protocol import decode_tensors, encode_message, parse_type_frame, unpack_header
+from .wire import CONNECT_TIMEOUT_S, HEARTBEAT_TIMEOUT_S, LIMITS, POLL_MS
 
 def describe_exit(pid: int, code: int) -> str:
     """'worker process 123 was killed by signal SIGKILL' / '... exited with code 3'."""
@@ -63,6 +49,7 @@ class WorkerBackend(Backend):
     """Proxy with the Backend lifecycle; the real backend lives in `python -m outrider.worker`."""
 
     name = "worker"
+    killable = True
 
     def __init__(self, manifest: Manifest, device: str, plugin_modules: list[str], index: int = 0) -> None:
         super().__init__(manifest, device, None)
@@ -174,8 +161,6 @@ class WorkerBackend(Backend):
 
     def _crashed(self, kind: str, delivered: bool) -> Exception:
         """InstanceCrashed for a worker found dead: `unavailable` when this call never reached it."""
-        from .model import InstanceCrashed
-
         assert self.proc is not None
         try:
             code = self.proc.wait(1.0)  # the pidfd fired or poll() saw it: reaping is immediate
@@ -190,8 +175,6 @@ class WorkerBackend(Backend):
                                code="unavailable", delivered=False, reason=reason)
 
     def _hung(self, kind: str, timeout: float) -> Exception:
-        from .model import InstanceCrashed
-
         self.kill()
         pid = self.proc.pid if self.proc else None
         reason = f"worker process {pid} did not answer {kind} within {timeout:g}s and was killed"
@@ -201,7 +184,7 @@ class WorkerBackend(Backend):
         """Wait on `poller` up to the deadline: (socket ready, process gone)."""
         assert self.proc is not None
         # With a pidfd the poll wakes on exit by itself; the tick only bounds a missed wake-up.
-        wait_ms = 1000 if self._pidfd is not None else _POLL_MS
+        wait_ms = 1000 if self._pidfd is not None else POLL_MS
         if deadline is not None:
             wait_ms = max(0, min(wait_ms, int((deadline - time.monotonic()) * 1000) + 1))
         events = dict(poller.poll(wait_ms))
@@ -245,7 +228,7 @@ class WorkerBackend(Backend):
                         reply = self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         continue
-                    header = unpack_header(reply[1].buffer, _LIMITS)
+                    header = unpack_header(reply[1].buffer, LIMITS)
                     if header.get("id") != seq:  # the late answer to a call that was given up on
                         continue
                     break
@@ -255,73 +238,10 @@ class WorkerBackend(Backend):
                     raise self._hung(kind, timeout)
         if not header.get("ok", False):
             raise error_from_wire(header.get("error") or {})
-        outputs = decode_tensors(header.get("outputs", []), reply[2:], _LIMITS)
+        outputs = decode_tensors(header.get("outputs", []), reply[2:], LIMITS)
         return header, outputs
-
-
-def _serve(address: str, spec: dict) -> int:
-    from .plugins import create_registry
-
-    manifest = validate_manifest(spec["manifest"], spec.get("source_file") or "<worker>")
-    manifest.source_file = spec.get("source_file")
-    registry = create_registry(modules=spec.get("plugins", []))
-    choice = registry.choose_backend(manifest)
-    backend = choice.backend(manifest, spec["device"], registry.make_task(manifest))
-    backend.accelerators = registry.accelerators_for(manifest, choice.backend)
-    sock = zmq.Context.instance().socket(zmq.PAIR)
-    sock.setsockopt(zmq.LINGER, 1000)
-    sock.setsockopt(zmq.SNDTIMEO, _WORKER_SNDTIMEO_MS)  # a server that is gone must not hold us
-    sock.connect(address)
-    parent = os.getppid()
-    while True:
-        if not sock.poll(1000):
-            if os.getppid() != parent:  # the server is gone: do not linger as an orphan
-                return 1
-            continue
-        frames = sock.recv_multipart(copy=False)
-        reply: dict[str, Any] = {"id": 0, "ok": True}
-        outputs = None
-        try:
-            kind = parse_type_frame(frames[0], WORKER_KINDS)
-            header = unpack_header(frames[1].buffer, _LIMITS)
-            reply["id"] = header.get("id", 0)  # echoed: the server matches replies to calls
-            if kind == "load":
-                backend.load()
-            elif kind == "warmup":
-                backend.warmup()
-            elif kind == "execute":
-                outputs = backend.execute(decode_tensors(header.get("inputs", []), frames[2:], _LIMITS))
-            elif kind == "health":
-                reply["health"] = backend.health()
-            elif kind == "metadata":
-                reply["metadata"] = backend.metadata()
-            elif kind == "unload":
-                backend.unload()
-        except OutriderError as exc:
-            reply = {"id": reply["id"], "ok": False, "error": exc.to_wire()}
-            outputs = None
-        except Exception as exc:
-            reply = {"id": reply["id"], "ok": False, "error": ExecutionError(f"{type(exc).__name__}: {exc}").to_wire()}
-            outputs = None
-        try:
-            sock.send_multipart(encode_message("reply", reply, outputs, key="outputs"), copy=False)
-        except zmq.Again:
-            return 1  # nobody takes our replies any more: the server is gone or has given up on us
-        if reply["ok"] and frames and bytes(frames[0].buffer).endswith(b"unload"):
-            return 0
-
-
-def main() -> int:
-    """Entry point of a worker process: `python -m outrider.worker ADDRESS SPEC_JSON`."""
-    logging.basicConfig(level=os.environ.get("OUTRIDER_LOG_LEVEL", "INFO").upper(),
-                        format="%(asctime)s %(levelname)s worker %(process)d %(name)s: %(message)s")
-    return _serve(sys.argv[1], json.loads(sys.argv[2]))
 
 
 def _readable(fd: int) -> bool:
     """Whether `fd` is readable now (a pidfd is, once its process has exited)."""
     return bool(select.select([fd], [], [], 0)[0])
-
-
-if __name__ == "__main__":
-    sys.exit(main())
