@@ -158,21 +158,6 @@ def test_text_of_very_different_lengths_is_bucketed_and_similar_text_is_not():
     assert batcher.plan(short, list(range(6))) == [list(range(6))]
 
 
-def test_replies_leave_early_and_in_order_when_the_core_delivers():
-    class Backend:
-        def execute(self, inputs):
-            return dict(inputs)
-
-    # Two sub-batches (shapes differ): [0, 2] runs first, but 2 leaves only after 1.
-    batch = [_request(0, x=np.zeros((1, 2))), _request(1, x=np.zeros((1, 3))), _request(2, x=np.ones((1, 2)))]
-    batcher = _batcher()
-    delivered = []
-    batcher.deliver = lambda request, result: delivered.append(request.id)
-    results = batcher.execute(Backend(), batch)
-    assert delivered == [0, 1, 2]
-    assert [r["x"].shape for r in results] == [(1, 2), (1, 3), (1, 2)]
-
-
 def test_outputs_without_a_batch_dimension_fall_back_to_one_call_per_request():
     class Summing:
         calls = 0

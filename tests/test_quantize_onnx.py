@@ -85,7 +85,7 @@ def _context(manifest, cache, helpers) -> TransformContext:
 
 
 def _config(manifest, **changes: Any) -> QuantizeConfig:
-    data = {**manifest.quantize, **changes}
+    data = {**manifest.section("quantize"), **changes}
     return QuantizeConfig.model_validate(data)
 
 

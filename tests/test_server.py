@@ -304,8 +304,11 @@ def test_sigterm_drains_in_flight_requests(server_factory, tmp_path):
 
 
 def test_manifest_error_names_file_and_field(tmp_path):
+    """Every error at once, the core's fields and the accelerator sections of the plugins loaded
+    (the batching section belongs to the batching plugin)."""
     bad = write_manifest(tmp_path, "name: x\nbackend: echo\ninstances: zero\nbatching: {max_batch_size: -1}\n", "bad.yaml")
     result = subprocess.run([sys.executable, "-m", "outrider.cli", "serve", str(bad), "--plugin", "outrider_echo",
+                             "--plugin", "outrider_batching",
                              "--bind", f"ipc://{tmp_path}/b.sock"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert "bad.yaml: field 'instances'" in result.stderr

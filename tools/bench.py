@@ -391,9 +391,10 @@ def bench_batching(manifest: str, seconds: float, sets: list[str], levels: list[
                    plot: Path | None = None) -> None:
     """minilm served with its batching section and without it, and ORT alone, in one run."""
     from outrider.manifest import load_manifest
+    from outrider_batching import BatchingSpec
 
     loaded = load_manifest(manifest, sets)
-    if loaded.batching is None:
+    if loaded.section("batching") is None:
         raise SystemExit(f"{manifest} has no 'batching' section to compare against")
     levels = sorted({1, 32, *(levels or [8])})  # the ratios below read 1 and 32
 
@@ -406,7 +407,7 @@ def bench_batching(manifest: str, seconds: float, sets: list[str], levels: list[
     plain_sets = [s for s in sets if not s.split(":")[-1].startswith("batching")]
     unbatched = _server_rows(manifest, "unbatched", levels, seconds, [*plain_sets, "batching=null"])
 
-    b = loaded.batching
+    b = BatchingSpec.model_validate(loaded.section("batching"))
     print(f"\nminilm, one short sentence per request, closed loop, {seconds:g} s per row "
           f"(batching: max_batch_size {b.max_batch_size}, max_queue_delay_ms {b.max_queue_delay_ms:g})")
     print(f"{'row':<26}{'sentences/s':>12}{'p50 ms':>9}{'p99 ms':>9}{'mean batch':>12}{'other CPU':>11}")

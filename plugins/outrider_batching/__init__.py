@@ -50,6 +50,7 @@ from collections import deque
 from typing import Any, Callable, Optional
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from outrider import hookimpl
 from outrider.backend import Backend
@@ -62,8 +63,8 @@ from outrider.errors import (
     TooLargeError,
 )
 from outrider.accelerators import AcceleratorSpec
-from outrider.manifest import BatchingSpec, Manifest
 from outrider.errors import InstanceCrashed
+from outrider.manifest import Manifest
 from outrider.serving.queue import RequestQueue
 from outrider.serving.request import DEFERRED, PendingRequest
 from outrider.serving.scheduler import Scheduler
@@ -98,6 +99,39 @@ _IDLE_POLL_S = 0.25
 _QUIET_GAP_S = 0.001
 
 
+class BatchingSpec(BaseModel):
+    """The manifest's `batching` section (Triton's dynamic batcher knobs)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_batch_size: int = Field(32, ge=1, le=65536)
+    max_queue_delay_ms: float = Field(2.0, ge=0, le=60000)
+    preferred_batch_sizes: list[int] = Field(default_factory=list)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _removed_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "preserve_ordering" in data:
+            # It never did anything in the server (the batcher's early-reply hook was never given
+            # a deliver callback), and holding a connection's replies in arrival order across
+            # instances would make every reply wait behind its slowest predecessor.
+            raise ValueError(
+                "field 'batching.preserve_ordering': was removed: replies are matched to requests by id, "
+                "never by order (docs/PROTOCOL.md), and the server never held replies back to keep an order; "
+                "delete the field (a client that needs order reads replies by id)"
+            )
+        return data
+
+    @field_validator("preferred_batch_sizes")
+    @classmethod
+    def _preferred_fit(cls, value: list[int], info: ValidationInfo) -> list[int]:
+        largest = info.data.get("max_batch_size", 65536)
+        bad = [size for size in value if not 1 <= size <= largest]
+        if bad:
+            raise ValueError(f"expected sizes from 1 to max_batch_size ({largest}) (got {bad})")
+        return value
+
+
 @hookimpl
 def outrider_register_accelerators(register: Callable[..., None]) -> None:
     """Register the dynamic batcher: the batch policy of the manifest section `batching`, any backend."""
@@ -113,16 +147,14 @@ class DynamicBatcher(Scheduler):
 
     def __init__(self, manifest: Manifest, spec: Optional[BatchingSpec] = None) -> None:
         super().__init__(manifest)
-        spec = spec or manifest.batching
-        if spec is None:
-            raise ManifestError(f"{manifest.source_file or manifest.name}: the batcher needs a 'batching' section")
+        if spec is None:  # built outside a server (tests, tools): read the manifest's own section
+            section = manifest.section("batching")
+            if section is None:
+                raise ManifestError(f"{manifest.source_file or manifest.name}: the batcher needs a 'batching' section")
+            spec = BatchingSpec.model_validate(section)
         self.max_batch_size = spec.max_batch_size
         self.max_queue_delay = spec.max_queue_delay_ms / 1000
         self.preferred = frozenset(spec.preferred_batch_sizes)
-        #: When the core sets this (`deliver(request, result)` sends a reply and counts it),
-        #: replies leave as each sub-batch completes (in batch order) instead of when the whole
-        #: batch is done. The server does not set it today.
-        self.deliver: Optional[Callable[[PendingRequest, Any], None]] = None
         # Requests taken from the queue that did not fit the batch being formed: the queue has
         # no way to put them back in front, so they open the next batch.
         self._held: deque[PendingRequest] = deque()
@@ -281,13 +313,11 @@ class DynamicBatcher(Scheduler):
                 results[index] = DEFERRED
             else:
                 live.append(index)
-        sent = 0
         try:
             for group in self.plan(batch, live):
                 for index, result in zip(group, self._run(backend, [batch[i] for i in group])):
                     request = batch[index]
                     results[index] = request.finish(result) if isinstance(request, _Piece) else result
-                sent = self._deliver_ready(batch, results, group, sent)
         except InstanceCrashed as exc:
             # The instance is gone: it must hear of it to be replaced, and it answers the rest of
             # the batch with the crash; what finished before keeps its result.
@@ -367,16 +397,6 @@ class DynamicBatcher(Scheduler):
                             "request alone (turn batching off for this model)", self.manifest.name, shapes, sum(sizes))
             return [_execute_alone(backend, r) for r in requests]
         return split
-
-    def _deliver_ready(self, batch: list[PendingRequest], results: list[Any], group: list[int], sent: int) -> int:
-        """Reply early through the core's `deliver`, when it has one; returns the ordered prefix sent."""
-        if self.deliver is None:
-            return sent
-        while sent < len(batch) and results[sent] is not None:
-            if results[sent] is not DEFERRED:  # a piece of a split request: answered when all are done
-                self.deliver(batch[sent], results[sent])
-            sent += 1
-        return sent
 
 
 class _Split:

@@ -130,7 +130,7 @@ class LlmBackend(GeneratingBackend):
             )
             # A quantized artifact says in which dtype it computes on CPU; `options.dtype` is for float
             # weights, and on CUDA for quantized ones too (they are dequantized to dense there).
-            dtype = None if self.manifest.quantize is not None and not on_cuda else options.dtype
+            dtype = None if self.accelerators.artifact_transforms and not on_cuda else options.dtype
             self.model, self.tokenizer = model_from_artifact(weights, dtype=dtype, device=self.device, kernel=kernel)
         log.info("model %s: weights ready in %.2fs (%s)", self.manifest.name, time.perf_counter() - started,
                  f"{threads} threads" if threads else f"{self.device}, {self.model.dtype}")
@@ -161,7 +161,7 @@ class LlmBackend(GeneratingBackend):
         """Whether this load serves the GGUF's own block types: asked for (`weights: file`, the
         default), no `quantize:` section, and on a CPU whose native kernels loaded. (A file without
         quantized matrices gives the float model that way too: its dense tensors load as fp32.)"""
-        if options.weights != "file" or self.manifest.quantize is not None or on_cuda:
+        if options.weights != "file" or self.accelerators.artifact_transforms or on_cuda:
             return False
         from . import native
 

@@ -39,7 +39,7 @@ class ProfileBounds:
 
 def profile_bounds(manifest: Manifest, task_max_length: Optional[int] = None) -> ProfileBounds:
     """Bounds from the manifest's options and batching section (see the module docstring)."""
-    options, batching = manifest.options, manifest.batching
+    options, batching = manifest.options, _batching(manifest)
     max_batch = int(options.get("max_batch") or (batching.max_batch_size if batching else DEFAULT_MAX_BATCH))
     max_seq = int(options.get("max_seq_length") or task_max_length or DEFAULT_MAX_SEQ)
     if task_max_length and max_seq < task_max_length:
@@ -123,3 +123,14 @@ def concat_rows(pieces: list[dict[str, Any]]) -> dict[str, Any]:
     if len(pieces) == 1:
         return pieces[0]
     return {name: np.concatenate([p[name] for p in pieces], axis=0) for name in pieces[0]}
+
+
+def _batching(manifest: Manifest) -> Any:
+    """The manifest's batch policy settings (the batching plugin's section, validated by it), or None."""
+    section = manifest.section("batching")
+    if section is None:
+        return None
+    from types import SimpleNamespace
+
+    return SimpleNamespace(max_batch_size=int(section.get("max_batch_size", DEFAULT_MAX_BATCH)),
+                           preferred_batch_sizes=list(section.get("preferred_batch_sizes", [])))

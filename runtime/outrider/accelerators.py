@@ -28,11 +28,13 @@ from typing import Any, Callable, Optional
 from pydantic import BaseModel, ValidationError
 
 from .errors import ManifestError, OutriderError
+from .manifest import Manifest
 
 _NESTED_FIELD = re.compile(r"^field '([^']+)': (.*)$", re.S)
+#: in the order the core calls them: transforms before load, the policy between queue and
+#: instances, the strategy inside each generation step
 ROLES = ("artifact_transform", "batch_policy", "decode_strategy")
-#: manifest sections an accelerator may claim, in the order their transforms run
-SECTIONS = ("quantize", "batching", "speculative")
+_SECTION_NAME = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,9 @@ class AcceleratorSpec:
     backends: tuple[str, ...] = ("*",)
     config: Optional[type[BaseModel]] = None
     description: str = ""
+    #: among accelerators of one role, lower runs first (artifact transforms chain: an export
+    #: before a quantization before an engine build)
+    order: int = 50
 
     def applies_to(self, backend: str) -> bool:
         """Whether this accelerator can be used with the backend named `backend`."""
@@ -57,10 +62,12 @@ class AcceleratorSpec:
             raise OutriderError(f"register_accelerators: name must be a non-empty string, got {self.name!r}")
         if self.role not in ROLES:
             raise OutriderError(f"register_accelerators: {self.name!r}: role must be one of {ROLES}, got {self.role!r}")
-        if self.section not in SECTIONS:
-            raise OutriderError(
-                f"register_accelerators: {self.name!r}: section must be one of {SECTIONS}, got {self.section!r}"
-            )
+        if not isinstance(self.section, str) or not _SECTION_NAME.match(self.section):
+            raise OutriderError(f"register_accelerators: {self.name!r}: section must be a lower-case name "
+                                f"(letters, digits, '_'), got {self.section!r}")
+        if self.section in Manifest.model_fields:
+            raise OutriderError(f"register_accelerators: {self.name!r}: section {self.section!r} is a field of the "
+                                f"core manifest")
         if not callable(self.factory):
             raise OutriderError(f"register_accelerators: {self.name!r}: factory is not callable")
         if self.config is not None and not (isinstance(self.config, type) and issubclass(self.config, BaseModel)):
@@ -79,7 +86,7 @@ class AcceleratorSet(dict):
 
     def by_role(self, role: str) -> list[Any]:
         """The objects filling `role`, in section order."""
-        return [self[s] for s in SECTIONS if s in self and self.specs[s].role == role]
+        return [self[s] for s, spec in self.specs.items() if spec.role == role]  # select() inserted them in order
 
     @property
     def batch_policy(self) -> Any:
@@ -156,14 +163,13 @@ def select(specs: list[AcceleratorSpec], manifest: Any, backend: Any) -> Acceler
     """
     where = getattr(manifest, "source_file", None) or manifest.name
     backend_name = backend.name
-    out = AcceleratorSet()
-    for section in SECTIONS:
-        value = getattr(manifest, section, None)
-        if value is None:
-            continue
+    chosen: list[tuple[AcceleratorSpec, str, Any]] = []
+    for section, value in manifest.sections.items():
         offered = [s for s in specs if s.section == section]
         if not offered:
-            raise ManifestError(f"{where}: field '{section}': no loaded plugin provides this accelerator")
+            provided = sorted({s.section for s in specs})
+            raise ManifestError(f"{where}: field '{section}': no loaded plugin provides this accelerator "
+                                f"(sections the loaded plugins provide: {', '.join(provided) or 'none'})")
         usable = [s for s in offered if s.applies_to(backend_name)]
         if not usable:
             known = "; ".join(f"{s.name} ({s.role}) applies to {', '.join(s.backends)}" for s in offered)
@@ -183,7 +189,13 @@ def select(specs: list[AcceleratorSpec], manifest: Any, backend: Any) -> Acceler
             )
         if spec.role == "decode_strategy" and not backend.generates:
             raise ManifestError(f"{where}: field '{section}': backend {backend_name!r} does not generate text")
-        config = validate_section(spec, value, where)
+        chosen.append((spec, section, validate_section(spec, value, where)))
+    for role in ("batch_policy", "decode_strategy"):
+        sections = [section for spec, section, _ in chosen if spec.role == role]
+        if len(sections) > 1:
+            raise ManifestError(f"{where}: fields {sections}: each turns on a {role}; a model takes one")
+    out = AcceleratorSet()
+    for spec, section, config in sorted(chosen, key=lambda c: (ROLES.index(c[0].role), c[0].order, c[1])):
         out[section] = spec.factory(manifest, config)
         out.specs[section] = spec
         out.configs[section] = config

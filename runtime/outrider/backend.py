@@ -11,7 +11,7 @@ import numpy as np
 from .accelerators import AcceleratorSet
 from .errors import BackendUnavailableError, BadRequestError, OutriderError, TooLargeError
 from .manifest import Manifest, TensorSpec
-from .protocol import TensorFrame, datatype_of, numpy_dtype
+from .protocol import TensorFrame, numpy_dtype
 
 log = logging.getLogger("outrider.backend")
 
@@ -290,11 +290,6 @@ def warmup_inputs(manifest: Manifest) -> dict[str, np.ndarray]:
     if not manifest.inputs:
         out = {k: np.asarray(v) for k, v in given.items()} or {"x": np.zeros((1, 4), np.float32)}
     return out
-
-
-def check_inputs(manifest: Manifest, inputs: dict[str, np.ndarray]) -> None:
-    """Inputs must match the manifest's declared names, datatypes and shapes (-1 = any)."""
-    _check_contract(manifest, {name: (datatype_of(a), tuple(a.shape)) for name, a in inputs.items()})
 
 
 def check_request(manifest: Manifest, tensors: list[TensorFrame]) -> None:

@@ -38,8 +38,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .server import Server
     from .transport import CurveServerKeys
 
-    manifests = [load_manifest(path, args.set) for path in args.manifests]
     registry = create_registry(modules=args.plugin)
+    manifests = [load_manifest(path, args.set, registry.check_section) for path in args.manifests]
     curve = None
     if args.curve_secret_key or args.curve_allow or args.curve_allow_any:
         if args.curve_allow == "*":

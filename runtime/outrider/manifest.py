@@ -9,10 +9,10 @@ import importlib.util
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, Callable, Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ValidationInfo, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import ManifestError
 from .protocol import DATATYPES
@@ -81,35 +81,6 @@ class WarmupSpec(_Strict):
     )
 
 
-class BatchingSpec(_Strict):
-    max_batch_size: int = Field(32, ge=1, le=65536)
-    max_queue_delay_ms: float = Field(2.0, ge=0, le=60000)
-    preferred_batch_sizes: list[int] = Field(default_factory=list)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _removed_fields(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "preserve_ordering" in data:
-            # It never did anything in the server (the batcher's early-reply hook was never given
-            # a deliver callback), and holding a connection's replies in arrival order across
-            # instances would make every reply wait behind its slowest predecessor.
-            raise ValueError(
-                "field 'batching.preserve_ordering': was removed: replies are matched to requests by id, "
-                "never by order (docs/PROTOCOL.md), and the server never held replies back to keep an order; "
-                "delete the field (a client that needs order reads replies by id)"
-            )
-        return data
-
-    @field_validator("preferred_batch_sizes")
-    @classmethod
-    def _preferred_fit(cls, value: list[int], info: ValidationInfo) -> list[int]:
-        largest = info.data.get("max_batch_size", 65536)
-        bad = [size for size in value if not 1 <= size <= largest]
-        if bad:
-            raise ValueError(f"expected sizes from 1 to max_batch_size ({largest}) (got {bad})")
-        return value
-
-
 class LimitsSpec(_Strict):
     """Bounds on the work one request may ask of this model, checked before any tensor is decoded.
 
@@ -142,6 +113,13 @@ class SchedulingSpec(_Strict):
 
 
 class Manifest(_Strict):
+    """A model to serve: the core's fields below, and accelerator sections (`batching:`,
+    `quantize:`, `speculative:`, ...), which belong to the plugins that register them: any other
+    top-level key whose value is a mapping is one, validated when the model is built against the
+    plugins loaded (accelerators.select); a key with any other value is a misspelled field."""
+
+    model_config = ConfigDict(extra="allow")
+
     name: str
     backend: Union[str, list[str]]
     device: str = "auto"
@@ -153,11 +131,28 @@ class Manifest(_Strict):
     warmup: WarmupSpec = Field(default_factory=WarmupSpec)
     scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec)
     limits: LimitsSpec = Field(default_factory=LimitsSpec)
-    batching: Optional[BatchingSpec] = None
-    quantize: Optional[dict[str, Any]] = None
-    speculative: Optional[dict[str, Any]] = None
     # Set by the loader, not by the file.
     source_file: Optional[str] = Field(None, exclude=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sections_are_mappings(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for key, value in data.items():
+                if key in cls.model_fields or value is None or isinstance(value, dict):
+                    continue
+                raise ValueError(f"field '{key}': unknown field (misspelled?); a top-level key the core does not "
+                                 f"define is an accelerator section, a mapping")
+        return data
+
+    @property
+    def sections(self) -> dict[str, dict[str, Any]]:
+        """The accelerator sections present (null ones are absent), by name, as written."""
+        return {key: value for key, value in (self.model_extra or {}).items() if value is not None}
+
+    def section(self, name: str) -> Optional[dict[str, Any]]:
+        """One accelerator section as written, or None (a plugin validates its own: AcceleratorSpec.config)."""
+        return self.sections.get(name)
 
     @field_validator("name")
     @classmethod
@@ -208,8 +203,6 @@ class Manifest(_Strict):
         except ManifestError as exc:
             raise ManifestError(f"{self.source_file or self.name}: {exc.message}") from None
 
-    def input_spec(self, name: str) -> Optional[TensorSpec]:
-        return next((t for t in self.inputs if t.name == name), None)
 
 
 def _format_errors(where: str, exc: ValidationError) -> str:
@@ -264,20 +257,34 @@ def env_overrides(environ: Optional[dict[str, str]] = None) -> list[str]:
     return out
 
 
-def validate_manifest(data: Any, where: str = "<manifest>") -> Manifest:
-    """Validate a parsed manifest; errors name `where`, the field and what was expected."""
+#: (section, value as written, where) -> error lines: a plugin registry's check of an accelerator
+#: section (PluginRegistry.check_section), so that a bad manifest fails with all its errors at once
+SectionCheck = Callable[[str, Any, str], list[str]]
+
+
+def validate_manifest(data: Any, where: str = "<manifest>", check_section: Optional[SectionCheck] = None) -> Manifest:
+    """Validate a parsed manifest; errors name `where`, the field and what was expected. With
+    `check_section`, accelerator sections are checked too (else when the model is built)."""
     if not isinstance(data, dict):
         raise ManifestError(f"{where}: expected a mapping of fields at the top level, got {type(data).__name__}")
+    lines = []
     try:
         manifest = Manifest.model_validate(data)
     except ValidationError as exc:
-        raise ManifestError(_format_errors(where, exc)) from None
+        lines.append(_format_errors(where, exc))
+    if check_section is not None:
+        for key, value in data.items():
+            if key not in Manifest.model_fields and isinstance(value, dict):
+                lines.extend(check_section(key, value, where))
+    if lines:
+        raise ManifestError("\n".join(lines))
     manifest.source_file = where
     return manifest
 
 
-def load_manifest(path: str | os.PathLike, overrides: Optional[list[str]] = None) -> Manifest:
-    """Read, override (env first, then `overrides`) and validate one manifest file."""
+def load_manifest(path: str | os.PathLike, overrides: Optional[list[str]] = None,
+                  check_section: Optional[SectionCheck] = None) -> Manifest:
+    """Read, override (env first, then `overrides`) and validate one manifest file (see validate_manifest)."""
     where = str(path)
     try:
         text = Path(path).read_text()
@@ -293,6 +300,6 @@ def load_manifest(path: str | os.PathLike, overrides: Optional[list[str]] = None
             model, key, value = parse_override(item)
             if model is None or model == name:
                 _set_path(data, key, value, where)
-    manifest = validate_manifest(data, where)
+    manifest = validate_manifest(data, where, check_section)
     manifest.source_file = str(Path(path).resolve())
     return manifest

@@ -13,7 +13,7 @@ from typing import Any, Iterable, Optional
 import pluggy
 
 from . import hookspecs
-from .accelerators import AcceleratorSet, AcceleratorSpec, select
+from .accelerators import AcceleratorSet, AcceleratorSpec, select, validate_section
 from .backend import Backend, BackendChoice, Task, check_backend_class, choose_backend
 from .errors import ManifestError, OutriderError
 from .front import Front
@@ -122,6 +122,21 @@ class PluginRegistry:
 
     def choose_backend(self, manifest: Manifest) -> BackendChoice:
         return self.pm.hook.outrider_choose_backend(manifest=manifest, backends=dict(self.backends))
+
+    def check_section(self, section: str, value: Any, where: str) -> list[str]:
+        """Error lines for an accelerator section as written (manifest.SectionCheck): none when a
+        plugin that provides `section` accepts it, or when none provides it (model building says
+        so, naming the sections provided); else what the first provider's model rejects."""
+        errors = []
+        for spec in self.accelerators.values():
+            if spec.section != section:
+                continue
+            try:
+                validate_section(spec, value, where)
+                return []
+            except ManifestError as exc:
+                errors.append(exc.message)
+        return errors[:1]
 
     def accelerators_for(self, manifest: Manifest, backend: type[Backend]) -> AcceleratorSet:
         """Validate and build the accelerators `manifest` turns on, for the chosen backend class."""

@@ -412,7 +412,3 @@ def parse_type_frame(frame: Any, allowed: Iterable[str]) -> str:
     if text not in allowed:
         raise ProtocolError(f"unknown message type {text!r}; expected one of {sorted(allowed)}")
     return text
-
-
-def message_size(frames: Sequence[Any]) -> int:
-    return sum(len(_buffer(f)) for f in frames)

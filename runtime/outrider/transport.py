@@ -282,20 +282,9 @@ def send_frames(sock: zmq.Socket, frames: list, nonblock: bool = False) -> None:
     _send_frame(sock, frames[-1], flags, copy=False)
 
 
-def recv_ready(sock: zmq.Socket) -> Optional[list]:
-    """The next whole message if one is waiting, else None (never blocks, never raises EAGAIN)."""
-    if not sock.getsockopt(_EVENTS) & _POLLIN:
-        return None
-    frame = sock.recv(_NOBLOCK, copy=False)
-    frames = [frame]
-    while frame.more:  # a Frame attribute: no getsockopt(RCVMORE) round through pyzmq's enums
-        frame = sock.recv(_NOBLOCK, copy=False)
-        frames.append(frame)
-    return frames
-
-
 def recv_message(sock: zmq.Socket, max_frames: int) -> Optional[tuple[list, int]]:
-    """Like `recv_ready`, but keeps at most `max_frames` frames: (frames, how many more were dropped).
+    """The next whole message if one is waiting, else None (never blocks, never raises EAGAIN), keeping
+    at most `max_frames` frames: (frames, how many more were dropped).
 
     ZeroMQ delivers a multipart message only once every frame has arrived, so reading the rest
     never blocks; dropping them keeps a message of a million empty frames from becoming a

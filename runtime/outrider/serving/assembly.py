@@ -7,7 +7,7 @@ which scheduler, in this process or in worker processes. Used by the server, the
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 from ..backend import Backend, check_options
 from ..errors import ManifestError
@@ -41,10 +41,9 @@ def build_model(manifest: Manifest, registry: PluginRegistry) -> ServedModel:
                 f"'thread' instances, got {manifest.scheduling.instance_kind!r}"
             )
         scheduler = choice.backend.make_scheduler(manifest)
-    factory = None
-    if manifest.scheduling.instance_kind == "process":
-        def factory(device: str, index: int) -> Backend:
-            return WorkerBackend(manifest, device, registry.modules, index=index)
+    factory: Optional[Callable[[str, int], Backend]] = None
+    if manifest.scheduling.instance_kind == "process":  # each instance behind a worker process
+        factory = lambda device, index: WorkerBackend(manifest, device, registry.modules, index=index)  # noqa: E731
     return ServedModel(
         manifest,
         choice,

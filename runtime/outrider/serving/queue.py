@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from ..errors import OverloadedError, RequestTimeoutError, UnavailableError
 from .request import PendingRequest

@@ -287,7 +287,11 @@ class ServedModel:
             "instances": m.instances,
             "inputs": [t.model_dump() for t in m.inputs],
             "outputs": [t.model_dump() for t in m.outputs],
-            "batching": m.batching.model_dump() if m.batching else None,
+            "accelerators": {section: {"name": spec.name, "role": spec.role}
+                             for section, spec in self.accelerators.specs.items()},
+            # The batch policy's settings, under the name the `models` reply has given them (PROTOCOL.md).
+            "batching": _settings(self.accelerators.configs.get(next(
+                (s for s, spec in self.accelerators.specs.items() if spec.role == "batch_policy"), ""))),
             "generate": self.generates,
             **({"metadata": meta} if meta else {}),
         }
@@ -306,3 +310,10 @@ class ServedModel:
             if not inst.abandoned:
                 inst.join(max(0.0, end - time.monotonic()))
         self.state = ModelState.STOPPED
+
+
+def _settings(config: Any) -> Optional[dict[str, Any]]:
+    """A validated section as plain data (a pydantic model, or the mapping as written)."""
+    if config is None:
+        return None
+    return config.model_dump() if hasattr(config, "model_dump") else dict(config)

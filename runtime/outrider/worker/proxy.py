@@ -29,9 +29,9 @@ import numpy as np
 import zmq
 
 from ..backend import Backend
-from ..errors import ExecutionError, InstanceCrashed, OutriderError, error_from_wire
+from ..errors import InstanceCrashed, OutriderError, error_from_wire
 from ..manifest import Manifest
-from ..protocol import decode_tensors, encode_message, parse_type_frame, unpack_header
+from ..protocol import decode_tensors, encode_message, unpack_header
 from .wire import CONNECT_TIMEOUT_S, HEARTBEAT_TIMEOUT_S, LIMITS, POLL_MS
 
 def describe_exit(pid: int, code: int) -> str:
