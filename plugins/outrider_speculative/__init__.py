@@ -87,7 +87,7 @@ def outrider_register_accelerators(register: Callable[..., None]) -> None:
     """Register speculative decoding: the decode strategy of the section `speculative`, for generating backends."""
     register(AcceleratorSpec(
         name="speculative-decoding", role="decode_strategy", section="speculative", factory=make_strategy,
-        backends=("*",), config=SpeculativeSection,  # any backend that generates (the core checks)
+        backends=("*",), config=SpeculativeSection, uses_drafters=True,  # any backend that generates (the core checks)
         description="draft trees (n-gram, trained draft head) verified losslessly in one target forward",
     ))
 

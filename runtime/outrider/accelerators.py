@@ -51,6 +51,9 @@ class AcceleratorSpec:
     #: among accelerators of one role, lower runs first (artifact transforms chain: an export
     #: before a quantization before an engine build)
     order: int = 50
+    #: the object needs the drafters other plugins register: the core calls its
+    #: `bind_registry(drafters)` with {name: factory} once it is built
+    uses_drafters: bool = False
 
     def applies_to(self, backend: str) -> bool:
         """Whether this accelerator can be used with the backend named `backend`."""

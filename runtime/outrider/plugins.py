@@ -141,10 +141,9 @@ class PluginRegistry:
     def accelerators_for(self, manifest: Manifest, backend: type[Backend]) -> AcceleratorSet:
         """Validate and build the accelerators `manifest` turns on, for the chosen backend class."""
         made = select(list(self.accelerators.values()), manifest, backend)
-        for obj in made.values():
-            bind = getattr(obj, "bind_registry", None)
-            if bind is not None:  # e.g. speculative decoding looks up drafters by name
-                bind(self)
+        for section, obj in made.items():
+            if made.specs[section].uses_drafters:  # e.g. speculative decoding finds drafters by name
+                obj.bind_registry(dict(self.drafters))
         return made
 
     def make_task(self, manifest: Manifest) -> Optional[Task]:
