@@ -38,7 +38,7 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Literal, Optional
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Literal, Mapping, Optional
 
 import numpy as np
 
@@ -47,8 +47,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from outrider import hookimpl
 from outrider.artifacts import PROVENANCE, Artifact, ArtifactCache
 from outrider.backend import Availability, Backend, Task
+from outrider.bake import BakedFiles, BakesModel
 from outrider.devices import explain, inventory
-from outrider.errors import ArtifactError, BackendUnavailableError, ExecutionError
+from outrider.errors import ArtifactError, BackendUnavailableError, ExecutionError, ManifestError
 from outrider.manifest import Manifest
 
 from .cores import physical_cores
@@ -190,7 +191,7 @@ def outrider_register_backends(register: Callable[[type], None]) -> None:
         register(cls)
 
 
-class OnnxRuntimeBackend(Backend):
+class OnnxRuntimeBackend(Backend, BakesModel):
     """An ORT InferenceSession over the manifest's ONNX graph (given, or exported and cached)."""
 
     name = "onnxruntime"
@@ -228,6 +229,17 @@ class OnnxRuntimeBackend(Backend):
         #: input shapes -> (input OrtValues, output OrtValues or None): device buffers kept for reuse
         self._bound: OrderedDict[tuple, tuple[dict[str, Any], Optional[list[Any]]]] = OrderedDict()
         self._bind_lock = threading.Lock()
+
+    @classmethod
+    def bake_files(cls, manifest: Manifest, raw: Mapping[str, Any]) -> BakedFiles:
+        """`outrider bake`: the graph (exported now if the cache lacks it) as model.onnx. A manifest
+        with a `quantize` section is refused: quantizing needs the onnx package at start."""
+        if raw.get("quantize"):
+            raise ManifestError(f"{manifest.source_file or manifest.name}: has a 'quantize' section, which needs "
+                                "the onnx package at start; serve it from the full image")
+        return BakedFiles({"model.onnx": onnx_model(manifest)}, {"onnx": "model.onnx"},
+                          "the ONNX graph is exported already (model.onnx), so serving this directory needs "
+                          "onnxruntime and tokenizers, not torch.")
 
     # -- availability -------------------------------------------------------------------------
 
