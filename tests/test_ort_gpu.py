@@ -21,12 +21,12 @@ from outrider.backend import check_options
 from outrider.devices import Inventory
 from outrider.errors import BackendUnavailableError, ManifestError
 from outrider.manifest import validate_manifest
+from outrider.onnx.profiles import ProfileBounds, concat_rows, profile_bounds, profile_shapes, row_chunks
 from outrider.plugins import create_registry
 
 import outrider_onnxruntime as ortp
 from outrider_onnxruntime import CPU, CUDA, TENSORRT, OrtOptions
-from outrider_onnxruntime.profiles import (
-    ProfileBounds, concat_rows, onnx_input_dims, ort_profile_options, profile_bounds, profile_shapes, row_chunks)
+from outrider_onnxruntime.profiles import onnx_input_dims, ort_profile_options
 
 onnx = pytest.importorskip("onnx")
 onnxruntime = pytest.importorskip("onnxruntime")

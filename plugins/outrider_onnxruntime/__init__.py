@@ -17,7 +17,7 @@ On a GPU, inputs and outputs go through I/O binding into device buffers that are
 later calls of the same shapes. The TensorRT provider keeps its engines and timing cache in a
 directory of the core artifact cache keyed by the ONNX file, the GPU, the onnxruntime and
 TensorRT versions and the options, with an explicit optimization profile from the manifest
-(`profiles.py`), so a second start builds nothing.
+(`outrider.onnx.profiles`), so a second start builds nothing.
 
 Manifest options: `onnx` (a file, relative to the manifest; else exported and cached),
 `opset`, `export_timeout_s`, `intra_op_threads` (default: physical cores), `fp16` (TensorRT
@@ -51,12 +51,12 @@ from outrider.bake import BakedFiles, BakesModel
 from outrider.devices import explain, inventory
 from outrider.errors import ArtifactError, BackendUnavailableError, ExecutionError, ManifestError
 from outrider.manifest import Manifest
+from outrider.onnx.artifact import onnx_model
+from outrider.onnx.export import DEFAULT_OPSET  # stdlib only at import: no torch
+from outrider.onnx.profiles import concat_rows, profile_bounds, profile_shapes, row_chunks
 
 from .cores import physical_cores
-from outrider_torch.onnx_export import DEFAULT_OPSET  # stdlib-only module: no torch
-
-from .onnx_artifact import onnx_model
-from .profiles import concat_rows, onnx_input_dims, ort_profile_options, profile_bounds, profile_shapes, row_chunks
+from .profiles import onnx_input_dims, ort_profile_options
 
 if TYPE_CHECKING:
     import onnxruntime
