@@ -136,7 +136,7 @@ def test_padding_does_not_change_an_embedding(ort_backend: Backend) -> None:
 
 
 def test_second_load_uses_the_cached_export(ort_backend: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
-    from outrider_onnxruntime import onnx_artifact
+    from outrider.onnx import artifact as onnx_artifact
 
     cached = ort_backend.onnx_path
     assert cached.is_file() and Path(os.environ["OUTRIDER_CACHE_DIR"]) in cached.parents

@@ -229,7 +229,7 @@ def test_model_paths_exist_in_the_image() -> None:
             continue
         for path in (a for a in argv[1:] if a.endswith(".yaml")):
             if path == "/opt/outrider/models/minilm/manifest.yaml":
-                assert "tools/bake_model.py manifests/minilm.yaml /models/minilm" in cpu, where
+                assert "outrider bake manifests/minilm.yaml /models/minilm" in cpu, where
                 assert "COPY --from=bake /models /opt/outrider/models" in cpu, where
             elif path.startswith("/opt/outrider/manifests/"):
                 assert (ROOT / "manifests" / Path(path).name).is_file(), where
@@ -368,7 +368,7 @@ def test_dockerignore_keeps_the_context_small() -> None:
                  "runtime/outrider/__pycache__/cli.cpython-311.pyc"):
         assert _dockerignore_excludes(path), path
     for path in ("runtime/outrider/cli.py", "plugins/outrider_echo/__init__.py", "manifests/minilm.yaml",
-                 "pyproject.toml", "tools/bake_model.py"):
+                 "pyproject.toml"):
         assert not _dockerignore_excludes(path), path
 
 
@@ -384,6 +384,9 @@ def test_dockerfile_commands_are_real_cli(dockerfile: Path) -> None:
     check = _exec_form(health[health.index("CMD ") + 4:])
     assert check[0] == "outrider" and check[1] == "health"
     _check_cli(check[1:], f"{dockerfile.name} HEALTHCHECK")
+    for run in (a for w, a in instructions if w == "RUN"):  # build stages: `outrider bake ...`
+        for command in re.findall(r"bin/outrider ([^&;|]+)", run):
+            _check_cli(shlex.split(command), f"{dockerfile.name} RUN")
 
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=[p.name for p in DOCKERFILES])
@@ -424,13 +427,13 @@ def test_dockerfile_installs_what_pyproject_and_makefile_define(dockerfile: Path
 
 
 def test_baked_model_serves_without_export(tmp_path: Path, cache_dir: Path) -> None:
-    """tools/bake_model.py writes a directory that `outrider serve` loads as it is: nothing exported
+    """`outrider bake` writes a directory that `outrider serve` loads as it is: nothing exported
     or built into a fresh cache at start, the same embeddings as the source manifest, and the
     container's probes (`outrider health`, `outrider health --live`) answer 0."""
     baked_dir = tmp_path / "models" / "minilm"
-    bake = subprocess.run([sys.executable, str(ROOT / "tools/bake_model.py"), str(ROOT / "manifests/minilm.yaml"),
-                           str(baked_dir)], capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "OUTRIDER_CACHE_DIR": str(cache_dir)})
+    bake = subprocess.run([sys.executable, "-m", "outrider.cli", "bake", str(ROOT / "manifests/minilm.yaml"),
+                           str(baked_dir), "--plugin", "outrider_onnxruntime"], capture_output=True, text=True,
+                          timeout=900, env={**os.environ, "OUTRIDER_CACHE_DIR": str(cache_dir)})
     assert bake.returncode == 0, bake.stderr
     baked = yaml.safe_load((baked_dir / "manifest.yaml").read_text())
     assert baked["name"] == "minilm" and baked["options"]["onnx"] == "model.onnx" and "package" not in baked["model"]
@@ -456,3 +459,20 @@ def test_baked_model_serves_without_export(tmp_path: Path, cache_dir: Path) -> N
             "serving the baked directory built something"
     finally:
         server.stop()
+
+
+def test_bake_refuses_what_it_cannot_bake(tmp_path: Path) -> None:
+    """A quantized manifest (quantizing needs onnx at start) and a backend that declares no baking
+    are refused with the reason, before anything is exported or written."""
+    from outrider.bake import bake
+    from outrider.errors import ManifestError
+    from outrider.plugins import create_registry
+
+    backends = create_registry(["outrider_onnxruntime", "outrider_torch"], load_entry_points=False).backends
+    for manifest, why in (("minilm-int8.yaml", "has a 'quantize' section"),
+                          ("minilm-torch.yaml", "backend 'torch' cannot bake a model directory")):
+        with pytest.raises(ManifestError, match=why):
+            bake(ROOT / "manifests" / manifest, tmp_path / "out", backends)
+    with pytest.raises(ManifestError, match="no loaded plugin registers backend"):
+        bake(ROOT / "manifests/minilm.yaml", tmp_path / "out", {})
+    assert not (tmp_path / "out").exists()

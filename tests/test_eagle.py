@@ -1,12 +1,11 @@
 """The eagle draft head: its weights are tied to the target, its trees are valid, drafting with it stays exact.
 
-A tiny head is trained here (tools/train_draft.py's own collection and training code, a few
+A tiny head is trained here (outrider_speculative.training's own collection and training code, a few
 seconds) for the tiny random Llama; the last test runs the shipped head on SmolLM2 (greedy acceptance).
 """
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
@@ -30,10 +29,8 @@ from outrider_speculative.eagle import (  # noqa: E402
 )
 from outrider_speculative.tree import check_tree  # noqa: E402
 from outrider_speculative.config import OptionError  # noqa: E402
+from outrider_speculative import training  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
-import train_draft  # noqa: E402
 from test_generate import CharTokenizer  # noqa: E402
 
 VOCAB = 16
@@ -63,13 +60,13 @@ def tiny_head(tiny, tmp_path_factory) -> Path:
     """A head trained for a few seconds on the tiny model's own greedy continuations."""
     model, _ = tiny
     gen = torch.Generator().manual_seed(0)
-    prompts = [train_draft.Prompt(torch.randint(0, VOCAB, (6,), generator=gen).tolist(), "chat", 0.0, 0, max_new=48)
+    prompts = [training.Prompt(torch.randint(0, VOCAB, (6,), generator=gen).tolist(), "chat", 0.0, 0, max_new=48)
                for _ in range(40)]
-    store = train_draft.FeatureStore()
-    train_draft.generate(model, prompts, store, time.monotonic() + 60, eos=set(), batch=8, max_length=128)
-    cfg = train_draft.TrainConfig(intermediate_size=64, draft_vocab=VOCAB, batch=64, warmup_steps=5, lr=3e-3,
+    store = training.FeatureStore()
+    training.generate(model, prompts, store, time.monotonic() + 60, eos=set(), batch=8, max_length=128)
+    cfg = training.TrainConfig(intermediate_size=64, draft_vocab=VOCAB, batch=64, warmup_steps=5, lr=3e-3,
                                   precision="fp32", noise=0.0)
-    trainer = train_draft.Trainer(model, store.features(), cfg)
+    trainer = training.Trainer(model, store.features(), cfg)
     trainer.train(minutes=0.06)
     evaluation = trainer.evaluate()
     path = tmp_path_factory.mktemp("eagle") / "tiny-eagle.safetensors"

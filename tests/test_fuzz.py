@@ -1,7 +1,8 @@
 """Hostile input: codec properties (hypothesis) and the socket fuzzer against real servers.
 
-The fuzzer itself is tools/fuzz_socket.py; here it runs bounded: 5,000 messages in the default
-suite, 100,000 (and hostile generation parameters next to well-formed streams) in the slow one.
+The fuzzer itself is tests/fuzz_socket.py (also a command); here it runs bounded: 5,000 messages
+in the default suite, 100,000 (and hostile generation parameters next to well-formed streams) in
+the slow one.
 """
 
 from __future__ import annotations
@@ -15,11 +16,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from conftest import MANIFESTS, ROOT, TEST_PLUGINS, write_manifest
+from conftest import MANIFESTS, TEST_PLUGINS, write_manifest
 from outrider.errors import OutriderError
 from outrider.protocol import Limits, decode_tensors, encode_tensors, parse_tensors, unpack_header
 
-sys.path.insert(0, str(ROOT / "tools"))
 sys.path.insert(0, str(TEST_PLUGINS))
 
 import fuzz_socket  # noqa: E402

@@ -21,12 +21,12 @@ from outrider.backend import check_options
 from outrider.devices import Inventory
 from outrider.errors import BackendUnavailableError, ManifestError
 from outrider.manifest import validate_manifest
+from outrider.onnx.profiles import ProfileBounds, concat_rows, profile_bounds, profile_shapes, row_chunks
 from outrider.plugins import create_registry
 
 import outrider_onnxruntime as ortp
 from outrider_onnxruntime import CPU, CUDA, TENSORRT, OrtOptions
-from outrider_onnxruntime.profiles import (
-    ProfileBounds, concat_rows, onnx_input_dims, ort_profile_options, profile_bounds, profile_shapes, row_chunks)
+from outrider_onnxruntime.profiles import onnx_input_dims, ort_profile_options
 
 onnx = pytest.importorskip("onnx")
 onnxruntime = pytest.importorskip("onnxruntime")
@@ -150,7 +150,10 @@ def test_profile_bounds_come_from_batching_and_sequence_settings(graph: Path) ->
     assert profile_bounds(plain, task_max_length=256) == ProfileBounds(32, 1, 256, 128)
     batched = validate_manifest({**plain.model_dump(exclude={"source_file"}),
                                  "batching": {"max_batch_size": 64, "preferred_batch_sizes": [8, 16]}}, where="b.yaml")
-    assert profile_bounds(batched, task_max_length=96) == ProfileBounds(64, 16, 96, 96)
+    from outrider_batching import DynamicBatcher  # the batch policy the batching section turns on
+
+    assert profile_bounds(batched, task_max_length=96, batch_policy=DynamicBatcher(batched)) == \
+        ProfileBounds(64, 16, 96, 96)
     own = manifest("onnxruntime", graph, max_batch=4, max_seq_length=512)
     assert profile_bounds(own, task_max_length=256) == ProfileBounds(4, 1, 512, 128)
     with pytest.raises(ManifestError, match="'options.max_seq_length': 64 is shorter than the 256 tokens"):

@@ -63,7 +63,7 @@ def task(manifest):
 @pytest.fixture(scope="module")
 def fp32(manifest) -> Path:
     pytest.importorskip("torch")  # the fp32 graph is exported from the safetensors once, then cached
-    from outrider_onnxruntime.onnx_artifact import onnx_model
+    from outrider.onnx.artifact import onnx_model
 
     return onnx_model(manifest)
 

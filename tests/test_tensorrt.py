@@ -101,8 +101,14 @@ def test_engine_builds_once_and_matches_onnxruntime(graph: Path, tmp_path: Path,
                                   "options": {"onnx": str(graph), "max_seq_length": 4}}, where="t.yaml")
     x = np.random.default_rng(2).standard_normal((20, 4)).astype(np.float32)  # 20 rows: three pieces of <= 8
     reference = onnxruntime.InferenceSession(str(graph), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    from outrider.plugins import create_registry
+
+    # The batching section is the batching plugin's: its policy bounds the engine's profile (8 rows).
+    accelerators = create_registry(["outrider_batching"], load_entry_points=False).accelerators_for(
+        manifest, TensorRTBackend)
     for start in range(2):
         backend = TensorRTBackend(manifest, "cuda:0")
+        backend.accelerators = accelerators
         backend.load()
         assert backend.built_now == (start == 0)
         out = backend.execute({"x": x})["y"]

@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "runtime"), str(ROOT / "plugins")]
 
 from outrider.manifest import load_manifest  # noqa: E402
-from outrider_onnxruntime.onnx_artifact import onnx_model  # noqa: E402
+from outrider.onnx.artifact import onnx_model  # noqa: E402
 from outrider.artifacts import package_version  # noqa: E402
 from outrider_quantize.config import QuantizeConfig  # noqa: E402
 from outrider_quantize.onnx import (  # noqa: E402

@@ -114,7 +114,7 @@ def measure(target: Path) -> list[tuple[str, int]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("image", choices=sorted(IMAGES), nargs="?", default="slim")
-    parser.add_argument("--model-dir", type=Path, help="a baked model directory to add (tools/bake_model.py)")
+    parser.add_argument("--model-dir", type=Path, help="a baked model directory to add (outrider bake)")
     parser.add_argument("--keep", type=Path, help="make the venv here and keep it (default: a temporary directory)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()

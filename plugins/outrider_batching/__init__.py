@@ -154,7 +154,7 @@ class DynamicBatcher(Scheduler):
             spec = BatchingSpec.model_validate(section)
         self.max_batch_size = spec.max_batch_size
         self.max_queue_delay = spec.max_queue_delay_ms / 1000
-        self.preferred = frozenset(spec.preferred_batch_sizes)
+        self.preferred_batch_sizes = frozenset(spec.preferred_batch_sizes)
         # Requests taken from the queue that did not fit the batch being formed: the queue has
         # no way to put them back in front, so they open the next batch.
         self._held: deque[PendingRequest] = deque()
@@ -195,7 +195,7 @@ class DynamicBatcher(Scheduler):
                 else:
                     batch.append(request)
                     rows += size
-            if overflow or rows >= self.max_batch_size or rows in self.preferred:
+            if overflow or rows >= self.max_batch_size or rows in self.preferred_batch_sizes:
                 break
             left = deadline - time.monotonic()
             # Alone, and the last batch was alone too: nobody else is sending, so waiting

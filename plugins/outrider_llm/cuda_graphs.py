@@ -26,6 +26,7 @@ eagerly on any device, which is how the CPU tests check it against the eager for
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from dataclasses import dataclass, field
@@ -36,6 +37,8 @@ import torch
 import torch.nn.functional as F
 
 from outrider.generation.contract import Chunk, ForwardOutput
+
+from .model import decoder_layer
 
 log = logging.getLogger("outrider.llm")
 
@@ -160,8 +163,8 @@ def padded_forward(model: Any, kv: torch.Tensor, ints: torch.Tensor, visible: to
                    slots: int, width: int, span: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(hidden [S*W, H], fp32 logits [S*W, vocab]) of a padded step; writes its K/V into `kv`.
 
-    The same operations as `LlamaModel.forward` with `_attend_batch` (all slots 0..S-1 attending
-    together), with the attention mask built from device tensors: no host sync, no shape that
+    The model's `decoder_layer` with attention as `LlamaModel._attend_batch` computes it (all slots
+    0..S-1 attending together), the mask built from device tensors: no host sync, no shape that
     depends on the data, so it can be captured.
     """
     cfg = model.config
@@ -186,10 +189,8 @@ def padded_forward(model: Any, kv: torch.Tensor, ints: torch.Tensor, visible: to
     mask = mask.repeat(1, group, 1).unsqueeze(1)  # query rows are (group member, fed index)
     write_slot = torch.arange(S, device=dev)[:, None].expand(S, W).reshape(n)  # (repeat_interleave may sync)
 
-    x = model.embed_weight.index_select(0, tokens)
-    for li, layer in enumerate(model.layers):
-        qkv = model._qkv_rope(layer, x, cos, sin, low)
-        layer_kv = kv[li]  # [2, slots, kv_heads, capacity, head_dim]
+    def attend(layer_kv: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        """Every slot 0..S-1 at once over positions 0..span-1 (layer_kv: [2, slots, kv_heads, capacity, d])."""
         layer_kv.permute(1, 3, 0, 2, 4)[write_slot, write_pos] = qkv[:, q_width:].view(n, 2, nkv, d)
         q = qkv[:, :q_width].view(S, W, nkv, group, d).permute(0, 2, 3, 1, 4).reshape(S * nkv, group * W, d)
         keys = layer_kv[0, :S, :, :span].reshape(S * nkv, span, d)
@@ -197,8 +198,11 @@ def padded_forward(model: Any, kv: torch.Tensor, ints: torch.Tensor, visible: to
         scores = torch.bmm(q, keys.transpose(1, 2)).view(S, nkv, group * W, span).add_(mask)
         probs = torch.softmax(scores, dim=-1)
         attn = torch.bmm(probs.view(S * nkv, group * W, span), values)
-        attn = attn.view(S, nkv, group, W, d).permute(0, 3, 1, 2, 4).reshape(n, q_width)
-        x = model._attention_out_and_mlp(layer, x, attn, low)
+        return attn.view(S, nkv, group, W, d).permute(0, 3, 1, 2, 4).reshape(n, q_width)
+
+    x = model.embed_weight.index_select(0, tokens)
+    for li, layer in enumerate(model.layers):
+        x = decoder_layer(cfg, layer, x, cos, sin, functools.partial(attend, kv[li]), low)
     hidden = F.rms_norm(x, hidden_shape, model.final_norm, eps)
     logits = model.head(hidden if low is None else hidden.to(low)).float()
     return hidden, logits

@@ -164,105 +164,6 @@ def release_free_memory() -> None:
         pass
 
 
-def _attend_chunk(
-    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cell: torch.Tensor, length: int,
-    mask: Optional[torch.Tensor], num_heads: int, num_kv_heads: int, head_dim: int,
-) -> torch.Tensor:
-    """One layer's attention for one chunk of n tokens: RoPE on q and k, K/V written into `cell`
-    ([2, kv_heads, capacity, head_dim], this layer's slot) at length.., then [n, heads * head_dim].
-
-    The same operations, in the same order, as `LlamaModel._qkv_rope` and `_attend` for a single
-    chunk (so the outputs are bit-identical).
-    """
-    n = qkv.shape[0]
-    d = head_dim
-    group = num_heads // num_kv_heads
-    q_width = num_heads * d
-    _rope_qk(qkv, cos, sin, num_heads + num_kv_heads, head_dim)
-    cell[:, :, length : length + n] = qkv[:, q_width:].view(n, 2, num_kv_heads, d).permute(1, 2, 0, 3)
-    keys, values = cell[0, :, : length + n], cell[1, :, : length + n]
-    q = qkv[:, :q_width].view(n, num_kv_heads, group, d).permute(1, 2, 0, 3).reshape(num_kv_heads, group * n, d)
-    if mask is None:
-        scores = torch.bmm(q, keys.transpose(1, 2))
-    else:
-        scores = torch.baddbmm(mask, q, keys.transpose(1, 2))
-    probs = torch.softmax(scores, dim=-1)
-    return torch.bmm(probs, values).view(num_kv_heads, group, n, d).permute(2, 0, 1, 3).reshape(n, q_width)
-
-
-def _rope_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, qk_heads: int, head_dim: int) -> None:
-    """RoPE on the q and k heads of qkv [n, ...], in place (as `LlamaModel._qkv_rope`)."""
-    n, d = qkv.shape[0], head_dim
-    qk = qkv[:, : qk_heads * d].view(n, qk_heads, d)
-    swapped = qk.view(n, qk_heads, 2, d // 2).flip(2).view(n, qk_heads, d)
-    torch.addcmul(qk * cos, swapped, sin, out=qk)
-
-
-def _int4_chunk_layers(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor, slot: int, length: int,
-    mask: Optional[torch.Tensor], norms: List[torch.Tensor], packed: List[torch.Tensor], scales: List[torch.Tensor],
-    minimums: List[torch.Tensor], group_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
-    intermediate: int, eps: float,
-) -> torch.Tensor:
-    """Every layer for one chunk of n tokens of one slot, all linears torch's packed int4 (bf16 activations).
-
-    Compiled with TorchScript at load, which runs the ~40 small operations per layer without the
-    Python interpreter between them. Layer i's weights are norms[2i:2i+2] and packed/scales[4i:4i+4]
-    (qkv, o, gate_up, down; `minimums` unused, see `_native_int4_chunk_layers`); kv is the cache's
-    [layers, 2, slots, kv_heads, capacity, head_dim] tensor. x is updated in place.
-    """
-    hidden = [x.shape[1]]
-    for li in range(kv.shape[0]):
-        h = F.rms_norm(x, hidden, norms[2 * li], eps).to(torch.bfloat16)
-        qkv = torch.ops.aten._weight_int4pack_mm_for_cpu(h, packed[4 * li], group_size, scales[4 * li]).float()
-        attn = _attend_chunk(qkv, cos, sin, kv[li, :, slot], length, mask, num_heads, num_kv_heads, head_dim)
-        x.add_(torch.ops.aten._weight_int4pack_mm_for_cpu(attn.to(torch.bfloat16), packed[4 * li + 1], group_size,
-                                                          scales[4 * li + 1]))
-        h = F.rms_norm(x, hidden, norms[2 * li + 1], eps).to(torch.bfloat16)
-        gate_up = torch.ops.aten._weight_int4pack_mm_for_cpu(h, packed[4 * li + 2], group_size, scales[4 * li + 2])
-        act = F.silu(gate_up[:, :intermediate]).mul_(gate_up[:, intermediate:])
-        x.add_(torch.ops.aten._weight_int4pack_mm_for_cpu(act, packed[4 * li + 3], group_size, scales[4 * li + 3]))
-    return x
-
-
-def _native_int4_chunk_layers(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor, chunks: torch.Tensor,
-    visible: torch.Tensor, norms: List[torch.Tensor], packed: List[torch.Tensor], scales: List[torch.Tensor],
-    minimums: List[torch.Tensor], group_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
-    intermediate: int, eps: float,
-) -> torch.Tensor:
-    """`_int4_chunk_layers` with outrider's int4_mm (native.py; bf16 in, fp32 out) for every chunk
-    of a step at once: `outrider::attend` over `chunks` / `visible` (see `_NativeChunks`)."""
-    hidden = [x.shape[1]]
-    for li in range(kv.shape[0]):
-        h = F.rms_norm(x, hidden, norms[2 * li], eps).to(torch.bfloat16)
-        qkv = torch.ops.outrider.int4_mm(h, packed[4 * li], scales[4 * li], minimums[4 * li], group_size)
-        _rope_qk(qkv, cos, sin, num_heads + num_kv_heads, head_dim)
-        attn = torch.ops.outrider.attend(qkv, kv[li], chunks, visible, num_heads, num_kv_heads)
-        x.add_(torch.ops.outrider.int4_mm(attn.to(torch.bfloat16), packed[4 * li + 1], scales[4 * li + 1],
-                                          minimums[4 * li + 1], group_size))
-        h = F.rms_norm(x, hidden, norms[2 * li + 1], eps).to(torch.bfloat16)
-        gate_up = torch.ops.outrider.int4_mm(h, packed[4 * li + 2], scales[4 * li + 2], minimums[4 * li + 2],
-                                             group_size)
-        act = F.silu(gate_up[:, :intermediate]).mul_(gate_up[:, intermediate:]).to(torch.bfloat16)
-        x.add_(torch.ops.outrider.int4_mm(act, packed[4 * li + 3], scales[4 * li + 3], minimums[4 * li + 3],
-                                          group_size))
-    return x
-
-
-def _w4a8_layers(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor, chunks: torch.Tensor,
-    visible: torch.Tensor, norms: List[torch.Tensor], packed: List[torch.Tensor], scales: List[torch.Tensor],
-    minimums: List[torch.Tensor], group_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
-    intermediate: int, eps: float,
-) -> torch.Tensor:
-    """`_native_int4_chunk_layers` for w4a8 weights, as one native call (csrc/ops.cpp)."""
-    rows = x.shape[0]
-    torch.ops.outrider.w4a8_layers(x, cos.view(rows, head_dim), sin.view(rows, head_dim), kv, chunks, visible, norms,
-                                   packed, scales, minimums, group_size, num_heads, num_kv_heads, intermediate, eps)
-    return x
-
-
 def _w8a8_head(table: torch.Tensor, exact: Optional[Int8BlockTable]) -> "W8A8Linear":
     """The LM head in blocks of 32 int8 values with one scale each: the GGUF's own Q8_0 values when
     the table is such (`exact`, from Int8BlockTable.exact), else quantized so (scale amax / 127,
@@ -275,23 +176,203 @@ def _w8a8_head(table: torch.Tensor, exact: Optional[Int8BlockTable]) -> "W8A8Lin
     return W8A8Linear(q.to(torch.int8).view(table.shape), scale)
 
 
+# ---- the decoder layer ---------------------------------------------------------------------------
+#
+# What one decoder layer computes, written once, in `decoder_layer`:
+#
+#     h = RMSNorm(x);  qkv = h Wqkv (+ b: qwen2);  RMSNorm over each q and k head (qwen3);  RoPE on q, k
+#     x += attend(qkv) Wo
+#     h = RMSNorm(x);  x += (silu(h Wgate) * h Wup) Wdown
+#
+# Its implementations:
+# - the eager forward (`LlamaModel.forward`) and the CUDA-graph step (`cuda_graphs.padded_forward`) run
+#   `decoder_layer` itself, each with its own attention (per chunk or batched; padded, all slots);
+# - `_Int4LayerStack`, compiled by TorchScript: every layer for packed int4 weights and bf16
+#   activations, one body for torch's int4 kernel (one chunk) and outrider's int4_mm (every chunk).
+#   It restates the layer because TorchScript can call neither the eager kernels (Python objects)
+#   nor a function passed in; it is built from the same pieces (`_rope_qk`, `_swiglu`,
+#   `_attend_chunk`), and tests/test_llm_quant.py holds it to the eager forward's bits;
+# - `outrider::w4a8_layers` (csrc/ops.cpp): the whole stack in one native call.
+# The two fused stacks compute the plain Llama layer only (FUSED_LAYER_FEATURES); a model using any
+# other part of `decoder_layer` (`layer_features`) runs `decoder_layer`. So a new architecture
+# feature is its lines in `decoder_layer` and its name in `layer_features`.
+
+#: The optional parts of `decoder_layer` the fused stacks also compute (none: plain Llama layers).
+FUSED_LAYER_FEATURES: frozenset[str] = frozenset()
+
+
+def layer_features(config: LlamaConfig) -> frozenset[str]:
+    """The optional parts of `decoder_layer` that `config` turns on."""
+    used = {"qkv_bias": config.qkv_bias, "qk_norm": config.qk_norm}
+    return frozenset(name for name, on in used.items() if on)
+
+
+def decoder_layer(config: LlamaConfig, layer: "_Layer", x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  attend: Callable[[torch.Tensor], torch.Tensor], low: Optional[torch.dtype]) -> torch.Tensor:
+    """The residual stream x [T, hidden] after `layer` (x is updated in place).
+
+    `attend(qkv)` is this layer's attention: it takes q | k | v [T, (heads + 2 kv_heads) * head_dim]
+    after RoPE, writes k and v into the cache and returns [T, heads * head_dim]. `low` is the matmul
+    dtype where it is not fp32: only the matmuls' inputs take it; the residual stream, norms, RoPE,
+    attention and the KV cache stay fp32 (bf16 bmm ran 2.5x slower than fp32 here, and fp32 keeps
+    accuracy).
+    """
+    cfg = config
+    d, eps, hidden = cfg.head_dim, cfg.rms_norm_eps, (cfg.hidden_size,)
+    h = F.rms_norm(x, hidden, layer.attn_norm, eps)
+    qkv = layer.qkv(h if low is None else h.to(low))
+    if low is not None:
+        qkv = qkv.float()
+    if layer.qkv_bias is not None:  # qwen2
+        qkv = qkv + layer.qkv_bias
+    if layer.q_norm is not None:  # qwen3: RMSNorm over each head of q and of k
+        total, nq, nk = x.shape[0], cfg.num_heads * d, cfg.num_kv_heads * d
+        q, k = qkv[:, :nq].view(total, cfg.num_heads, d), qkv[:, nq:nq + nk].view(total, cfg.num_kv_heads, d)
+        q.copy_(F.rms_norm(q, (d,), layer.q_norm, eps))
+        k.copy_(F.rms_norm(k, (d,), layer.k_norm, eps))
+    _rope_qk(qkv, cos, sin, cfg.num_heads + cfg.num_kv_heads, d)  # qkv is now q' | k' | v
+    attn = attend(qkv)
+    # fp32 += bf16 upcasts inside the add: the same sums, no fp32 copy of the matmul's output.
+    x.add_(layer.o(attn if low is None else attn.to(low)))
+    h = F.rms_norm(x, hidden, layer.mlp_norm, eps)
+    gate_up = layer.gate_up(h if low is None else h.to(low))
+    x.add_(layer.down(_swiglu(gate_up, cfg.intermediate_size)))
+    return x
+
+
+def _rope_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, qk_heads: int, head_dim: int) -> None:
+    """RoPE on the q and k heads of qkv [n, ...], in place (`sin` signed as `LlamaModel._rope_table` keeps it)."""
+    n, d = qkv.shape[0], head_dim
+    qk = qkv[:, : qk_heads * d].view(n, qk_heads, d)
+    swapped = qk.view(n, qk_heads, 2, d // 2).flip(2).view(n, qk_heads, d)
+    torch.addcmul(qk * cos, swapped, sin, out=qk)
+
+
+def _swiglu(gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
+    """silu(gate) * up, from the fused gate | up projection's output [T, 2 * intermediate]."""
+    return F.silu(gate_up[:, :intermediate]).mul_(gate_up[:, intermediate:])
+
+
+def _attend_chunk(qkv: torch.Tensor, cell: torch.Tensor, length: int, mask: Optional[torch.Tensor], num_heads: int,
+                  num_kv_heads: int, head_dim: int) -> torch.Tensor:
+    """Attention of one chunk's n rows of qkv (after RoPE) against its slot: K/V written into `cell`
+    ([2, kv_heads, capacity, head_dim]) at length.., then [n, heads * head_dim].
+
+    Queries go grouped by their KV head, [kv_heads, group * n, d], so K/V are read as stored;
+    `mask` is additive [group * n, length + n] (None: every row sees everything, a single token).
+    """
+    n, d = qkv.shape[0], head_dim
+    group, q_width = num_heads // num_kv_heads, num_heads * head_dim
+    cell[:, :, length : length + n] = qkv[:, q_width:].view(n, 2, num_kv_heads, d).permute(1, 2, 0, 3)
+    keys, values = cell[0, :, : length + n], cell[1, :, : length + n]
+    q = qkv[:, :q_width].view(n, num_kv_heads, group, d).permute(1, 2, 0, 3).reshape(num_kv_heads, group * n, d)
+    if mask is None:
+        scores = torch.bmm(q, keys.transpose(1, 2))
+    else:
+        scores = torch.baddbmm(mask, q, keys.transpose(1, 2))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.bmm(probs, values).view(num_kv_heads, group, n, d).permute(2, 0, 1, 3).reshape(n, q_width)
+
+
+class _AtenInt4Matmul(torch.nn.Module):
+    """torch's packed int4 kernel: bf16 in, bf16 out (no minimums: its zeros are in `scales`)."""
+
+    def forward(self, x: torch.Tensor, i: int, packed: List[torch.Tensor], scales: List[torch.Tensor],
+                minimums: List[torch.Tensor], group_size: int) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed[i], group_size, scales[i])
+
+
+class _NativeInt4Matmul(torch.nn.Module):
+    """outrider's int4_mm (native.py): bf16 in, fp32 out."""
+
+    def forward(self, x: torch.Tensor, i: int, packed: List[torch.Tensor], scales: List[torch.Tensor],
+                minimums: List[torch.Tensor], group_size: int) -> torch.Tensor:
+        return torch.ops.outrider.int4_mm(x, packed[i], scales[i], minimums[i], group_size)
+
+
+class _OneChunkAttention(torch.nn.Module):
+    """The step's one chunk (`slot`, `length` committed, `mask`) through torch ops; `chunks` and
+    `visible` unused."""
+
+    def forward(self, qkv: torch.Tensor, kv: torch.Tensor, chunks: torch.Tensor, visible: torch.Tensor, slot: int,
+                length: int, mask: Optional[torch.Tensor], num_heads: int, num_kv_heads: int,
+                head_dim: int) -> torch.Tensor:
+        return _attend_chunk(qkv, kv[:, slot], length, mask, num_heads, num_kv_heads, head_dim)
+
+
+class _NativeAttention(torch.nn.Module):
+    """Every chunk of the step through `outrider::attend` (`chunks` / `visible` as `_NativeChunks`
+    holds them); `slot`, `length` and `mask` unused."""
+
+    def forward(self, qkv: torch.Tensor, kv: torch.Tensor, chunks: torch.Tensor, visible: torch.Tensor, slot: int,
+                length: int, mask: Optional[torch.Tensor], num_heads: int, num_kv_heads: int,
+                head_dim: int) -> torch.Tensor:
+        return torch.ops.outrider.attend(qkv, kv, chunks, visible, num_heads, num_kv_heads)
+
+
+class _Int4LayerStack(torch.nn.Module):
+    """Every layer of a step, all linears packed int4 with bf16 activations: `decoder_layer` for
+    FUSED_LAYER_FEATURES, the matmul and the attention fixed when TorchScript compiles it (which
+    then runs the ~40 small operations per layer without the interpreter between them).
+
+    Layer i's weights are norms[2i:2i+2] and packed/scales/minimums[4i:4i+4] (qkv, o, gate_up,
+    down); kv is the cache's [layers, 2, slots, kv_heads, capacity, head_dim]. x is updated in place.
+    """
+
+    def __init__(self, matmul: torch.nn.Module, attention: torch.nn.Module) -> None:
+        super().__init__()
+        self.matmul, self.attention = matmul, attention
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor, chunks: torch.Tensor,
+                visible: torch.Tensor, slot: int, length: int, mask: Optional[torch.Tensor], norms: List[torch.Tensor],
+                packed: List[torch.Tensor], scales: List[torch.Tensor], minimums: List[torch.Tensor], group_size: int,
+                num_heads: int, num_kv_heads: int, head_dim: int, intermediate: int, eps: float) -> torch.Tensor:
+        hidden = [x.shape[1]]
+        for li in range(kv.shape[0]):
+            h = F.rms_norm(x, hidden, norms[2 * li], eps).to(torch.bfloat16)
+            qkv = self.matmul(h, 4 * li, packed, scales, minimums, group_size).float()
+            _rope_qk(qkv, cos, sin, num_heads + num_kv_heads, head_dim)
+            attn = self.attention(qkv, kv[li], chunks, visible, slot, length, mask, num_heads, num_kv_heads, head_dim)
+            x.add_(self.matmul(attn.to(torch.bfloat16), 4 * li + 1, packed, scales, minimums, group_size))
+            h = F.rms_norm(x, hidden, norms[2 * li + 1], eps).to(torch.bfloat16)
+            gate_up = self.matmul(h, 4 * li + 2, packed, scales, minimums, group_size)
+            act = _swiglu(gate_up, intermediate).to(torch.bfloat16)
+            x.add_(self.matmul(act, 4 * li + 3, packed, scales, minimums, group_size))
+        return x
+
+
+def _w4a8_layers(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor, chunks: torch.Tensor,
+    visible: torch.Tensor, slot: int, length: int, mask: Optional[torch.Tensor], norms: List[torch.Tensor],
+    packed: List[torch.Tensor], scales: List[torch.Tensor], minimums: List[torch.Tensor], group_size: int,
+    num_heads: int, num_kv_heads: int, head_dim: int, intermediate: int, eps: float,
+) -> torch.Tensor:
+    """`_Int4LayerStack`'s call for w4a8 weights: one native call (csrc/ops.cpp), every chunk of the
+    step attending through `chunks` / `visible` (`slot`, `length`, `mask` unused)."""
+    rows = x.shape[0]
+    torch.ops.outrider.w4a8_layers(x, cos.view(rows, head_dim), sin.view(rows, head_dim), kv, chunks, visible, norms,
+                                   packed, scales, minimums, group_size, num_heads, num_kv_heads, intermediate, eps)
+    return x
+
+
 _SCRIPTED: dict[str, object] = {}
 
 
 def _scripted_int4_layers(native: bool):
-    """The int4 layer stack compiled by TorchScript once per process (None where that fails)."""
+    """The int4 layer stack on outrider's int4_mm and attention (`native`) or torch's, compiled by
+    TorchScript once per process (None where that fails)."""
     key = "native" if native else "aten"
     if key not in _SCRIPTED:
         try:
             import warnings
 
+            stack = (_Int4LayerStack(_NativeInt4Matmul(), _NativeAttention()) if native
+                     else _Int4LayerStack(_AtenInt4Matmul(), _OneChunkAttention()))
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # TorchScript's deprecation notice: it still runs
-                _SCRIPTED[key] = torch.jit.script(_native_int4_chunk_layers if native else _int4_chunk_layers)
+                _SCRIPTED[key] = torch.jit.script(stack)
         except Exception as exc:  # TorchScript missing or changed: the eager path serves
-            import logging
-
-            logging.getLogger("outrider.llm").info("TorchScript layer stack unavailable (%s); eager forward", exc)
+            log.info("TorchScript layer stack unavailable (%s); eager forward", exc)
             _SCRIPTED[key] = None
     return _SCRIPTED[key]
 
@@ -532,14 +613,16 @@ class LlamaModel(torch.nn.Module):
                 and W8A8Linear.usable(self.vocab_size, self.hidden_size))
 
     def _plan_fast_layers(self) -> Optional[tuple]:
-        """(scripted fn, norms, packed, scales, group) when every layer linear is a packed int4
-        kernel without a dense copy (the quantized SmolLM2 here), else None: eager only."""
+        """(fused stack, norms, packed, scales, minimums, group) when every layer linear is a packed
+        int4 kernel without a dense copy (the quantized SmolLM2 here) and the layers need nothing
+        beyond FUSED_LAYER_FEATURES, else None: `decoder_layer` per operation."""
         from .linear import Int4Linear
 
         linears = [k for layer in self.layers for k in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        if self.config.qkv_bias or self.config.qk_norm:
-            log.info("%s layers (q/k/v biases or q/k norms) run per operation: the fused native layer stack "
-                     "has neither", self.config.architecture)
+        beyond = layer_features(self.config) - FUSED_LAYER_FEATURES
+        if beyond:
+            log.info("%s layers (%s) run per operation: the fused layer stacks compute plain Llama layers",
+                     self.config.architecture, ", ".join(sorted(beyond)))
             return None
         if self.device.type != "cpu" or not linears or not all(
             type(k) is Int4Linear and k.dense is None for k in linears
@@ -600,11 +683,6 @@ class LlamaModel(torch.nn.Module):
 
         self.graph_runner = CudaGraphRunner(self, cache, **options)
         return self.graph_runner
-
-    def kv_bytes_per_slot(self, max_length: int) -> int:
-        """Bytes one slot of `new_cache(..., max_length)` holds."""
-        c = self.config
-        return c.num_layers * 2 * c.num_kv_heads * max_length * c.head_dim * 4  # fp32 in every mode
 
     @torch.no_grad()
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -707,14 +785,7 @@ class LlamaModel(torch.nn.Module):
         cos = self._cos.index_select(0, positions)[:, None, :]
         sin = self._sin_signed.index_select(0, positions)[:, None, :]
 
-        d = cfg.head_dim
-        eps = cfg.rms_norm_eps
-        hidden_shape = (cfg.hidden_size,)
-        inter = cfg.intermediate_size
-
-        # Only the matmuls run in self.dtype; the residual stream, norms, RoPE, attention and the
-        # KV cache stay fp32 (bf16 bmm ran 2.5x slower than fp32 here, and fp32 keeps accuracy).
-        low = self.dtype if self.dtype != torch.float32 else None
+        low = self.dtype if self.dtype != torch.float32 else None  # the matmul dtype (see decoder_layer)
         x = self.embed_weight.index_select(0, tokens)
         fast = self._fast_layers
         if self.native_attention:  # the native stack: every chunk of the step, none through SDPA
@@ -724,15 +795,16 @@ class LlamaModel(torch.nn.Module):
         if fast is not None:
             fn, norms, packed, scales, minimums, group_size = fast
             if self.native_attention:
-                where: tuple = (batch.chunks, batch.visible)
+                where: tuple = (batch.chunks, batch.visible, 0, 0, None)
             else:
-                where = (plan[0].slot, plan[0].length, plan[0].mask)
+                where = (_CAUSAL, _CAUSAL, plan[0].slot, plan[0].length, plan[0].mask)
             fn(x, cos, sin, cache.kv, *where, norms, packed, scales, minimums, group_size,
-               cfg.num_heads, cfg.num_kv_heads, d, inter, eps)
-        for li, layer in enumerate(self.layers if fast is None else ()):
-            qkv = self._qkv_rope(layer, x, cos, sin, low)
-            x = self._attention_out_and_mlp(layer, x, self._attend(cache.kv[li], qkv, plan, batch), low)
-        hidden = F.rms_norm(x, hidden_shape, self.final_norm, eps)
+               cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps)
+        else:
+            for li, layer in enumerate(self.layers):
+                x = decoder_layer(cfg, layer, x, cos, sin,
+                                  lambda qkv, kv=cache.kv[li]: self._attend(kv, qkv, plan, batch), low)
+        hidden = F.rms_norm(x, (cfg.hidden_size,), self.final_norm, cfg.rms_norm_eps)
         for slot, n, _ in spans:
             cache._fed[slot] = n
         if logit_rows is not None:
@@ -747,48 +819,6 @@ class LlamaModel(torch.nn.Module):
 
     # ---- helpers -------------------------------------------------------------------------
 
-    def _qkv_rope(self, layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  low: Optional[torch.dtype]) -> torch.Tensor:
-        """One layer's [T, (nh + 2 nkv) * d] q | k | v (fp32) from the residual x, RoPE applied to q and k.
-
-        Shared by the eager forward and the CUDA-graph step (cuda_graphs.py); `low` is the matmul
-        dtype when it is not fp32.
-        """
-        cfg = self.config
-        d, qk_heads, total = cfg.head_dim, cfg.num_heads + cfg.num_kv_heads, x.shape[0]
-        h = F.rms_norm(x, (cfg.hidden_size,), layer.attn_norm, cfg.rms_norm_eps)
-        qkv = layer.qkv(h if low is None else h.to(low))
-        if low is not None:
-            qkv = qkv.float()
-        if layer.qkv_bias is not None:  # qwen2
-            qkv = qkv + layer.qkv_bias
-        if layer.q_norm is not None:  # qwen3: RMSNorm over each head of q and of k
-            nq, nk = cfg.num_heads * d, cfg.num_kv_heads * d
-            q, k = qkv[:, :nq].view(total, cfg.num_heads, d), qkv[:, nq:nq + nk].view(total, cfg.num_kv_heads, d)
-            q.copy_(F.rms_norm(q, (d,), layer.q_norm, cfg.rms_norm_eps))
-            k.copy_(F.rms_norm(k, (d,), layer.k_norm, cfg.rms_norm_eps))
-        qk = qkv[:, : qk_heads * d].view(total, qk_heads, d)
-        swapped = qk.view(total, qk_heads, 2, d // 2).flip(2).view(total, qk_heads, d)
-        torch.addcmul(qk * cos, swapped, sin, out=qk)  # RoPE in place: qkv is now q' | k' | v
-        return qkv
-
-    def _attention_out_and_mlp(self, layer: _Layer, x: torch.Tensor, attn: torch.Tensor,
-                               low: Optional[torch.dtype]) -> torch.Tensor:
-        """The residual after one layer's output projection of `attn` and its MLP (x may be updated in place)."""
-        cfg = self.config
-        hidden_shape, inter, eps = (cfg.hidden_size,), cfg.intermediate_size, cfg.rms_norm_eps
-        if low is None:
-            x = layer.o(attn).add_(x)
-            h = F.rms_norm(x, hidden_shape, layer.mlp_norm, eps)
-            gate_up = layer.gate_up(h)
-            return layer.down(F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])).add_(x)
-        # fp32 += bf16 upcasts inside the add: the same sums, two fewer copies per layer.
-        x.add_(layer.o(attn.to(low)))
-        h = F.rms_norm(x, hidden_shape, layer.mlp_norm, eps).to(low)
-        gate_up = layer.gate_up(h)
-        x.add_(layer.down(F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])))
-        return x
-
     def _attend(
         self, kv: torch.Tensor, qkv: torch.Tensor, plan: list[_ChunkPlan],
         batch: "_BatchPlan | _NativeChunks | None",
@@ -799,7 +829,7 @@ class LlamaModel(torch.nn.Module):
         """
         cfg = self.config
         nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        group, q_width = nh // nkv, nh * d
+        q_width = nh * d
         total = qkv.shape[0]
         attn = None
         if isinstance(batch, _NativeChunks):
@@ -815,25 +845,16 @@ class LlamaModel(torch.nn.Module):
         for c in plan:
             n, start, end, length = c.end - c.start, c.start, c.end, c.length
             cell = kv[:, c.slot]  # [2, nkv, max_len, d]
-            cell[:, :, length : length + n] = qkv[start:end, q_width:].view(n, 2, nkv, d).permute(1, 2, 0, 3)
-            keys, values = cell[0, :, : length + n], cell[1, :, : length + n]
-            q = qkv[start:end, :q_width].view(n, nh, d)
             if c.use_sdpa:
+                cell[:, :, length : length + n] = qkv[start:end, q_width:].view(n, 2, nkv, d).permute(1, 2, 0, 3)
+                keys, values = cell[0, :, : length + n], cell[1, :, : length + n]
                 out = F.scaled_dot_product_attention(
-                    q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
-                    attn_mask=c.mask, is_causal=c.mask is None, scale=1.0, enable_gqa=True,
+                    qkv[start:end, :q_width].view(n, nh, d).transpose(0, 1).unsqueeze(0), keys.unsqueeze(0),
+                    values.unsqueeze(0), attn_mask=c.mask, is_causal=c.mask is None, scale=1.0, enable_gqa=True,
                 )
                 out = out[0].transpose(0, 1).reshape(n, q_width)
             else:
-                # Queries grouped by their KV head: [nkv, group * n, d], so K/V are read as stored.
-                q = q.view(n, nkv, group, d).permute(1, 2, 0, 3).reshape(nkv, group * n, d)
-                if c.mask is None:
-                    scores = torch.bmm(q, keys.transpose(1, 2))
-                else:
-                    scores = torch.baddbmm(c.mask, q, keys.transpose(1, 2))
-                probs = torch.softmax(scores, dim=-1)
-                out = torch.bmm(probs, values)  # [nkv, group * n, d]
-                out = out.view(nkv, group, n, d).permute(2, 0, 1, 3).reshape(n, q_width)
+                out = _attend_chunk(qkv[start:end], cell, length, c.mask, nh, nkv, d)
             if attn is None:
                 if len(plan) == 1:
                     return out

@@ -17,7 +17,7 @@ On a GPU, inputs and outputs go through I/O binding into device buffers that are
 later calls of the same shapes. The TensorRT provider keeps its engines and timing cache in a
 directory of the core artifact cache keyed by the ONNX file, the GPU, the onnxruntime and
 TensorRT versions and the options, with an explicit optimization profile from the manifest
-(`profiles.py`), so a second start builds nothing.
+(`outrider.onnx.profiles`), so a second start builds nothing.
 
 Manifest options: `onnx` (a file, relative to the manifest; else exported and cached),
 `opset`, `export_timeout_s`, `intra_op_threads` (default: physical cores), `fp16` (TensorRT
@@ -38,7 +38,7 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Literal, Optional
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Literal, Mapping, Optional
 
 import numpy as np
 
@@ -47,15 +47,16 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from outrider import hookimpl
 from outrider.artifacts import PROVENANCE, Artifact, ArtifactCache
 from outrider.backend import Availability, Backend, Task
+from outrider.bake import BakedFiles, BakesModel
 from outrider.devices import explain, inventory
-from outrider.errors import ArtifactError, BackendUnavailableError, ExecutionError
+from outrider.errors import ArtifactError, BackendUnavailableError, ExecutionError, ManifestError
 from outrider.manifest import Manifest
+from outrider.onnx.artifact import onnx_model
+from outrider.onnx.export import DEFAULT_OPSET  # stdlib only at import: no torch
+from outrider.onnx.profiles import concat_rows, profile_bounds, profile_shapes, row_chunks
 
 from .cores import physical_cores
-from outrider_torch.onnx_export import DEFAULT_OPSET  # stdlib-only module: no torch
-
-from .onnx_artifact import onnx_model
-from .profiles import concat_rows, onnx_input_dims, ort_profile_options, profile_bounds, profile_shapes, row_chunks
+from .profiles import onnx_input_dims, ort_profile_options
 
 if TYPE_CHECKING:
     import onnxruntime
@@ -190,7 +191,7 @@ def outrider_register_backends(register: Callable[[type], None]) -> None:
         register(cls)
 
 
-class OnnxRuntimeBackend(Backend):
+class OnnxRuntimeBackend(Backend, BakesModel):
     """An ORT InferenceSession over the manifest's ONNX graph (given, or exported and cached)."""
 
     name = "onnxruntime"
@@ -228,6 +229,17 @@ class OnnxRuntimeBackend(Backend):
         #: input shapes -> (input OrtValues, output OrtValues or None): device buffers kept for reuse
         self._bound: OrderedDict[tuple, tuple[dict[str, Any], Optional[list[Any]]]] = OrderedDict()
         self._bind_lock = threading.Lock()
+
+    @classmethod
+    def bake_files(cls, manifest: Manifest, raw: Mapping[str, Any]) -> BakedFiles:
+        """`outrider bake`: the graph (exported now if the cache lacks it) as model.onnx. A manifest
+        with a `quantize` section is refused: quantizing needs the onnx package at start."""
+        if raw.get("quantize"):
+            raise ManifestError(f"{manifest.source_file or manifest.name}: has a 'quantize' section, which needs "
+                                "the onnx package at start; serve it from the full image")
+        return BakedFiles({"model.onnx": onnx_model(manifest)}, {"onnx": "model.onnx"},
+                          "the ONNX graph is exported already (model.onnx), so serving this directory needs "
+                          "onnxruntime and tokenizers, not torch.")
 
     # -- availability -------------------------------------------------------------------------
 
@@ -354,7 +366,7 @@ class OnnxRuntimeBackend(Backend):
 
     def _tensorrt_profile(self) -> dict[str, str]:
         """The TensorRT provider's explicit profile from the manifest (needs `onnx` to read the inputs)."""
-        bounds = profile_bounds(self.manifest, getattr(self.task, "max_length", None))
+        bounds = profile_bounds(self.manifest, getattr(self.task, "max_length", None), self.accelerators.batch_policy)
         self.profile_bounds = bounds
         dims = onnx_input_dims(self.onnx_path)
         if dims is None:

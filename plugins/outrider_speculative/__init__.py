@@ -13,6 +13,8 @@ and verifies:
 - `tree.py`      SpecTree (sampled candidates), prune_tree, merge_trees, build_dynamic_tree
 - `verify.py`    Verdict and the accept rule (greedy; multi-candidate speculative sampling), on
                  the target distribution plain decoding defines (outrider.generation.sampling)
+- `training.py`  the draft head's trainer (collection, training, export; tools/train_draft.py
+                 is its command line); imported by nothing here, it needs torch
 
 Importing this package imports no torch; the factories do, when a manifest asks for them.
 """

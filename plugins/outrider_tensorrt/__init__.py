@@ -1,7 +1,7 @@
 """`tensorrt` backend: a TensorRT 10/11 engine built from the model's ONNX graph, cached on disk.
 
-The ONNX graph comes from the ONNX Runtime plugin's artifact cache (`options.onnx`, or an
-export made once). Building an engine takes minutes, so the engine goes through the core
+The ONNX graph comes from the core's ONNX artifact (`outrider.onnx.artifact`: `options.onnx`, or
+an export made once), the one the ONNX Runtime backends serve. Building an engine takes minutes, so the engine goes through the core
 artifact cache too, keyed by the ONNX file's hash, the TensorRT version, the GPU model, its
 compute capability and the build options: a second start deserializes and builds nothing.
 
@@ -11,7 +11,7 @@ once, cached; inputs and outputs keep their types), and an ONNX file quantized w
 ModelOpt (Q/DQ nodes) given as `options.onnx` builds as int8/fp8 the same way.
 
 One optimization profile covers the batch and sequence lengths the manifest allows
-(`outrider_onnxruntime.profiles`); a call with more rows runs in pieces. Device and pinned
+(`outrider.onnx.profiles`); a call with more rows runs in pieces. Device and pinned
 host buffers for the largest shapes are allocated once per instance, and each call runs with
 `execute_async_v3` on the instance's CUDA stream. torch provides the allocator and stream.
 A CUDA error fails the instance (it is replaced, and the model is not ready while none serves):
@@ -41,9 +41,9 @@ from outrider.devices import inventory
 from outrider.errors import BadRequestError, ExecutionError, OutriderError
 from outrider.manifest import Manifest
 from outrider.errors import InstanceCrashed
-from outrider_onnxruntime.onnx_artifact import onnx_model
-from outrider_onnxruntime.profiles import ProfileBounds, concat_rows, profile_bounds, profile_shapes, row_chunks
-from outrider_torch.onnx_export import DEFAULT_OPSET  # stdlib-only module: no torch
+from outrider.onnx.artifact import onnx_model
+from outrider.onnx.export import DEFAULT_OPSET  # stdlib only at import: no torch
+from outrider.onnx.profiles import ProfileBounds, concat_rows, profile_bounds, profile_shapes, row_chunks
 
 __version__ = "0.1.0"
 
@@ -166,7 +166,7 @@ class TensorRTBackend(Backend):
         onnx_path = onnx_model(self.manifest)
         if opts.fp16:
             onnx_path = fp16_onnx(cache, onnx_path, label=f"{self.manifest.name} fp16 ONNX")
-        self.bounds = profile_bounds(self.manifest, getattr(self.task, "max_length", None))
+        self.bounds = profile_bounds(self.manifest, getattr(self.task, "max_length", None), self.accelerators.batch_policy)
         build_options = {"bounds": self.bounds.__dict__, "fp16": opts.fp16, "workspace_mb": opts.workspace_mb,
                          "strongly_typed": True}
         self.gpu = torch.cuda.get_device_name(self._device)

@@ -1,8 +1,8 @@
 """`torch` backend: the task's PyTorch module on CPU or CUDA.
 
-It also owns the ONNX export (`python -m outrider_torch.onnx_export`), which the ONNX Runtime
-and TensorRT plugins run in a subprocess. Importing this plugin does not import torch; `load`
-does, when a manifest asks for this backend.
+The task's module is `outrider.torch_modules`, in the core, because the ONNX export the ONNX
+Runtime and TensorRT backends serve (`outrider.onnx.export`) traces the same module. Importing
+this plugin does not import torch; `load` does, when a manifest asks for this backend.
 
 Manifest options: `threads` (torch intra-op threads on CPU; default: the CPUs this process may
 use; torch has one pool per process, see `outrider.torch_process`), `dtype` (auto | float32 |
@@ -73,7 +73,7 @@ def compute_dtype(option: str, device: str) -> str:
 
 
 class TorchBackend(Backend):
-    """Runs the task's torch module (see `outrider_torch.models`) under `inference_mode`."""
+    """Runs the task's torch module (see `outrider.torch_modules`) under `inference_mode`."""
 
     name = "torch"
     options_model = TorchOptions
@@ -110,7 +110,7 @@ class TorchBackend(Backend):
         """Build the task's module from the model directory, move it to the device."""
         import torch
 
-        from .models import MODELS, build_model
+        from outrider.torch_modules import MODELS, build_model
 
         start = time.perf_counter()
         where = self.manifest.source_file or self.manifest.name

@@ -1,4 +1,4 @@
-"""The `outrider` command: serve, health, plugins, infer, generate, keygen."""
+"""The `outrider` command: serve, health, plugins, cache, infer, generate, keygen, bake."""
 
 from __future__ import annotations
 
@@ -216,6 +216,19 @@ def cmd_keygen(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bake(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .bake import bake
+    from .plugins import create_registry
+
+    out = Path(args.out)
+    baked = bake(Path(args.manifest), out, create_registry(modules=args.plugin).backends)
+    size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+    print(f"{baked}: {size / 1e6:.1f} MB in {out}", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="outrider", description="Inference runtime that runs beside your app.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -289,6 +302,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("directory")
     p.add_argument("--name", default="server")
     p.set_defaults(func=cmd_keygen)
+
+    what = ("write a manifest's model into a directory that serves with no conversion at start "
+            "(ONNX Runtime: the exported graph, so serving needs no torch)")
+    p = sub.add_parser("bake", help=what, description=what[0].upper() + what[1:] + ".")
+    p.add_argument("manifest", metavar="MANIFEST")
+    p.add_argument("out", metavar="OUTDIR", help="model directory to write (created)")
+    p.add_argument("--plugin", action="append", default=[], metavar="MODULE",
+                   help="also register this importable module as a plugin")
+    p.set_defaults(func=cmd_bake)
     return parser
 
 

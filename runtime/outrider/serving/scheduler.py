@@ -35,6 +35,12 @@ class InstanceHandle(Protocol):
 class Scheduler:
     """Default policy: one request per execute. The batching accelerator replaces it."""
 
+    #: the most rows one execute carries (None: what one request brings); an engine that is
+    #: built for a batch size (TensorRT profiles) sizes itself by it
+    max_batch_size: Optional[int] = None
+    #: the batch sizes the policy aims for (it dispatches when a batch reaches one)
+    preferred_batch_sizes: frozenset[int] = frozenset()
+
     def __init__(self, manifest: Manifest) -> None:
         self.manifest = manifest
 

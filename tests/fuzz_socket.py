@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Socket fuzzer: hostile and malformed messages at a real server; every one must be answered.
 
-  python tools/fuzz_socket.py                          100,000 messages at a fresh echo server
-  python tools/fuzz_socket.py --count 20000 --seed 3
-  python tools/fuzz_socket.py --address ipc:///tmp/s.sock --model echo    a server already running
-  python tools/fuzz_socket.py --address ipc:///tmp/s.sock --generate-model smollm2 --count 2000
+  python tests/fuzz_socket.py                          100,000 messages at a fresh echo server
+  python tests/fuzz_socket.py --count 20000 --seed 3
+  python tests/fuzz_socket.py --address ipc:///tmp/s.sock --model echo    a server already running
+  python tests/fuzz_socket.py --address ipc:///tmp/s.sock --generate-model smollm2 --count 2000
 
 Each message is drawn from one of the classes in `MESSAGE_CLASSES` (random frames, broken type
 frames, broken msgpack, hostile header fields, crafted shapes and BYTES buffers, frame-count
@@ -17,7 +17,7 @@ bounded memory.
 
 Prints one table: sent, answered, unanswered, well-formed requests failed by their neighbours,
 replies by error code, server crashes, and the server's RSS before, at its peak and after. Exit
-status 1 when any of those checks fails.
+status 1 when any of those checks fails. tests/test_fuzz.py imports it and runs it bounded.
 """
 
 from __future__ import annotations

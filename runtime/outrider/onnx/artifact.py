@@ -1,6 +1,9 @@
 """Where a manifest's ONNX graph comes from: a file it names, or an export in the artifact cache.
 
-The export runs `python -m outrider_torch.onnx_export` in a subprocess, so torch never enters
+In the core (it was `outrider_onnxruntime.onnx_artifact`) because the ONNX Runtime and TensorRT
+backends both build on this graph, and a plugin may not import another.
+
+The export runs `python -m outrider.onnx.export` in a subprocess, so torch never enters
 the server process. The result lives in the core artifact cache (`outrider.artifacts`), keyed by
 the source weights and config, the torch and transformers versions, the opset, the task and the
 export format, so a second start converts nothing.
@@ -16,21 +19,16 @@ import tempfile
 import time
 from pathlib import Path
 
-from outrider.artifacts import ArtifactCache, cache_root
-from outrider.errors import ManifestError, OutriderError
-from outrider.manifest import Manifest
-from outrider_torch.onnx_export import DEFAULT_OPSET, EXPORT_FORMAT  # stdlib-only module: no torch
+from ..artifacts import ArtifactCache
+from ..errors import ManifestError, OutriderError
+from ..manifest import Manifest
+from .export import DEFAULT_OPSET, EXPORT_FORMAT  # stdlib only at import: no torch
 
 log = logging.getLogger("outrider.onnx")
 
 # What the exported graph depends on. Tokenizer files do not change the graph.
 _SOURCE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 _SOURCE_NAMES = ("config.json",)
-
-
-def cache_dir() -> Path:
-    """$OUTRIDER_CACHE_DIR, or ~/.cache/outrider."""
-    return cache_root()
 
 
 def onnx_model(manifest: Manifest) -> Path:
@@ -75,7 +73,7 @@ def _source_files(model_dir: Path) -> list[Path]:
 
 
 def _export(model: str, model_dir: Path, task: str, opset: int, target: Path, timeout_s: float) -> None:
-    command = [sys.executable, "-m", "outrider_torch.onnx_export", "--model-dir", str(model_dir),
+    command = [sys.executable, "-m", "outrider.onnx.export", "--model-dir", str(model_dir),
                "--task", task, "--out", str(target), "--opset", str(opset)]
     log.info("exporting %s to ONNX (first start; cached in %s)", model, target.parent)
     start = time.monotonic()

@@ -1,10 +1,13 @@
 """Export a task's torch module to ONNX with dynamic batch and sequence axes.
 
-    python -m outrider_torch.onnx_export --model-dir DIR --task sentence-embedding --out FILE
+    python -m outrider.onnx.export --model-dir DIR --task sentence-embedding --out FILE
 
-The ONNX Runtime plugin runs this in a subprocess so that torch is never imported into the
-server; the result is written to a temporary file and renamed, so a reader never sees half a
-model, and checked with `onnx.checker` before the rename.
+In the core (it was `outrider_torch.onnx_export`) because the ONNX Runtime and TensorRT backends
+both serve its output (through `outrider.onnx.artifact`), and a plugin may not import another.
+`outrider.onnx.artifact` runs it in a subprocess so that torch is never imported into the server;
+torch and onnx are imported inside `export` only, so importing this module for its constants
+costs nothing. The result is written to a temporary file and renamed, so a reader never sees half
+a model, and checked with `onnx.checker` before the rename.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ def export(model_dir: Path, task: str, out: Path, opset: int = DEFAULT_OPSET) ->
     import onnx
     import torch
 
-    from .models import build_model
+    from outrider.torch_modules import build_model
 
     start = time.perf_counter()
     model = build_model(task, model_dir)
@@ -69,7 +72,7 @@ def export(model_dir: Path, task: str, out: Path, opset: int = DEFAULT_OPSET) ->
 
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry: export, print where and how long, exit 0 on success."""
-    parser = argparse.ArgumentParser(prog="python -m outrider_torch.onnx_export", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m outrider.onnx.export", description=__doc__.split("\n")[0])
     parser.add_argument("--model-dir", required=True, type=Path, help="directory with config.json and weights")
     parser.add_argument("--task", required=True, help="e.g. sentence-embedding")
     parser.add_argument("--out", required=True, type=Path, help="the .onnx file to write")

@@ -1,0 +1,82 @@
+"""Dependencies run one way: core <- plugins <- tools/tests.
+
+Every `import` statement under runtime/ and plugins/ is read with `ast` (those inside functions
+too: a lazy import is a dependency all the same). The core (`runtime/outrider`) may import no
+plugin package, and a plugin may import only its own package besides the core and third parties.
+What two plugins both need belongs in the core (e.g. `outrider.onnx`).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RUNTIME = ROOT / "runtime"
+PLUGINS = ROOT / "plugins"
+
+#: files allowed to break the rule for now, relative to the repository root, each with why
+KNOWN_EXCEPTIONS = {
+    # being moved into the HTTP plugin
+    "runtime/outrider/integrations/ray.py",
+}
+
+
+def plugin_packages() -> set[str]:
+    """Top-level names of the built-in plugins (plugins/) and the test plugins (tests/plugins/)."""
+    names = {p.name for p in PLUGINS.iterdir() if p.is_dir() and (p / "__init__.py").is_file()}
+    names |= {p.stem for p in (ROOT / "tests" / "plugins").glob("outrider_*.py")}
+    return names
+
+
+def imported_roots(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, top-level package) of each absolute import in `tree`; relative imports stay inside a package."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name.split(".")[0]) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append((node.lineno, node.module.split(".")[0]))
+    return found
+
+
+def forbidden_imports(root: Path, own_package: str | None, plugins: set[str]) -> list[str]:
+    """'file:line imports X' for each plugin package imported under `root` other than `own_package`."""
+    problems = []
+    for path in sorted(root.rglob("*.py")):
+        where = path.relative_to(ROOT).as_posix()
+        if where in KNOWN_EXCEPTIONS:
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=where)
+        for line, package in imported_roots(tree):
+            if package in plugins and package != own_package:
+                problems.append(f"{where}:{line} imports {package}")
+    return problems
+
+
+def test_the_plugin_set_is_found() -> None:
+    # Guards the tests below against passing because they found nothing to check.
+    plugins = plugin_packages()
+    assert {"outrider_onnxruntime", "outrider_tensorrt", "outrider_torch", "outrider_http"} <= plugins
+    assert "outrider" not in plugins
+
+
+def test_the_core_imports_no_plugin() -> None:
+    problems = forbidden_imports(RUNTIME / "outrider", None, plugin_packages())
+    assert not problems, "the core imports a plugin package (move what it needs into the core):\n" + "\n".join(problems)
+
+
+def test_no_plugin_imports_another() -> None:
+    plugins = plugin_packages()
+    problems = []
+    for package in sorted(p for p in PLUGINS.iterdir() if p.is_dir() and p.name in plugins):
+        problems += forbidden_imports(package, package.name, plugins)
+    assert not problems, ("a plugin imports another plugin's package (what both need belongs in the core):\n"
+                          + "\n".join(problems))
+
+
+def test_the_check_names_file_and_line() -> None:
+    # The walker itself: a lazy plugin import inside a function is found, relative imports are not.
+    source = "import os\nfrom . import sibling\n\ndef f():\n    from outrider_torch.x import y\n    import outrider_http\n"
+    found = sorted(imported_roots(ast.parse(source)))
+    assert found == [(1, "os"), (5, "outrider_torch"), (6, "outrider_http")]
