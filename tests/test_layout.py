@@ -80,3 +80,72 @@ def test_the_check_names_file_and_line() -> None:
     source = "import os\nfrom . import sibling\n\ndef f():\n    from outrider_torch.x import y\n    import outrider_http\n"
     found = sorted(imported_roots(ast.parse(source)))
     assert found == [(1, "os"), (5, "outrider_torch"), (6, "outrider_http")]
+
+
+def core_import_graph() -> dict[str, set[str]]:
+    """{core module: the core modules it imports} over runtime/outrider, lazy imports included; an
+    import of a package counts as one of its `__init__`, and a module's own packages are not edges."""
+    modules: dict[str, Path] = {}
+    for path in (RUNTIME / "outrider").rglob("*.py"):
+        parts = list(path.relative_to(RUNTIME).with_suffix("").parts)
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+
+    def known(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(anchor + ([node.module] if node.module else []))
+                targets = [base] + [f"{base}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            for target in targets:
+                found = known(target)
+                if found and found != name and not name.startswith(found + "."):
+                    edges.add(found)
+        graph[name] = edges
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Each cycle found by a depth-first walk, as the modules on it (first repeated at the end)."""
+    cycles, state, stack = [], {}, []
+
+    def visit(node: str) -> None:
+        state[node] = "open"
+        stack.append(node)
+        for other in sorted(graph[node]):
+            if state.get(other) == "open":
+                cycles.append(stack[stack.index(other):] + [other])
+            elif other not in state:
+                visit(other)
+        stack.pop()
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+    return cycles
+
+
+def test_the_core_has_no_import_cycle() -> None:
+    graph = core_import_graph()
+    assert {"outrider.server", "outrider.serving.instance", "outrider.worker.proxy"} <= set(graph)
+    cycles = import_cycles(graph)
+    assert not cycles, "import cycles in runtime/outrider (lazy imports count):\n" + "\n".join(
+        " -> ".join(cycle) for cycle in cycles)
+
+
+def test_the_cycle_check_finds_a_cycle() -> None:
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == [["a", "b", "c", "a"]]
