@@ -89,14 +89,13 @@ class LlmBackend(GeneratingBackend):
 
         return GenerationScheduler(manifest)
 
-    def load(self) -> None:
+    def source_artifact(self) -> Any:
+        """The GGUF, converted once into the artifact cache: in its own block types (a quantized
+        file served as it is), or as float weights (`weights: float`, and what `quantize:` starts
+        from). Also sets the process's torch threads, before any transform computes."""
         import torch
 
-        from outrider.generation.engine import GenerationEngine
-
-        from .linear import kernel_key
-        from .loading import (artifact_tokenizer, load_native_artifact, load_weights_artifact, model_from_artifact,
-                              read_artifact_meta)
+        from .loading import load_native_artifact, load_weights_artifact
 
         options = self.options
         on_cuda = self.device.startswith("cuda")
@@ -107,31 +106,49 @@ class LlmBackend(GeneratingBackend):
             raise ManifestError(f"{self.manifest.source_file or self.manifest.name}: field 'device': {self.device} "
                                 f"was asked for, but torch {torch.__version__} sees no CUDA GPU")
         # CUDA work needs no intra-op threads; on CPU the first torch model of the process sets them.
-        threads = None if on_cuda else set_torch_threads(options.threads or _physical_cores(),
-                                                         f"model {self.manifest.name!r}")
-        started = time.perf_counter()
+        self.threads = None if on_cuda else set_torch_threads(options.threads or _physical_cores(),
+                                                              f"model {self.manifest.name!r}")
+        self._loading_since = time.perf_counter()
+        self.serves_file_blocks = self._serves_file_blocks(options, on_cuda)
+        path = self.manifest.model_path()
+        self._source = load_native_artifact(path) if self.serves_file_blocks else load_weights_artifact(path)
+        return self._source
+
+    def gate_helpers(self) -> dict[str, Any]:
+        """A quantization's quality gate builds the float and the quantized model through these
+        (a transform never imports this plugin)."""
+        from .linear import kernel_key
+        from .loading import artifact_tokenizer, model_from_artifact
+
         kernel = self._kernel()
+        return {
+            "build_model": lambda artifact: model_from_artifact(artifact, device=self.device, kernel=kernel)[0],
+            "tokenize": artifact_tokenizer(self._source).encode,
+            "kernel_key": lambda mode: kernel_key(mode, kernel, self.device),
+        }
+
+    def load(self) -> None:
+        from outrider.generation.engine import GenerationEngine
+
+        from .loading import model_from_artifact, read_artifact_meta
+
+        if self.artifact is None:  # used outside the core (a test, a tool): prepare as the core would
+            self.prepare_artifact()
+        options = self.options
+        on_cuda = self.device.startswith("cuda")
+        threads = self.threads
         self.block_types: dict[str, int] = {}
-        if self._serves_file_blocks(options, on_cuda):
+        if self.serves_file_blocks:
             # A quantized GGUF without `quantize:`: its own block types on the native kernels.
-            native = load_native_artifact(self.manifest.model_path())
-            self.block_types = read_artifact_meta(native).get("block_types", {})
-            self.model, self.tokenizer = model_from_artifact(native, dtype=options.dtype, device=self.device)
+            self.block_types = read_artifact_meta(self.artifact).get("block_types", {})
+            self.model, self.tokenizer = model_from_artifact(self.artifact, dtype=options.dtype, device=self.device)
         else:
-            weights = load_weights_artifact(self.manifest.model_path())
-            # Quantization runs here, before the model is built: its quality gate builds the float
-            # and the quantized model through these helpers (a transform never imports this plugin).
-            tokenizer = artifact_tokenizer(weights)
-            weights = self.transform_artifact(
-                weights,
-                build_model=lambda artifact: model_from_artifact(artifact, device=self.device, kernel=kernel)[0],
-                tokenize=tokenizer.encode,
-                kernel_key=lambda mode: kernel_key(mode, kernel, self.device),
-            )
             # A quantized artifact says in which dtype it computes on CPU; `options.dtype` is for float
             # weights, and on CUDA for quantized ones too (they are dequantized to dense there).
             dtype = None if self.accelerators.artifact_transforms and not on_cuda else options.dtype
-            self.model, self.tokenizer = model_from_artifact(weights, dtype=dtype, device=self.device, kernel=kernel)
+            self.model, self.tokenizer = model_from_artifact(self.artifact, dtype=dtype, device=self.device,
+                                                             kernel=self._kernel())
+        started = self._loading_since
         log.info("model %s: weights ready in %.2fs (%s)", self.manifest.name, time.perf_counter() - started,
                  f"{threads} threads" if threads else f"{self.device}, {self.model.dtype}")
         strategy = getattr(self.accelerators, "decode_strategy", None)

@@ -301,16 +301,23 @@ class OnnxRuntimeBackend(Backend, BakesModel):
 
     # -- load ---------------------------------------------------------------------------------
 
+    def source_artifact(self) -> Artifact:
+        """The ONNX graph: the manifest's own file, or exported once from its model and cached."""
+        return Artifact(onnx_model(self.manifest), "onnx")
+
+    def gate_helpers(self) -> dict[str, Any]:
+        # The task turns sentences into feeds and outputs into embeddings for the quality gate.
+        return {"feeds": self._gate_feeds, "postprocess": self._gate_outputs}
+
     def load(self) -> None:
         """Find or export the ONNX graph, then open a session on the requested providers."""
         import onnxruntime
 
         opts: OrtOptions = self.options
         self.on_fallback = opts.on_fallback
-        source = Artifact(onnx_model(self.manifest), "onnx")
-        # Quantization (and later engine builds) run here, before the session opens; the task
-        # turns sentences into feeds and outputs into embeddings for the quality gate.
-        self.onnx_path = self.transform_artifact(source, feeds=self._gate_feeds, postprocess=self._gate_outputs).path
+        if self.artifact is None:  # used outside the core (a test, a tool): prepare as the core would
+            self.prepare_artifact()
+        self.onnx_path = self.artifact.path  # the graph after the manifest's transforms (quantization)
         options = onnxruntime.SessionOptions()
         self.intra_op_threads = int(opts.intra_op_threads or physical_cores())
         options.intra_op_num_threads = self.intra_op_threads

@@ -9,7 +9,7 @@ from typing import Any, ClassVar, Optional
 import numpy as np
 
 from .accelerators import AcceleratorSet
-from .errors import BackendUnavailableError, BadRequestError, OutriderError, TooLargeError
+from .errors import BackendUnavailableError, BadRequestError, ManifestError, OutriderError, TooLargeError
 from .manifest import Manifest, TensorSpec
 from .protocol import TensorFrame, numpy_dtype
 
@@ -93,6 +93,8 @@ class Backend:
         self.stats: Any = None
         #: what the artifact transforms did (kind, figures, quality gate), shown in health
         self.artifact_reports: list[dict[str, Any]] = []
+        #: the source artifact after the manifest's transforms (prepare_artifact), for load()
+        self.artifact: Any = None
 
     @property
     def options(self) -> Any:
@@ -100,23 +102,38 @@ class Backend:
         model = type(self).options_model
         return model.model_validate(self.manifest.options) if model is not None else self.manifest.options
 
-    def transform_artifact(self, artifact: Any, **helpers: Any) -> Any:
-        """Run the manifest's artifact transforms (export -> quantize -> engine) on `artifact`, in order.
+    def source_artifact(self) -> Any:
+        """What the manifest's artifact transforms start from (an `outrider.artifacts.Artifact`:
+        an exported ONNX graph, a weights file), or None for a backend that takes no artifact.
+        The core calls it before `load()` (see `prepare_artifact`)."""
+        return None
 
-        Call from `load()` with the source artifact (an `outrider.artifacts.Artifact`); `helpers`
-        are backend tools a transform may need for its quality gate (see `TransformContext`).
-        """
+    def gate_helpers(self) -> dict[str, Any]:
+        """Backend tools a transform's quality gate may use (`TransformContext.helpers`): e.g. how
+        to build a model from an artifact, or turn sentences into feeds. Called after `source_artifact`."""
+        return {}
+
+    def prepare_artifact(self) -> None:
+        """Run by the core before `load()`: `source_artifact()`, then every artifact transform the
+        manifest turns on, in the order of their roles (export -> quantize -> engine build), each
+        through the core `ArtifactCache`; `load()` finds the result in `self.artifact`."""
         from .accelerators import TransformContext
         from .artifacts import ArtifactCache
 
         transforms = self.accelerators.artifact_transforms
-        if not transforms:
-            return artifact
-        context = TransformContext(self.manifest, self.name, self.device, ArtifactCache(), helpers)
-        for transform in transforms:
-            artifact = transform.apply(artifact, context)
-        self.artifact_reports = context.reports
-        return artifact
+        artifact = self.source_artifact()
+        if artifact is None:
+            if transforms:
+                sections = ", ".join(s for s, spec in self.accelerators.specs.items() if spec.role == "artifact_transform")
+                raise ManifestError(f"{self.manifest.source_file or self.manifest.name}: backend {self.name!r} takes "
+                                    f"no artifact, so its {sections} section cannot transform one")
+            return
+        if transforms:
+            context = TransformContext(self.manifest, self.name, self.device, ArtifactCache(), self.gate_helpers())
+            for transform in transforms:
+                artifact = transform.apply(artifact, context)
+            self.artifact_reports = context.reports
+        self.artifact = artifact
 
     @classmethod
     def availability(cls, manifest: Optional[Manifest] = None, device: str = "auto") -> Availability:

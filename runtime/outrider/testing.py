@@ -76,6 +76,7 @@ def check_backend(
     backend = backend_class(manifest, device or backend_class.resolve_device(manifest.device), task)
     timings: dict[str, Any] = {"available": True}
     t0 = time.perf_counter()
+    backend.prepare_artifact()  # as the core does: the manifest's artifact transforms, then load
     backend.load()
     timings["load_seconds"] = time.perf_counter() - t0
     t0 = time.perf_counter()

@@ -148,6 +148,7 @@ class Instance(threading.Thread):
             backend = model.make_backend(self.device, self.index)
             self.backend = backend  # visible early so the supervisor can kill a worker process
             t0 = time.perf_counter()
+            backend.prepare_artifact()  # the manifest's artifact transforms (export, quantize, ...)
             backend.load()
             t1 = time.perf_counter()
             backend.warmup()

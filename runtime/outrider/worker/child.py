@@ -42,6 +42,7 @@ def serve(address: str, spec: dict) -> int:
             header = unpack_header(frames[1].buffer, LIMITS)
             reply["id"] = header.get("id", 0)  # echoed: the server matches replies to calls
             if kind == "load":
+                backend.prepare_artifact()
                 backend.load()
             elif kind == "warmup":
                 backend.warmup()

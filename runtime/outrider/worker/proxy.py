@@ -67,6 +67,9 @@ class WorkerBackend(Backend):
         self._health: dict[str, Any] = {}
         self._metadata: dict[str, Any] = {}
 
+    def prepare_artifact(self) -> None:
+        """Nothing here: the worker prepares its backend's artifact itself, before its load."""
+
     def load(self) -> None:
         self._dir = tempfile.mkdtemp(prefix="outrider-worker-")
         address = f"ipc://{self._dir}/worker.sock"
