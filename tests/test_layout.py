@@ -149,3 +149,21 @@ def test_the_core_has_no_import_cycle() -> None:
 
 def test_the_cycle_check_finds_a_cycle() -> None:
     assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == [["a", "b", "c", "a"]]
+
+
+def test_the_echo_template_builds_as_a_plugin_of_its_own(tmp_path) -> None:
+    """plugins/outrider_echo is the folder a plugin author copies: its own pyproject builds a wheel
+    whose entry point registers the backend (built offline, with the setuptools installed here)."""
+    import subprocess
+    import sys
+    import zipfile
+
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-build-isolation", "--no-deps",
+                    "--wheel-dir", str(tmp_path), str(PLUGINS / "outrider_echo")], check=True, timeout=120,
+                   cwd=tmp_path)
+    wheel = next(tmp_path.glob("outrider_echo-*.whl"))
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        entry_points = archive.read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
+    assert "outrider_echo/__init__.py" in names
+    assert "[outrider]" in entry_points and "echo = outrider_echo" in entry_points

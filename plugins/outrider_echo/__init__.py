@@ -2,7 +2,9 @@
 
 It measures the runtime's own overhead (protocol, queues, threads) and serves protocol tests.
 `options.delay_ms` adds a fixed compute time, to stand in for a model in latency tests.
-It is also the smallest template for a backend plugin.
+It is also the smallest template for a backend plugin: copy this folder (its pyproject.toml
+registers the entry point), and check your backend with the conformance kit as
+tests/test_server.py::TestEchoConformance does (`outrider.testing.BackendConformance`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from outrider import hookimpl
-from outrider.backend import Backend
+from outrider.backend import Availability, Backend
 
 __version__ = "0.1.0"
 
@@ -33,6 +35,12 @@ class EchoBackend(Backend):
     name = "echo"
     device_kinds = ("cpu",)
     options_model = EchoOptions
+
+    @classmethod
+    def availability(cls, manifest=None, device: str = "auto") -> Availability:
+        # Cheap, and says why not: the core asks on every start. Echo needs no package, only a CPU;
+        # a backend with dependencies checks them here (outrider.backend.require_packages).
+        return super().availability(manifest, device)
 
     def load(self) -> None:
         self.delay = float(self.manifest.options.get("delay_ms", 0)) / 1000
