@@ -2,8 +2,8 @@
 
 Roles, and where the core calls them:
 
-- `artifact_transform`: before load. The backend hands its source artifact (an ONNX file, a
-  weights file) to `Backend.transform_artifact`, which runs every transform the manifest turns on,
+- `artifact_transform`: before load. The core takes the backend's source artifact (an ONNX file,
+  a weights file: `Backend.source_artifact`) and runs every transform the manifest turns on,
   in order (export -> quantize -> engine build), each through the core `ArtifactCache`. The object
   a factory returns has `apply(artifact, context) -> Artifact`.
 - `batch_policy`: between the model's queue and its instances. The object is an

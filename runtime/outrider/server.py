@@ -347,7 +347,7 @@ class _Relay:
         self.on_reply, self.on_chunk = on_reply, on_chunk
 
     def send(self, request: PendingRequest, kind: str, header: dict, outputs: Optional[dict]) -> None:
-        # Never raises (the sender moves on to the rest of its batch), like Server._send.
+        # Never raises (the sender moves on to the rest of its batch), like ZmqFront.send.
         try:
             if kind == "reply":
                 self.on_reply(header, outputs)
