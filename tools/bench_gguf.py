@@ -8,7 +8,7 @@ The files are made from the shipped Q4_1 by llama.cpp's own quantizer (llama-cpp
 `llama_model_quantize`, allow_requantize; an optional benchmark dependency) into --files-dir
 (default ~/.cache/outrider-bench), kept for the next run. For each file: the server's first start
 (the artifact of the file's own blocks is built) and a warm start, seconds from process start to
-ready; its idle and peak RSS; decode tokens/s plain and with n-gram speculation over HumanEval
+ready; its idle RSS (after 2 s without requests, before and after the run) and peak RSS; decode tokens/s plain and with n-gram speculation over HumanEval
 prompts (greedy); which block types it serves (health); and llama.cpp on the same file and
 prompts (decode tokens/s, its worker's RSS after the run). Outrider rows and llama.cpp rows are
 interleaved per prompt. Compare ratios within one run only.
@@ -30,6 +30,10 @@ sys.path[:0] = [str(ROOT / "runtime"), str(ROOT / "plugins"), str(ROOT / "tools"
 
 from bench_native import quantized_file  # noqa: E402
 from bench_quantize import LlamaCpp, Server, _decode_rate, rss_mb  # noqa: E402
+
+#: seconds a server sits without requests before its idle RSS is read (past the llm backend's
+#: RELEASE_MEMORY_AFTER_S, after which it has handed freed heap back)
+IDLE_S = 2.0
 
 MANIFEST = """name: {name}
 backend: llm
@@ -67,6 +71,7 @@ def bench_file(kind: str, path: Path, prompts: list[str], tokens: int, threads: 
     try:
         with Client(server.address, timeout=600) as client:
             row["served"] = _served(client.health()["models"][name])
+            time.sleep(IDLE_S)  # idle: the llm backend hands freed heap back after RELEASE_MEMORY_AFTER_S
             row["idle_rss"] = rss_mb(server.proc.pid)[0]
             plain, spec, reference = [], [], []
             client.generate(name, prompt=prompts[0], max_tokens=8)
@@ -80,6 +85,8 @@ def bench_file(kind: str, path: Path, prompts: list[str], tokens: int, threads: 
                     if rate is not None:
                         reference.append(rate)
             row["peak_rss"] = rss_mb(server.proc.pid)[1]
+            time.sleep(IDLE_S)
+            row["idle_after_rss"] = rss_mb(server.proc.pid)[0]  # idle again, after serving the prompts
             row["plain"], row["spec"] = statistics.median(plain), statistics.median(spec)
             if reference:
                 row["llama_cpp"] = statistics.median(reference)
@@ -130,13 +137,13 @@ def main() -> None:
           f"{args.tokens} greedy tokens, {args.threads} threads; medians; llama.cpp: {args.llama_cpp or 'installed'}; Outrider's kernel set: "
           f"{args.isa or 'the best this CPU runs'}")
     print(f"{'file':<8}{'plain':>8}{'+ngram':>8}{'llama.cpp':>11}{'ratio':>7}{'spec ratio':>11}"
-          f"{'idle MB':>9}{'peak MB':>9}{'l.cpp MB':>10}{'first s':>9}{'warm s':>8}  served as")
+          f"{'idle MB':>9}{'after MB':>9}{'peak MB':>9}{'l.cpp MB':>10}{'first s':>9}{'warm s':>8}  served as")
     for r in rows:
         cpp = r.get("llama_cpp")
         ratio = f"{r['plain'] / cpp:.2f}x" if cpp else "-"
         spec = f"{r['spec'] / cpp:.2f}x" if cpp else "-"
         print(f"{r['kind']:<8}{r['plain']:>8.1f}{r['spec']:>8.1f}{(cpp or 0):>11.1f}{ratio:>7}{spec:>11}"
-              f"{r['idle_rss']:>9.0f}{r['peak_rss']:>9.0f}{r.get('llama_cpp_rss', 0):>10.0f}"
+              f"{r['idle_rss']:>9.0f}{r['idle_after_rss']:>9.0f}{r['peak_rss']:>9.0f}{r.get('llama_cpp_rss', 0):>10.0f}"
               f"{r['first_ready']:>9.1f}{r['warm_ready']:>8.1f}  {r['served']}")
     print(f"(a Python process that has imported torch and nothing else: {torch_mb:.0f} MB RSS)")
 
