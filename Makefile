@@ -60,7 +60,7 @@ cross-tools:
 test: install-dev cross-tools
 	$(VENV)/bin/python -m pytest -q
 
-## Ray Serve integration (outrider.integrations.ray): installs the ray extra (~320 MB, ~40 s
+## Ray Serve integration (outrider_http.ray_serve): installs the ray extra (~320 MB, ~40 s
 ## here), which `make test` leaves out, and runs its tests (a local 2-CPU Ray cluster, ~70 s).
 test-ray: install-dev
 	$(EDITABLE) '.[onnx,torch,llm,http,dev,ray]'

@@ -16,10 +16,7 @@ RUNTIME = ROOT / "runtime"
 PLUGINS = ROOT / "plugins"
 
 #: files allowed to break the rule for now, relative to the repository root, each with why
-KNOWN_EXCEPTIONS = {
-    # being moved into the HTTP plugin
-    "runtime/outrider/integrations/ray.py",
-}
+KNOWN_EXCEPTIONS: set[str] = set()
 
 
 def plugin_packages() -> set[str]:

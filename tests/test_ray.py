@@ -1,4 +1,4 @@
-"""outrider.integrations.ray: Outrider models as Ray Serve replicas (skipped without `ray[serve]`).
+"""outrider_http.ray_serve: Outrider models as Ray Serve replicas (skipped without `ray[serve]`).
 
 In process (no Ray cluster): a replica's server, its handle methods, its HTTP routes, its health
 check, and the builders' options. On a local Ray cluster (slow: Ray's start alone takes ~20 s
@@ -38,14 +38,14 @@ RAYSERVICE = ROOT / "deploy" / "ray" / "rayservice.yaml"
 
 
 def test_importing_outrider_does_not_import_ray() -> None:
-    """The core, its CLI and the integrations package stay free of Ray; the module says what to install."""
+    """The core, its CLI and the HTTP plugin stay free of Ray; the Ray module says what to install."""
     code = (
         "import sys\n"
-        "import outrider, outrider.server, outrider.cli, outrider.client, outrider.integrations\n"
+        "import outrider, outrider.server, outrider.cli, outrider.client, outrider_http\n"
         "assert 'ray' not in sys.modules, 'importing outrider imported ray'\n"
         "sys.modules['ray'] = None  # as if Ray were not installed\n"
         "try:\n"
-        "    import outrider.integrations.ray\n"
+        "    import outrider_http.ray_serve\n"
         "except ImportError as exc:\n"
         "    assert \"outrider[ray]\" in str(exc), exc\n"
         "else:\n"
@@ -59,7 +59,7 @@ def test_importing_outrider_does_not_import_ray() -> None:
 def orray():
     pytest.importorskip("ray", reason="Ray is an optional extra: pip install 'outrider[ray]'")
     pytest.importorskip("ray.serve", reason="needs ray[serve]: pip install 'outrider[ray]'")
-    from outrider.integrations import ray as module
+    from outrider_http import ray_serve as module
 
     return module
 
@@ -173,7 +173,7 @@ def test_builders_set_replicas_autoscaling_and_resources(orray) -> None:
     assert scaled["autoscaling"]["max_replicas"] == 8 and scaled["autoscaling"]["min_replicas"] == 1
     assert scaled["autoscaling"]["target_ongoing_requests"] == orray.DEFAULT_AUTOSCALING["target_ongoing_requests"]
 
-    # `serve run outrider.integrations.ray:build key=value ...` passes strings
+    # `serve run outrider_http.ray_serve:build key=value ...` passes strings
     built = _options(orray.build({"manifests": f"{ECHO},{MANIFESTS / 'minilm.yaml'}", "plugins": "outrider_echo",
                                   "autoscaling": '{"max_replicas": 3, "target_ongoing_requests": 4}',
                                   "num_cpus": "2", "max_ongoing_requests": "32"}))
@@ -204,7 +204,7 @@ def test_rayservice_serve_config_builds_the_app(orray) -> None:
     config = ServeDeploySchema(**yaml.safe_load(doc["spec"]["serveConfigV2"]))
     (application,) = config.applications
     module, _, attribute = application.import_path.partition(":")
-    assert (module, attribute) == ("outrider.integrations.ray", "build")
+    assert (module, attribute) == ("outrider_http.ray_serve", "build")
     app = orray.build(application.args)
     options = _options(app)
     assert options["name"] == orray.DEPLOYMENT_NAME

@@ -7,7 +7,7 @@ socket and HTTP front, in one run, interleaved. Needs `outrider[ray]` (and httpx
 
 One `outrider serve manifests/echo.yaml --http ...` process is the direct path: `AsyncClient`
 over ipc:// (ZeroMQ) and OIP v2 JSON over HTTP (httpx, keep-alive). A local Ray cluster
-(`ray.init(num_cpus=2)`, no dashboard) runs the echo manifest as outrider.integrations.ray
+(`ray.init(num_cpus=2)`, no dashboard) runs the echo manifest as outrider_http.ray_serve
 replicas: `await handle.infer.remote(...)` from this process, and the same OIP v2 JSON through
 Serve's HTTP proxy. Every path carries the same FP32 [1, 384] tensor with closed-loop clients
 (N requests always in flight, asyncio in this one process), for `--seconds` per path and
@@ -94,7 +94,7 @@ def start_ray(replicas: int, http_port: int, cpus_per_replica: float):
     import ray
     from ray import serve
 
-    from outrider.integrations import ray as outrider_ray
+    from outrider_http import ray_serve as outrider_ray
 
     t0 = time.monotonic()
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=256 * 1024 * 1024, log_to_driver=False,

@@ -282,6 +282,17 @@ def validate_manifest(data: Any, where: str = "<manifest>", check_section: Optio
     return manifest
 
 
+def apply_overrides(data: dict, overrides: list[str], where: str) -> dict:
+    """Apply the environment's overrides (OUTRIDER_SET_*), then `overrides` (`--set` items), to
+    the manifest mapping `data` in place: those naming another model are skipped. Returns `data`."""
+    name = data.get("name")
+    for item in [*env_overrides(), *overrides]:
+        model, key, value = parse_override(item)
+        if model is None or model == name:
+            _set_path(data, key, value, where)
+    return data
+
+
 def load_manifest(path: str | os.PathLike, overrides: Optional[list[str]] = None,
                   check_section: Optional[SectionCheck] = None) -> Manifest:
     """Read, override (env first, then `overrides`) and validate one manifest file (see validate_manifest)."""
@@ -295,11 +306,7 @@ def load_manifest(path: str | os.PathLike, overrides: Optional[list[str]] = None
     except yaml.YAMLError as exc:
         raise ManifestError(f"{where}: not valid YAML: {exc}") from None
     if isinstance(data, dict):
-        name = data.get("name")
-        for item in [*env_overrides(), *(overrides or [])]:
-            model, key, value = parse_override(item)
-            if model is None or model == name:
-                _set_path(data, key, value, where)
+        apply_overrides(data, overrides or [], where)
     manifest = validate_manifest(data, where, check_section)
     manifest.source_file = str(Path(path).resolve())
     return manifest

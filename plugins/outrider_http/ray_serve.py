@@ -12,7 +12,7 @@ Python, with a handle::
 
     import numpy as np
     from ray import serve
-    from outrider.integrations import ray as outrider_ray
+    from outrider_http import ray_serve as outrider_ray
 
     app = outrider_ray.deployment(["manifests/minilm.yaml"], autoscaling={"max_replicas": 4})
     handle = serve.run(app, name="outrider", route_prefix="/")
@@ -22,7 +22,7 @@ Python, with a handle::
 
 From the shell, with Serve's own CLI (`build` is the application builder)::
 
-    serve run outrider.integrations.ray:build manifests=manifests/echo.yaml num_replicas=2
+    serve run outrider_http.ray_serve:build manifests=manifests/echo.yaml num_replicas=2
 
 HTTP through Serve's proxy (port 8000 by default): Open Inference Protocol v2
 (`POST /v2/models/{name}/infer`, health, metadata), Triton's generate extension
@@ -53,13 +53,13 @@ try:
     from ray.serve import exceptions as serve_exceptions
 except ImportError as exc:  # pragma: no cover - the message is the point
     raise ImportError(
-        f"outrider.integrations.ray needs Ray Serve ({exc}): pip install 'outrider[ray]'"
+        f"outrider_http.ray_serve needs Ray Serve ({exc}): pip install 'outrider[ray]'"
     ) from exc
 
-from ..client import GenerateChunk, GenerateResult, _generate_parameters, _result
-from ..errors import OutriderError, UnavailableError, error_from_wire
-from ..front import AsyncCall
-from ..protocol import encode_tensors
+from outrider.client import GenerateChunk, GenerateResult, _generate_parameters, _result
+from outrider.errors import OutriderError, UnavailableError, error_from_wire
+from outrider.front import AsyncCall
+from outrider.protocol import encode_tensors
 
 log = logging.getLogger("outrider.ray")
 
@@ -108,8 +108,8 @@ class OutriderReplica:
     def __init__(self, manifests: Sequence[Union[str, dict]], plugins: Sequence[str] = (),
                  overrides: Sequence[str] = (), ready_timeout_s: float = 600.0,
                  drain_timeout_s: float = 10.0, address: Optional[str] = None) -> None:
-        from ..plugins import create_registry
-        from ..server import Server
+        from outrider.plugins import create_registry
+        from outrider.server import Server
 
         global _REPLICA
         _sweep_dead_replica_dirs()
@@ -253,8 +253,8 @@ class OutriderReplica:
         from starlette.responses import JSONResponse, Response, StreamingResponse
         from starlette.routing import Route
 
-        from outrider_http import kserve
-        from outrider_http.dispatch import ClientGone, Dispatcher, error_code, read_body, status_of
+        from . import kserve
+        from .dispatch import ClientGone, Dispatcher, error_code, read_body, status_of
 
         dispatch = Dispatcher(self.server, "ray")
         server = self.server
@@ -336,7 +336,7 @@ class OutriderReplica:
             Route("/outrider/replica", replica),
         ]
         try:
-            from outrider_http import openai_api
+            from . import openai_api
         except ImportError as exc:  # sse-starlette is in outrider[http], not in ray[serve]
             log.info("OpenAI-compatible routes off in this replica (%s): pip install 'outrider[http]'", exc)
         else:
@@ -434,9 +434,9 @@ def deployment(manifests: Sequence[Union[str, os.PathLike, dict]], plugins: Sequ
 def build(args: dict[str, Any]) -> Any:
     """Serve's application builder, for `serve run` and a RayService's serveConfigV2::
 
-        serve run outrider.integrations.ray:build manifests=manifests/echo.yaml,manifests/minilm.yaml \\
+        serve run outrider_http.ray_serve:build manifests=manifests/echo.yaml,manifests/minilm.yaml \\
             plugins=my_plugin num_replicas=2
-        serve run outrider.integrations.ray:build manifests=manifests/minilm.yaml \\
+        serve run outrider_http.ray_serve:build manifests=manifests/minilm.yaml \\
             autoscaling='{"max_replicas": 8, "target_ongoing_requests": 16}'
 
     Arguments (strings from the command line, typed values from YAML): manifests and plugins and
@@ -447,10 +447,10 @@ def build(args: dict[str, Any]) -> Any:
              "num_cpus", "num_gpus", "ready_timeout_s", "drain_timeout_s", "name"}
     unknown = sorted(set(args) - known)
     if unknown:
-        raise ValueError(f"outrider.integrations.ray:build: unknown arguments {unknown}; known: {sorted(known)}")
+        raise ValueError(f"outrider_http.ray_serve:build: unknown arguments {unknown}; known: {sorted(known)}")
     manifests = _list(args.get("manifests"))
     if not manifests:
-        raise ValueError("outrider.integrations.ray:build needs manifests=PATH[,PATH...]")
+        raise ValueError("outrider_http.ray_serve:build needs manifests=PATH[,PATH...]")
     autoscaling = args.get("autoscaling")
     if isinstance(autoscaling, str):
         autoscaling = _parse_value(autoscaling)
@@ -513,16 +513,12 @@ def _retrying(exc: BaseException, attempt: int, attempts: int,
 
 
 def _load_manifest(manifest: Union[str, dict], overrides: list[str]) -> Any:
-    from ..manifest import _set_path, env_overrides, load_manifest, parse_override, validate_manifest
+    from outrider.manifest import apply_overrides, load_manifest, validate_manifest
 
     if isinstance(manifest, dict):  # given inline: the same env and --set overrides as a file
         data = json.loads(json.dumps(manifest))
         where = f"<manifest {data.get('name', '?')}>"
-        for item in [*env_overrides(), *overrides]:
-            model, key, value = parse_override(item)
-            if model is None or model == data.get("name"):
-                _set_path(data, key, value, where)
-        return validate_manifest(data, where)
+        return validate_manifest(apply_overrides(data, overrides, where), where)
     return load_manifest(manifest, overrides)
 
 
