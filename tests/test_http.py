@@ -215,6 +215,30 @@ def test_v2_deadline_is_504_and_a_client_that_leaves_cancels_its_request(http_se
 # -- OpenAI-compatible ------------------------------------------------------------------------
 
 
+def test_triton_generate_extension_plain_and_streamed(http_server):
+    """Triton's generate extension on the HTTP front (the same routes a Ray replica serves): one
+    JSON reply, or server-sent events whose text adds up to it; the ZeroMQ result is the same."""
+    prompt = "the quick brown fox jumps over the lazy dog. the quick"
+    body = {"text_input": prompt, "parameters": {"max_tokens": 24, "temperature": 0}}
+    whole = httpx.post(f"{http_server.url}/v2/models/tiny/generate", json=body, timeout=60)
+    assert whole.status_code == 200, whole.text
+    document = whole.json()
+    assert document["model_name"] == "tiny" and document["finish_reason"] == "length"
+    assert len(document["token_ids"]) == 24 and document["stats"]["new_tokens"] == 24
+    with http_server.zmq() as client:
+        assert client.generate("tiny", prompt=prompt, max_tokens=24, temperature=0).text == document["text_output"]
+    with httpx.stream("POST", f"{http_server.url}/v2/models/tiny/generate_stream", json=body, timeout=60) as reply:
+        assert reply.status_code == 200 and reply.headers["content-type"].startswith("text/event-stream")
+        events = [json.loads(line[len("data: "):]) for line in reply.iter_lines() if line.startswith("data: ")]
+    assert events[-1]["finish_reason"] == "length"
+    # Each chunk carries its new text; the final event carries the whole text again, with its stats.
+    assert "".join(e["text_output"] for e in events[:-1]) == document["text_output"] == events[-1]["text_output"]
+    refused = httpx.post(f"{http_server.url}/v2/models/echo/generate", json=body, timeout=30)
+    assert refused.status_code == 400 and "does not generate" in refused.json()["error"], refused.text
+    missing = httpx.post(f"{http_server.url}/v2/models/nope/generate", json=body, timeout=30)
+    assert missing.status_code == 404, missing.text
+
+
 def test_openai_completions_plain_and_streamed(http_server):
     client = http_server.openai()
     prompt = "the quick brown fox jumps over the lazy dog. the quick"

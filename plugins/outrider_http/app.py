@@ -1,7 +1,9 @@
-"""The ASGI application: OIP v2 routes, OpenAI routes and /metrics, over one dispatch path."""
+"""The ASGI application: OIP v2 routes, Triton's generate extension, OpenAI routes and /metrics,
+over one dispatch path; Ray Serve replicas (ray_serve.py) serve the same `routes`."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from starlette.applications import Starlette
@@ -11,20 +13,30 @@ from starlette.routing import Route
 
 from outrider.stats import metrics_text
 
-from . import kserve, openai_api
+from . import kserve, triton_generate
 from .dispatch import Dispatcher
 
+log = logging.getLogger("outrider.http")
 
-def build_app(server: Any, front: str = "http") -> Starlette:
-    """Routes for `server`'s models; every infer and generate goes through `Server.submit`."""
-    dispatch = Dispatcher(server, front)
+
+def routes(dispatch: Dispatcher) -> list[Route]:
+    """Every route of the HTTP front over `dispatch`, /metrics included."""
+    server = dispatch.server
 
     async def metrics(request: Request) -> Response:
         body, content_type = metrics_text(lambda: server.models)
         return Response(body, media_type=content_type)
 
-    return Starlette(routes=[
-        *kserve.routes(dispatch),
-        *openai_api.routes(dispatch),
-        Route("/metrics", metrics),
-    ])
+    found = [*kserve.routes(dispatch), *triton_generate.routes(dispatch), Route("/metrics", metrics)]
+    try:
+        from . import openai_api
+    except ImportError as exc:  # sse-starlette is in outrider[http], not in ray[serve] (a Ray replica)
+        log.info("OpenAI-compatible routes off (%s): pip install 'outrider[http]'", exc)
+    else:
+        found += openai_api.routes(dispatch)
+    return found
+
+
+def build_app(server: Any, front: str = "http") -> Starlette:
+    """Routes for `server`'s models; every infer and generate goes through `Server.submit`."""
+    return Starlette(routes=routes(Dispatcher(server, front)))

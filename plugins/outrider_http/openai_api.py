@@ -24,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from outrider.errors import BadRequestError, ModelNotFoundError, OutriderError
+from outrider.errors import OutriderError
 from outrider.protocol import encode_bytes_tensor
 
 from .dispatch import Call, ClientGone, Dispatcher, error_code, read_body, status_of
