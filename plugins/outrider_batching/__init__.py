@@ -116,7 +116,7 @@ class BatchingSpec(BaseModel):
             # a deliver callback), and holding a connection's replies in arrival order across
             # instances would make every reply wait behind its slowest predecessor.
             raise ValueError(
-                "field 'batching.preserve_ordering': was removed: replies are matched to requests by id, "
+                "field 'preserve_ordering': was removed: replies are matched to requests by id, "
                 "never by order (docs/PROTOCOL.md), and the server never held replies back to keep an order; "
                 "delete the field (a client that needs order reads replies by id)"
             )
