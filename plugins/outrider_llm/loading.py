@@ -199,7 +199,9 @@ def read_artifact_meta(artifact: "Artifact | str | Path") -> dict:
     directory = _artifact_dir(artifact)
     meta = json.loads((directory / META_FILE).read_text())
     if meta.get("format") != CACHE_FORMAT:
-        raise ValueError(f"{directory}: llama-weights format {meta.get('format')!r}, expected {CACHE_FORMAT}")
+        # Deterministic: loading it again gives the same answer (the artifact's key should have differed).
+        raise ArtifactError(f"{directory}: llama-weights format {meta.get('format')!r}, expected {CACHE_FORMAT}: "
+                            f"delete it to have it rebuilt")
     return meta
 
 

@@ -301,7 +301,10 @@ class LlmWeightQuantizer:
             # far as it changes the result): the gate measures the model as that kernel computes it
             # (w4a8 quantizes activations too), and its figures live in the provenance.
             sources=[source], versions=["torch"],
+            # The float artifact's own format too: quantized weights carry its layout and meta, so
+            # a conversion that changes (its format bumped) must not meet quantized weights of the old.
             options={"mode": mode, "group_size": group_size, "head_mode": head_mode, "kernel": config.kernel,
+                     "weights_format": json.loads((Path(artifact.path) / META_FILE).read_text()).get("format"),
                      "computed_by": context.helpers["kernel_key"](mode) if "kernel_key" in context.helpers else None},
         )
         built = Artifact(built.path, KIND, built.provenance)  # what the backend loads is a llama-weights dir
