@@ -212,7 +212,7 @@ def test_v2_deadline_is_504_and_a_client_that_leaves_cancels_its_request(http_se
     assert stats["successes"] - before["successes"] == 1, stats  # the two that left never ran
 
 
-# -- OpenAI-compatible ------------------------------------------------------------------------
+# -- Triton's generate extension -------------------------------------------------------------
 
 
 def test_triton_generate_extension_plain_and_streamed(http_server):
@@ -237,6 +237,12 @@ def test_triton_generate_extension_plain_and_streamed(http_server):
     assert refused.status_code == 400 and "does not generate" in refused.json()["error"], refused.text
     missing = httpx.post(f"{http_server.url}/v2/models/nope/generate", json=body, timeout=30)
     assert missing.status_code == 404, missing.text
+    for bad in (b"not json", b"[1, 2]", b'{"text_input": "hi", "parameters": [1]}'):
+        answer = httpx.post(f"{http_server.url}/v2/models/tiny/generate_stream", content=bad, timeout=30)
+        assert answer.status_code == 400 and answer.json()["code"] == "bad_request", answer.text
+
+
+# -- OpenAI-compatible ------------------------------------------------------------------------
 
 
 def test_openai_completions_plain_and_streamed(http_server):
@@ -328,16 +334,22 @@ def test_openai_embeddings_float_and_base64(http_server):
     assert {m.id for m in client.models.list()} == {"echo", "slow", "minilm", "tiny"}
 
 
-def test_a_client_that_leaves_mid_stream_frees_its_slot(http_server):
+# One token a step (no speculation): hundreds of steps still to go when the client leaves.
+LONG_GENERATION = {"max_tokens": 240, "temperature": 0, "speculative": False}
+
+
+@pytest.mark.parametrize("route, body", [
+    ("/v1/completions", {"model": "tiny", "prompt": "abc abc abc", "stream": True, **LONG_GENERATION}),
+    ("/v2/models/tiny/generate_stream", {"text_input": "abc abc abc", "parameters": LONG_GENERATION}),
+], ids=["openai", "triton"])
+def test_a_client_that_leaves_mid_stream_frees_its_slot(http_server, route, body):
     def slots() -> tuple[int, int]:
         [instance] = http_server.stats("tiny")["instances"]
         return instance["backend"]["active_sequences"], instance["backend"]["free_slots"]
 
     before = http_server.stats("tiny")["stats"]
-    body = {"model": "tiny", "prompt": "abc abc abc", "max_tokens": 240, "temperature": 0, "stream": True,
-            "speculative": False}  # one token a step: hundreds of steps still to go when it leaves
     with httpx.Client(base_url=http_server.url, timeout=30) as http:
-        with http.stream("POST", "/v1/completions", json=body) as response:
+        with http.stream("POST", route, json=body) as response:
             assert response.status_code == 200
             lines = response.iter_lines()
             assert next(line for line in lines if line.startswith("data:"))

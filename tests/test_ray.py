@@ -97,14 +97,16 @@ def test_replica_serves_its_models_in_process(orray) -> None:
                 who = await http.get("/outrider/replica")
                 missing = await http.post("/v2/models/nope/infer", json=body)
                 not_generating = await http.post("/v2/models/echo/generate", json={"text_input": "hi"})
-            return out, reply, who, missing, not_generating
+                metrics = await http.get("/metrics")  # the HTTP front's own routes, /metrics included
+            return out, reply, who, missing, not_generating, metrics
 
-        out, reply, who, missing, not_generating = asyncio.run(calls())
+        out, reply, who, missing, not_generating, metrics = asyncio.run(calls())
         assert out["x"].tolist() == [0, 1, 2, 3, 4] and [s.decode() for s in out["s"]] == ["a", "b"]
         assert reply.status_code == 200, reply.text
         assert reply.json()["outputs"][0]["data"] == [1.5, 2.5]
         assert reply.headers["x-outrider-replica"] == replica.info["replica_id"] == who.json()["replica_id"]
         assert missing.status_code == 404 and not_generating.status_code == 400
+        assert metrics.status_code == 200 and 'outrider_requests_total{model="echo"}' in metrics.text
         assert replica.health()["models"]["echo"]["stats"]["requests"] >= 2
 
         replica.server.draining = True  # what a SIGTERM does: not ready, so Serve's check fails

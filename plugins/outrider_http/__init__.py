@@ -7,8 +7,10 @@ cancellation and metrics with ZeroMQ clients. starlette on uvicorn, sse-starlett
 they are imported only when the front starts (`pip install 'outrider[http]'`).
 
 Reads top to bottom: what it registers, how it starts (bind, then uvicorn on a thread of its
-own), how it stops. The routes are in `kserve.py` and `openai_api.py`, the bridge to the core in
-`dispatch.py`. Endpoints, error mapping and metric names: docs/HTTP.md.
+own), how it stops. The routes are gathered in `app.py`, from `kserve.py` (OIP v2),
+`triton_generate.py` (Triton's generate extension) and `openai_api.py`, over the bridge to the core
+in `dispatch.py`; `ray_serve.py` serves the same routes from Ray Serve replicas (`outrider[ray]`).
+Endpoints, error mapping and metric names: docs/HTTP.md.
 """
 
 from __future__ import annotations

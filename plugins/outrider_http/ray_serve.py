@@ -27,8 +27,9 @@ From the shell, with Serve's own CLI (`build` is the application builder)::
 HTTP through Serve's proxy (port 8000 by default): Open Inference Protocol v2
 (`POST /v2/models/{name}/infer`, health, metadata), Triton's generate extension
 (`POST /v2/models/{name}/generate`, and `.../generate_stream` as server-sent events), the
-OpenAI-compatible routes when `sse-starlette` is installed (`outrider[http]`), and
-`GET /outrider/replica`. Every response names its replica in `x-outrider-replica`.
+OpenAI-compatible routes when `sse-starlette` is installed (`outrider[http]`), `/metrics` (the
+routes of `outrider serve --http`, from app.py), and `GET /outrider/replica`. Every response
+names its replica in `x-outrider-replica`.
 
 docs/RAY.md: multi-node clusters (KubeRay), what stays per node, autoscaling, measured cost.
 """
