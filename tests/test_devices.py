@@ -7,7 +7,9 @@ sysfs tree from a Jetson AGX Orin); the server tests install a fixed inventory w
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import subprocess
 import time
 from pathlib import Path
 from typing import Iterator
@@ -158,7 +160,7 @@ def test_without_nvml_the_next_source_answers_and_the_notes_say_why(tmp_path: Pa
     found = devices.probe([("nvml", devices.read_nvml), ("jetson", lambda: devices.read_jetson(tmp_path / "none")),
                            ("nvidia-smi", lambda: devices.read_nvidia_smi(smi(H200_SMI)))])
     assert found.source == "nvidia-smi" and found.count == 2
-    if devices.importlib.util.find_spec("pynvml") is None:
+    if importlib.util.find_spec("pynvml") is None:
         assert found.notes[0] == "NVML: nvidia-ml-py not installed (pip install 'outrider[gpu]')"
     assert found.notes[-1] == "Jetson: not a Jetson (/etc/nv_tegra_release absent)"
 
@@ -171,7 +173,7 @@ def test_a_jetson_answers_before_nvidia_smi(tmp_path: Path) -> None:
 
 def test_no_gpu_anywhere_says_why_for_every_source(tmp_path: Path) -> None:
     def failing(command):
-        raise devices.subprocess.SubprocessError(
+        raise subprocess.SubprocessError(
             "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver.")
 
     found = devices.probe([("jetson", lambda: devices.read_jetson(tmp_path)),
