@@ -445,9 +445,9 @@ def test_native_kernels_fall_back_to_the_measured_choice_where_they_cannot_run(m
     from outrider_llm import linear, native
 
     monkeypatch.setattr(native, "w4a8_kernel", lambda: (False, "the CPU lacks avx512_vnni"))
-    monkeypatch.setattr(native, "int4_kernel", lambda: (False, "OUTRIDER_NATIVE_INT4=0"))
+    monkeypatch.setattr(native, "int4_kernel", lambda: (False, "OUTRIDER_NATIVE_INT4_BF16=0"))
     monkeypatch.setattr(linear, "_PLANS", {})
-    for kernel, why in (("w4a8", "avx512_vnni"), ("int4native", "OUTRIDER_NATIVE_INT4=0")):
+    for kernel, why in (("w4a8", "avx512_vnni"), ("int4native", "OUTRIDER_NATIVE_INT4_BF16=0")):
         plan = linear.choose_kernel("int4", kernel)
         assert plan.kernel != kernel and "not usable" in plan.reason and why in plan.reason
     config, weights = _tiny()

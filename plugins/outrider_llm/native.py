@@ -12,8 +12,9 @@ as torch ops `outrider::*`.
 All but int4_mm run on every CPU: one kernel set per instruction set (scalar, AVX2, AVX-VNNI,
 AVX-512 VNNI, NEON, NEON dotprod; csrc/kernels.h), the best this CPU runs chosen at load, each
 equal to the scalar reference bit for bit, so a model computes the same logits on every path.
-`OUTRIDER_NATIVE_ISA=avx2` (say) forces a set this CPU runs; `OUTRIDER_NATIVE=0` turns the
-native kernels off, `OUTRIDER_NATIVE_INT4=0` only int4_mm. The library is compiled when the
+`OUTRIDER_NATIVE_ISA=avx2` (say) forces a set this CPU runs; `OUTRIDER_NATIVE=0` turns every
+native kernel off, `OUTRIDER_NATIVE_INT4_BF16=0` only int4_mm (the old `OUTRIDER_NATIVE_INT4=0`
+still does, with a deprecation warning: w4a8 has int4 weights too). The library is compiled when the
 package is installed (setup.py), never at first request; where that build was impossible,
 `w4a8_kernel()` / `int4_kernel()` say why and the model uses torch's kernels.
 """
@@ -103,12 +104,30 @@ def int4_kernel() -> tuple[bool, str]:
     loaded, why = library()
     if not loaded:
         return False, why
-    if os.environ.get("OUTRIDER_NATIVE_INT4", "1") == "0":
-        return False, "OUTRIDER_NATIVE_INT4=0"
+    switch = _int4_bf16_switched_off()
+    if switch:
+        return False, switch
     missing = [f for f in INT4_FLAGS if f not in cpu_flags()]
     if missing or not hasattr(torch.ops.outrider, "int4_mm"):
         return False, f"the CPU lacks {', '.join(missing) or 'x86 AVX-512'}"
     return True, "AMX" if torch.ops.outrider.int4_mm_has_amx() else "AVX512-BF16"
+
+
+def _int4_bf16_switched_off() -> str:
+    """The environment setting that turns int4_mm off ("" where none does)."""
+    if os.environ.get("OUTRIDER_NATIVE_INT4_BF16", "1") == "0":
+        return "OUTRIDER_NATIVE_INT4_BF16=0"
+    if os.environ.get("OUTRIDER_NATIVE_INT4", "1") == "0":
+        if not _DEPRECATION_LOGGED:
+            _DEPRECATION_LOGGED.append(True)
+            log.warning("OUTRIDER_NATIVE_INT4=0 is deprecated: say OUTRIDER_NATIVE_INT4_BF16=0 (it turns off "
+                        "int4_mm, int4 weights x bf16 activations, only; OUTRIDER_NATIVE=0 turns off every "
+                        "native kernel)")
+        return "OUTRIDER_NATIVE_INT4=0"
+    return ""
+
+
+_DEPRECATION_LOGGED: list[bool] = []
 
 
 def w4a8_kernel() -> tuple[bool, str]:
