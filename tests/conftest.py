@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -121,6 +122,13 @@ def raw_dealer(address: str, **options):
         sock.setsockopt(getattr(zmq, name), value)
     sock.connect(address)
     return sock
+
+
+def free_port() -> int:
+    """A loopback TCP port nobody listens on now (for a server a test starts)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def write_manifest(tmp_path: Path, text: str, name: str = "m.yaml") -> Path:

@@ -9,15 +9,9 @@ import socket
 import numpy as np
 import pytest
 
-from conftest import TEST_PLUGINS, write_manifest
+from conftest import TEST_PLUGINS, free_port, write_manifest
 
 PLUGINS = ["outrider_echo", "outrider_test_extension"]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _ask(port: int, body: dict) -> dict:

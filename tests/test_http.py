@@ -14,7 +14,6 @@ import base64
 import concurrent.futures
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -29,17 +28,11 @@ pytest.importorskip("starlette")
 pytest.importorskip("onnxruntime")
 pytest.importorskip("torch")
 
-from conftest import MANIFESTS, ROOT, start_server, write_manifest  # noqa: E402
+from conftest import MANIFESTS, ROOT, free_port, start_server, write_manifest  # noqa: E402
 
 PLUGINS = ["outrider_echo", "outrider_text", "outrider_onnxruntime", "outrider_batching",
            "outrider_test_hf_llama", "outrider_speculative", "outrider_http"]
 SENTENCES = ["A man is eating food.", "Outrider serves models beside your application.", "short"]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class HttpServer:

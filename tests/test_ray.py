@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,7 +26,7 @@ import numpy as np
 import pytest
 import yaml
 
-from conftest import MANIFESTS, ROOT, TEST_PLUGINS
+from conftest import MANIFESTS, ROOT, TEST_PLUGINS, free_port
 
 sys.path.insert(0, str(TEST_PLUGINS))  # in-process replicas register test plugins by module name
 
@@ -219,12 +218,6 @@ def test_rayservice_serve_config_builds_the_app(orray) -> None:
 # -- a local Ray cluster -------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def cluster(orray, cache_dir):
     """A local Ray cluster (2 CPUs, no dashboard) with Serve's proxy on a free loopback port."""
@@ -241,7 +234,7 @@ def cluster(orray, cache_dir):
     }
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=256 * 1024 * 1024,
              runtime_env={"env_vars": env}, log_to_driver=False)
-    port = _free_port()
+    port = free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         yield port

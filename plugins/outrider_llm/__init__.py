@@ -25,12 +25,10 @@ import os
 import time
 from typing import Any, Callable, Literal, Optional
 
-import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from outrider import hookimpl
 from outrider.backend import Availability, GeneratingBackend, require_packages, torch_device
-from outrider.errors import BadRequestError
 from outrider.manifest import Manifest
 from outrider.torch_process import CudaHealth, is_out_of_memory, release_cpu_threads, set_torch_threads
 
@@ -217,9 +215,6 @@ class LlmBackend(GeneratingBackend):
                                      f"warmup: {str(exc).splitlines()[0]}") from exc
             raise
 
-    def execute(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        raise BadRequestError(f"model {self.manifest.name!r} generates text; send a generate request")
-
     def idle(self) -> None:
         """Waiting for work (called every few hundred ms while it lasts): hand this thread's OpenMP
         team back, so that a busy torch model beside this one keeps libgomp's fast path (see
@@ -228,7 +223,7 @@ class LlmBackend(GeneratingBackend):
         if not self.device.startswith("cpu"):
             return
         release_cpu_threads()
-        engine = getattr(self, "engine", None)
+        engine = self.engine
         if engine is None:
             return
         now = time.monotonic()

@@ -87,9 +87,13 @@ class AcceleratorSet(dict):
         self.specs: dict[str, AcceleratorSpec] = {}
         self.configs: dict[str, Any] = {}
 
+    def sections_for(self, role: str) -> list[str]:
+        """The sections whose accelerators fill `role`, in the order they run (select() inserted them so)."""
+        return [section for section, spec in self.specs.items() if spec.role == role]
+
     def by_role(self, role: str) -> list[Any]:
-        """The objects filling `role`, in section order."""
-        return [self[s] for s, spec in self.specs.items() if spec.role == role]  # select() inserted them in order
+        """The objects filling `role`, in the order they run."""
+        return [self[section] for section in self.sections_for(role)]
 
     @property
     def batch_policy(self) -> Any:

@@ -124,7 +124,7 @@ class Backend:
         artifact = self.source_artifact()
         if artifact is None:
             if transforms:
-                sections = ", ".join(s for s, spec in self.accelerators.specs.items() if spec.role == "artifact_transform")
+                sections = ", ".join(self.accelerators.sections_for("artifact_transform"))
                 raise ManifestError(f"{self.manifest.source_file or self.manifest.name}: backend {self.name!r} takes "
                                     f"no artifact, so its {sections} section cannot transform one")
             return

@@ -204,7 +204,6 @@ class Manifest(_Strict):
             raise ManifestError(f"{self.source_file or self.name}: {exc.message}") from None
 
 
-
 def _format_errors(where: str, exc: ValidationError) -> str:
     lines = []
     for err in exc.errors():

@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 from typing import Any, Callable, Optional
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -180,9 +179,6 @@ class HFLlamaBackend(GeneratingBackend):
 
     def warmup(self) -> None:
         self.engine.warm_up(self.tokenizer.encode("abc abc abc"), max_tokens=4)
-
-    def execute(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        raise BadRequestError(f"model {self.manifest.name!r} generates text; send a generate request")
 
     def health(self) -> dict[str, Any]:
         engine = self.engine

@@ -290,8 +290,8 @@ class ServedModel:
             "accelerators": {section: {"name": spec.name, "role": spec.role}
                              for section, spec in self.accelerators.specs.items()},
             # The batch policy's settings, under the name the `models` reply has given them (PROTOCOL.md).
-            "batching": _settings(self.accelerators.configs.get(next(
-                (s for s, spec in self.accelerators.specs.items() if spec.role == "batch_policy"), ""))),
+            "batching": next((_settings(self.accelerators.configs[section])
+                              for section in self.accelerators.sections_for("batch_policy")), None),
             "generate": self.generates,
             **({"metadata": meta} if meta else {}),
         }
