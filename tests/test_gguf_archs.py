@@ -271,3 +271,22 @@ def test_a_sliding_window_caps_the_context_where_attention_is_exact(tmp_path, se
         with pytest.raises(OutriderError, match="context holds 24"):
             client.generate("sw", prompt="abcd " * 12, max_tokens=4)
     assert "max_length 2048 capped at 24" in server.log()
+
+
+def test_a_conversion_in_a_child_process_writes_what_one_in_process_writes(tmp_path):
+    """A server converts a GGUF in a child process (its heap leaves with it): the artifact is the
+    same, byte for byte, and a file it cannot serve is still a GGUFError (failed once, not retried)."""
+    from outrider_llm.conversion import convert, convert_in_child
+    from outrider_llm.loading import GGUFError
+
+    path, _ = write_tiny_gguf(tmp_path, "qwen2", seed=21)
+    here, there = tmp_path / "here", tmp_path / "there"
+    here.mkdir(), there.mkdir()
+    assert convert("native", path, here) == convert_in_child("native", path, there)
+    for name in ("weights.safetensors", "tokenizer.json", "meta.json"):
+        assert (here / name).read_bytes() == (there / name).read_bytes(), name
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(path.read_bytes().replace(b"blk.0.ffn_down.weight", b"blk.0.ffn_dowX.weight"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(GGUFError, match="'blk.0.ffn_dowX.weight' is not part of a qwen2 layer"):
+        convert_in_child("native", broken, tmp_path / "empty")

@@ -109,7 +109,9 @@ class LlmBackend(GeneratingBackend):
         self._loading_since = time.perf_counter()
         self.serves_file_blocks = self._serves_file_blocks(options, on_cuda)
         path = self.manifest.model_path()
-        self._source = load_native_artifact(path) if self.serves_file_blocks else load_weights_artifact(path)
+        # A first start converts in a child process: the conversion's heap leaves with it.
+        load = load_native_artifact if self.serves_file_blocks else load_weights_artifact
+        self._source = load(path, in_child=True)
         return self._source
 
     def gate_helpers(self) -> dict[str, Any]:

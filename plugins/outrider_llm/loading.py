@@ -155,18 +155,19 @@ def load_gguf(
     return load_model(path, dtype=dtype, use_cache=use_cache)
 
 
-def load_weights_artifact(gguf_path: "str | Path", cache: Optional[ArtifactCache] = None) -> Artifact:
-    """The GGUF converted to a "llama-weights" artifact (see the module docstring), built once."""
+def load_weights_artifact(gguf_path: "str | Path", cache: Optional[ArtifactCache] = None,
+                          in_child: bool = False) -> Artifact:
+    """The GGUF converted to a "llama-weights" artifact (see the module docstring), built once;
+    with `in_child`, built by a child process (conversion.py: what a server does)."""
     path = Path(gguf_path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file {path} does not exist")
     cache = cache or ArtifactCache()
 
     def build(directory: Path, progress: Any) -> dict:
-        config, state_dict, meta = _read_gguf(path)
-        backend = _gguf_tokenizer(path)
-        _write_artifact(directory, config, state_dict, meta, backend)
-        return {"tensors": len(state_dict), "bytes": (directory / WEIGHTS_FILE).stat().st_size}
+        from .conversion import convert, convert_in_child
+
+        return (convert_in_child if in_child else convert)("float", path, directory)
 
     return cache.get_or_build(
         WEIGHTS_KIND, build, label=f"{path.name} -> fp32 weights", sources=[path],
@@ -174,19 +175,20 @@ def load_weights_artifact(gguf_path: "str | Path", cache: Optional[ArtifactCache
     )
 
 
-def load_native_artifact(gguf_path: "str | Path", cache: Optional[ArtifactCache] = None) -> Artifact:
+def load_native_artifact(gguf_path: "str | Path", cache: Optional[ArtifactCache] = None,
+                         in_child: bool = False) -> Artifact:
     """The GGUF as a "llama-weights" artifact holding its quantized matrices in their own block
-    types (`_read_gguf(native=True)`), built once: a warm start reads it without conversion."""
+    types (`_read_gguf(native=True)`), built once: a warm start reads it without conversion. With
+    `in_child`, built by a child process (conversion.py: what a server does)."""
     path = Path(gguf_path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file {path} does not exist")
     cache = cache or ArtifactCache()
 
     def build(directory: Path, progress: Any) -> dict:
-        config, state_dict, meta = _read_gguf(path, native=True)
-        _write_artifact(directory, config, state_dict, meta, _gguf_tokenizer(path))
-        return {"tensors": len(state_dict), "bytes": (directory / WEIGHTS_FILE).stat().st_size,
-                "block_types": meta["block_types"], "converted": {k: len(v) for k, v in meta["converted"].items()}}
+        from .conversion import convert, convert_in_child
+
+        return (convert_in_child if in_child else convert)("native", path, directory)
 
     return cache.get_or_build(
         NATIVE_KIND, build, label=f"{path.name} -> its own blocks", sources=[path],

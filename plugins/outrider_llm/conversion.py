@@ -1,0 +1,91 @@
+"""A GGUF's first-start conversion, run in a child process.
+
+Reading a GGUF with gguf-py and repacking its tensors allocates a few hundred MB of short-lived
+numpy and torch buffers. In the serving process, glibc keeps about 90 MB of that heap after the
+conversion, whatever `malloc_trim` does (fragmented by what the load allocates next), so a
+server's first start held 459 MB where a warm start of the same file holds 371 MB, until it was
+restarted. In a child, all of it is gone when the child exits, and a conversion that runs out of
+memory takes the child down, not the server.
+
+    python -m outrider_llm.conversion native|float GGUF DIRECTORY
+
+writes the artifact's files into DIRECTORY and prints one JSON line: {"figures": {...}} or
+{"error": CLASS, "message": TEXT}. The parent raises a `GGUFError` again as a `GGUFError` (the
+file cannot be served: deterministic), anything else as a RuntimeError naming the class.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+KINDS = ("native", "float")
+
+
+def convert_in_child(kind: str, gguf: Path, directory: Path) -> dict:
+    """Run `convert(kind, gguf, directory)` in a child Python; its figures, or its error raised here."""
+    from .loading import GGUFError
+
+    import outrider
+
+    # The child imports both packages from where this process found them (a test's sys.path, an
+    # editable install or site-packages alike).
+    roots = [str(Path(__file__).resolve().parent.parent), str(Path(outrider.__file__).resolve().parent.parent)]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(roots + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    proc = subprocess.run([sys.executable, "-m", "outrider_llm.conversion", kind, str(gguf), str(directory)],
+                          stdout=subprocess.PIPE, stderr=None, env=env, text=True)
+    answer = None
+    for line in reversed(proc.stdout.splitlines()):
+        try:
+            answer = json.loads(line)
+            break
+        except ValueError:
+            continue
+    if not isinstance(answer, dict):
+        raise RuntimeError(f"converting {gguf} ({kind}): the conversion process exited with code "
+                           f"{proc.returncode} and no answer (killed for memory?)")
+    if "error" in answer:
+        if answer["error"] == "GGUFError":
+            raise GGUFError(answer["message"])
+        raise RuntimeError(f"converting {gguf} ({kind}) failed: {answer['error']}: {answer['message']}")
+    return answer["figures"]
+
+
+def convert(kind: str, gguf: Path, directory: Path) -> dict:
+    """Write the "llama-weights" artifact of `gguf` into `directory`: the file's own blocks
+    (`native`) or fp32 weights (`float`); the figures its provenance records."""
+    from .loading import WEIGHTS_FILE, _gguf_tokenizer, _read_gguf, _write_artifact
+
+    if kind not in KINDS:
+        raise ValueError(f"conversion kind {kind!r}: expected one of {KINDS}")
+    config, state_dict, meta = _read_gguf(gguf, native=kind == "native")
+    _write_artifact(directory, config, state_dict, meta, _gguf_tokenizer(gguf))
+    figures = {"tensors": len(state_dict), "bytes": (directory / WEIGHTS_FILE).stat().st_size}
+    if kind == "native":
+        figures["block_types"] = meta["block_types"]
+        figures["converted"] = {k: len(v) for k, v in meta["converted"].items()}
+    return figures
+
+
+def main(argv: list[str]) -> int:
+    logging.basicConfig(level=getattr(logging, os.environ.get("OUTRIDER_LOG_LEVEL", "INFO").upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    if len(argv) != 3:
+        print(__doc__, file=sys.stderr)
+        return 2
+    kind, gguf, directory = argv[0], Path(argv[1]), Path(argv[2])
+    try:
+        answer: dict = {"figures": convert(kind, gguf, directory)}
+    except Exception as exc:  # reported to the parent, which decides what it means
+        answer = {"error": type(exc).__name__, "message": str(exc)}
+    print(json.dumps(answer, default=str), flush=True)
+    return 0 if "figures" in answer else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
