@@ -1,4 +1,5 @@
-"""The ASGI application: OIP v2 routes, Triton's generate extension, OpenAI routes and /metrics,
+"""The ASGI application: OIP v2 routes, Triton's generate extension, OpenAI routes (generation in
+openai_api.py; embeddings, tokenize and detokenize in embeddings_api.py) and /metrics,
 over one dispatch path; Ray Serve replicas (ray_serve.py) serve the same `routes`."""
 
 from __future__ import annotations
@@ -29,11 +30,11 @@ def routes(dispatch: Dispatcher) -> list[Route]:
 
     found = [*kserve.routes(dispatch), *triton_generate.routes(dispatch), Route("/metrics", metrics)]
     try:
-        from . import openai_api
+        from . import embeddings_api, openai_api
     except ImportError as exc:  # sse-starlette is in outrider[http], not in ray[serve] (a Ray replica)
         log.info("OpenAI-compatible routes off (%s): pip install 'outrider[http]'", exc)
     else:
-        found += openai_api.routes(dispatch)
+        found += [*openai_api.routes(dispatch), *embeddings_api.routes(dispatch)]
     return found
 
 

@@ -1,4 +1,4 @@
-"""OpenAI-compatible routes: chat and text completions (plain and SSE), embeddings, models.
+"""OpenAI-compatible routes: chat and text completions (plain and SSE), models (embeddings: embeddings_api.py).
 
 Requests are validated by a schema; a parameter Outrider does not implement (n > 1, logprobs,
 tools, penalties...) is refused with a 400 naming it rather than silently ignored. Generation
@@ -10,14 +10,12 @@ engine refuses never starts a 200 stream). Speculative decoding's figures are in
 
 from __future__ import annotations
 
-import base64
 import json
 import logging
 import time
 import uuid
-from typing import Any, AsyncIterator, Literal, Optional, Union
+from typing import Any, AsyncIterator, Optional, Union
 
-import numpy as np
 from pydantic import BaseModel, ConfigDict, ValidationError
 from sse_starlette.sse import EventSourceResponse
 from starlette.requests import Request
@@ -25,7 +23,6 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from outrider.errors import OutriderError
-from outrider.protocol import encode_bytes_tensor
 
 from .dispatch import Call, ClientGone, Dispatcher, error_code, read_body, status_of
 
@@ -75,13 +72,6 @@ class ChatMessage(_Schema):
 class ChatRequest(_Generation):
     messages: list[ChatMessage]
     max_completion_tokens: Optional[int] = None
-
-
-class EmbeddingRequest(_Schema):
-    model: str
-    input: Union[str, list[str]]
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: Optional[int] = None
 
 
 # Fields refused unless absent or at their default (value that means "off").
@@ -208,48 +198,11 @@ def routes(dispatch: Dispatcher) -> list[Route]:
                 log.exception("HTTP %s failed", request.url.path)
             return ApiError.of(exc).response()
 
-    async def embeddings(request: Request) -> Response:
-        try:
-            body = await _parse(request, EmbeddingRequest, limit)
-            model = model_named(body.model, generates=False)
-            text_input, vector_output = _embedding_contract(model)
-            texts = [body.input] if isinstance(body.input, str) else body.input
-            if not texts:
-                raise _bad("'input' must not be empty", "input")
-            buffer = encode_bytes_tensor(np.array(texts, dtype=object))
-            spec = {"name": text_input, "datatype": "BYTES", "shape": [len(texts)]}
-            call = dispatch.submit(request.scope, "infer", model.name, {}, [spec], [buffer])
-            header, outputs = await dispatch.final(call, request.receive)
-            if not header.get("ok"):
-                raise _failure(header)
-            vectors = np.asarray(outputs[vector_output], dtype="<f4")
-            if body.dimensions is not None and body.dimensions != vectors.shape[1]:
-                raise _bad(f"model '{model.name}' returns {vectors.shape[1]} dimensions; 'dimensions' "
-                           f"cannot change that", "dimensions")
-            if body.encoding_format == "base64":
-                data = [base64.b64encode(np.ascontiguousarray(v).tobytes()).decode("ascii") for v in vectors]
-            else:
-                data = vectors.tolist()
-            return JSONResponse({
-                "object": "list",
-                "data": [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(data)],
-                "model": model.name,
-                # The embedding task does not report token counts.
-                "usage": {"prompt_tokens": 0, "total_tokens": 0},
-            })
-        except ClientGone:
-            return Response(status_code=499)
-        except Exception as exc:
-            if not isinstance(exc, (ApiError, OutriderError)):
-                log.exception("HTTP %s failed", request.url.path)
-            return ApiError.of(exc).response()
-
     return [
         Route("/v1/models", list_models),
         Route("/v1/models/{name:path}", get_model),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        Route("/v1/embeddings", embeddings, methods=["POST"]),
     ]
 
 
@@ -257,16 +210,6 @@ def _failure(header: dict) -> ApiError:
     failure = header.get("error") or {}
     code, message = failure.get("code", "internal"), failure.get("message", "")
     return ApiError(status_of(code), message, code, _param_named(message))
-
-
-def _embedding_contract(model: Any) -> tuple[str, str]:
-    """(text input, vector output) of a model that embeds text: one BYTES input, one 2-D FP32 output."""
-    m = model.manifest
-    if (len(m.inputs) == 1 and m.inputs[0].datatype == "BYTES" and len(m.outputs) == 1
-            and m.outputs[0].datatype == "FP32" and len(m.outputs[0].shape) == 2):
-        return m.inputs[0].name, m.outputs[0].name
-    raise _bad(f"model '{model.name}' does not embed text (it needs one BYTES input and one [N, D] FP32 output)",
-               "model")
 
 
 def _generation_parameters(body: Any, chat: bool) -> dict[str, Any]:
