@@ -222,10 +222,10 @@ class VerifiedTokens:
             self.request_of[seq.generator] = seq.request.id
             start(seq)
 
-        def recording_verify(tree, logits, params, generator):
+        def recording_verify(tree, logits, params, generator, adjust=None):
             from outrider.generation.contract import children_of, sampled_groups
 
-            verdict = verify(tree, logits, params, generator)
+            verdict = verify(tree, logits, params, generator, adjust)
             self.trees += 1
             self.branching += any(len(kids) > 1 for kids in children_of(tree).values())
             self.sampled += bool(sampled_groups(tree))

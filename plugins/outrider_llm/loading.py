@@ -83,6 +83,10 @@ class ChatTokenizer:
         """Text of `ids`."""
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def to_json(self) -> str:
+        """The tokenizer as `tokenizers` serializes it (what a grammar engine reads its vocabulary from)."""
+        return self.backend.to_str()
+
     def token_text(self, token_id: int) -> Optional[str]:
         """The vocabulary entry of one id."""
         return self.backend.id_to_token(token_id)

@@ -232,10 +232,11 @@ class SpeculativeStrategy:
         return tree
 
     def verify(
-        self, tree: DraftTree, logits: torch.Tensor, params: Any, generator: Optional[torch.Generator]
+        self, tree: DraftTree, logits: torch.Tensor, params: Any, generator: Optional[torch.Generator],
+        adjust: Any = None,
     ) -> Verdict:
-        """The lossless verdict on `tree` (verify.verify), counted in `stats`."""
-        verdict = verify(tree, logits, params, generator)
+        """The lossless verdict on `tree` (verify.verify, rows adjusted by the request's rules), counted in `stats`."""
+        verdict = verify(tree, logits, params, generator, adjust)
         self.stats["steps"] += 1
         self.stats["draft_tokens"] += verdict.draft_tokens
         self.stats["accepted_tokens"] += verdict.accepted_tokens

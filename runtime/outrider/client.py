@@ -29,6 +29,8 @@ class GenerateResult:
     token_ids: list[int]
     finish_reason: str
     stats: dict[str, Any] = field(default_factory=dict)
+    # With logprobs=True: per token {"token_id", "logprob", "top": [[id, logprob], ...]}.
+    logprobs: Optional[list[dict]] = None
 
 
 @dataclass
@@ -37,6 +39,7 @@ class GenerateChunk:
 
     text: str
     token_ids: list[int]
+    logprobs: Optional[list[dict]] = None
 
 
 def _parse(frames: list[Any]) -> tuple[str, dict, dict[str, np.ndarray]]:
@@ -83,6 +86,7 @@ def _result(header: dict) -> GenerateResult:
         token_ids=list(header.get("token_ids", [])),
         finish_reason=header.get("finish_reason", ""),
         stats=dict(header.get("stats", {})),
+        logprobs=header.get("logprobs"),
     )
 
 
@@ -192,7 +196,7 @@ class Client:
             while True:
                 kind, header, _ = self._receive(request_id, time.monotonic() + per_chunk, f"generate on {model!r}")
                 if kind == "chunk":
-                    yield GenerateChunk(header.get("text", ""), list(header.get("token_ids", [])))
+                    yield GenerateChunk(header.get("text", ""), list(header.get("token_ids", [])), header.get("logprobs"))
                     continue
                 finished = True
                 _raise_if_error(header)
@@ -333,7 +337,7 @@ class AsyncClient:
             while True:
                 kind, header, _ = await self._next(request_id, queue, timeout, f"generate on {model!r}")
                 if kind == "chunk":
-                    yield GenerateChunk(header.get("text", ""), list(header.get("token_ids", [])))
+                    yield GenerateChunk(header.get("text", ""), list(header.get("token_ids", [])), header.get("logprobs"))
                     continue
                 finished = True
                 _raise_if_error(header)

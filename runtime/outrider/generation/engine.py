@@ -27,7 +27,8 @@ from outrider.serving.queue import RequestQueue
 from outrider.serving.request import PendingRequest
 from outrider.serving.scheduler import InstanceHandle, Scheduler
 
-from .contract import Chunk, DraftTree
+from .constraints import TokenRules, check_grammar_state, parse_logit_bias, token_logprobs
+from .contract import Chunk, DraftTree, children_of
 from .sampling import SamplingParams, parse_prompt, parse_sampling, sample_token
 from .text import IncrementalText
 
@@ -63,6 +64,8 @@ class Sequence:
         self.steps = 0
         self.draft_tokens = 0
         self.accepted_tokens = 0
+        self.rules: Optional[TokenRules] = None  # the request's logit_bias, penalties, grammar
+        self.logprobs: list[dict] = []  # per generated token, when the request asks for them
 
     @property
     def cancelled(self) -> bool:
@@ -101,6 +104,7 @@ class GenerationEngine:
         self.stats = stats
         self.eos = set(tokenizer.eos_token_ids)
         self.steps = 0  # forward passes run so far (warmup included): a backend tells idle spells apart by it
+        self._grammars: Any = None  # grammar.GrammarCompiler, made on the first constrained request
 
     # -- admission ------------------------------------------------------------------------
 
@@ -151,6 +155,7 @@ class GenerationEngine:
                 f"the prompt is {len(prompt_ids)} tokens; this model's context holds {self.max_length}"
             )
         params.max_tokens = min(params.max_tokens, room)
+        rules = self._rules(params)
         speculate = self.strategy is not None and params.speculative is not False
         if self.stats is not None:
             self.stats.observe("queue_seconds", time.monotonic() - request.received)
@@ -159,6 +164,7 @@ class GenerationEngine:
         try:
             seq = Sequence(request, slot, prompt_ids, params, IncrementalText(self.tokenizer.decode, params.stop),
                            speculate, self.device)
+            seq.rules = rules
             if self.stats is not None:
                 self.stats.sequences(+1)  # given back in _release, whatever happens next
             self.cache.reset(slot)
@@ -174,6 +180,24 @@ class GenerationEngine:
             log.exception("model %s: request %r: starting its generation failed", request.model, request.id)
             raise ExecutionError(f"starting this generation failed: {type(exc).__name__}: {exc}") from None
         return seq
+
+    def _rules(self, params: SamplingParams) -> Optional[TokenRules]:
+        """The request's TokenRules (None when it sets none); a bad bias or constraint is its 400."""
+        vocab = int(self.model.vocab_size)
+        bias = parse_logit_bias(params.logit_bias, vocab)
+        grammar = None
+        if params.constraint is not None:
+            if self._grammars is None:
+                from .grammar import GrammarCompiler
+
+                to_json = getattr(self.tokenizer, "to_json", None)
+                if to_json is None:
+                    raise BadRequestError("this model's tokenizer cannot be given to the grammar engine: "
+                                          "parameter 'constraint' is not supported here")
+                self._grammars = GrammarCompiler(to_json(), vocab, sorted(self.eos))
+            grammar = self._grammars.state(*params.constraint)
+        rules = TokenRules(vocab, bias, params.presence_penalty, params.frequency_penalty, grammar, frozenset(self.eos))
+        return rules if rules.active else None
 
     def warm_up(self, prompt_ids: list[int], max_tokens: int = 8, temperature: float = 0.0) -> list[int]:
         """Generate from `prompt_ids` outside any request (prefill, drafts, verification); not counted in stats."""
@@ -270,6 +294,8 @@ class GenerationEngine:
         if seq.speculate and budget > 0 and room > 0:
             tree = self.strategy.propose(seq, min(budget, room))
             tree = self.strategy.limit_depth(tree, room)
+            if seq.rules is not None and seq.rules.grammar is not None and len(tree):
+                tree = _grammatical(tree, seq.rules)
         tokens = torch.tensor([seq.token_ids[-1], *tree.tokens])
         positions = length + torch.tensor([0, *tree.depths()], dtype=torch.long)
         return Chunk(seq.slot, tokens, positions, tree.mask() if len(tree) else None), tree
@@ -278,19 +304,25 @@ class GenerationEngine:
                  logits: torch.Tensor) -> None:
         """Keep what the target accepts of `seq`'s fed tokens and emit its new tokens."""
         seq.steps += 1
+        rows: list[torch.Tensor] = []  # the adjusted rows the emitted tokens are drawn from, in order
+        adjust = _adjuster(seq, rows)
         if tree is None:
             self.cache.commit(seq.slot, list(range(len(chunk.tokens))))
             seq.last_hidden = hidden[-1]
             seq.prefilled = True
-            token = sample_token(logits[-1], seq.params, seq.generator)
+            row = logits[-1] if adjust is None else adjust(logits[-1], [])
+            token = sample_token(row, seq.params, seq.generator)
             seq.first_token_seconds = time.monotonic() - seq.started
-            self._emit(seq, [token])
+            self._emit(seq, [token], rows)
             return
         if len(tree):
-            verdict = self.strategy.verify(tree, logits, seq.params, seq.generator)
+            # adjust only when there is one: a strategy written before request rules keeps working without them
+            verdict = self.strategy.verify(tree, logits, seq.params, seq.generator,
+                                           **({"adjust": adjust} if adjust is not None else {}))
             accepted, bonus = list(verdict.accepted), int(verdict.bonus)
         else:
-            accepted, bonus = [], sample_token(logits[0], seq.params, seq.generator)
+            row = logits[0] if adjust is None else adjust(logits[0], [])
+            accepted, bonus = [], sample_token(row, seq.params, seq.generator)
         keep = [0] + [i + 1 for i in accepted]
         self.cache.commit(seq.slot, keep)
         seq.last_hidden = hidden[keep[-1]]
@@ -300,20 +332,29 @@ class GenerationEngine:
             self.stats.add("speculative_steps", 1)
         if seq.speculate:
             self.strategy.record(seq, len(tree), len(accepted))
-        self._emit(seq, [tree.tokens[i] for i in accepted] + [bonus])
+        self._emit(seq, [tree.tokens[i] for i in accepted] + [bonus], rows)
 
-    def _emit(self, seq: Sequence, tokens: list[int]) -> None:
+    def _emit(self, seq: Sequence, tokens: list[int], rows: Optional[list[torch.Tensor]] = None) -> None:
         new: list[int] = []
-        for token in tokens:
+        logprobs: list[dict] = []
+        for index, token in enumerate(tokens):
             if token in self.eos:
                 seq.finish_reason = "stop"
                 break
             seq.generated.append(token)
             seq.token_ids.append(token)
             new.append(token)
+            if seq.params.logprobs and rows:  # row j is the one emitted token j was drawn from
+                logprobs.append(token_logprobs(rows[index], token, seq.params, seq.params.top_logprobs))
             if len(seq.generated) >= seq.params.max_tokens:
                 seq.finish_reason = "length"
                 break
+        if seq.rules is not None and new:
+            seq.rules.commit(new)
+            check_grammar_state(seq.rules.grammar)
+            if seq.rules.finished and seq.finish_reason is None:
+                seq.finish_reason = "stop"  # the grammar allows only the end now: EOS with probability 1
+        seq.logprobs.extend(logprobs)
         if seq.speculate and new:
             self.strategy.extend(seq, new)
         delta = seq.text.update(seq.generated, final=seq.finish_reason is not None)
@@ -329,7 +370,7 @@ class GenerationEngine:
             if seq.first_emitted is None:
                 seq.first_emitted = now
         if seq.request is not None and seq.params.stream and (delta or new):
-            seq.request.chunk(text=delta, token_ids=new)
+            seq.request.chunk(text=delta, token_ids=new, **({"logprobs": logprobs} if seq.params.logprobs else {}))
         if seq.finish_reason is not None:
             self._finish(seq)
 
@@ -346,8 +387,9 @@ class GenerationEngine:
         if seq.request is not None and seq.request.claim():
             if self.stats is not None:
                 self.stats.success()
+            extra = {"logprobs": seq.logprobs} if seq.params.logprobs else {}
             seq.request.reply(text=seq.text.text, token_ids=seq.generated, finish_reason=seq.finish_reason,
-                              stats=stats, claimed=True)
+                              stats=stats, claimed=True, **extra)
         self._release(seq)
 
     def _release(self, seq: Sequence) -> None:
@@ -408,6 +450,51 @@ class GenerationEngine:
                 self.cache.reset(slot)
             except Exception:
                 log.exception("resetting KV cache slot %d failed", slot)
+
+
+def _adjuster(seq: Sequence, rows: list[torch.Tensor]) -> Any:
+    """verify.Adjust for `seq` (its rules, each row it returns recorded in `rows` for the
+    log-probabilities), or None when the request sets no rules and asks for no logprobs."""
+    rules = seq.rules
+    if rules is None and not seq.params.logprobs:
+        return None
+
+    def adjust(row: torch.Tensor, path: list[int]) -> torch.Tensor:
+        out = rules.apply(row, path) if rules is not None else row
+        rows.append(out)
+        return out
+
+    return adjust
+
+
+def _grammatical(tree: DraftTree, rules: TokenRules) -> DraftTree:
+    """`tree` without the nodes the grammar refuses (and their subtrees): a draft-side cut, like a
+    probability threshold. Sampled groups keep their draws (verify.py: a pruned draw stays)."""
+    import copy
+
+    children = children_of(tree)
+    keep: list[int] = []
+
+    def walk(node: int, path: list[int]) -> None:
+        for child in children[node]:
+            candidate = path + [tree.tokens[child]]
+            if rules.allowed_prefix(candidate) == len(candidate):
+                keep.append(child)
+                walk(child, candidate)
+
+    walk(-1, [])
+    if len(keep) == len(tree):
+        return tree
+    keep.sort()  # topological order is node order
+    index = {old: new for new, old in enumerate(keep)}
+    out = copy.copy(tree)
+    out.tokens = [tree.tokens[i] for i in keep]
+    out.parents = [-1 if tree.parents[i] < 0 else index[tree.parents[i]] for i in keep]
+    out.probs = [tree.probs[i] for i in keep] if tree.probs else []
+    sampled = getattr(tree, "sampled", None)
+    if sampled:  # groups hang off parents; a pruned parent's groups go with it
+        out.sampled = {(-1 if p < 0 else index[p]): g for p, g in sampled.items() if p < 0 or p in index}
+    return out
 
 
 class GenerationScheduler(Scheduler):

@@ -40,6 +40,13 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     speculative: Optional[bool] = None
     stream: bool = False
+    # The request's rules on the target distribution (constraints.TokenRules).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Optional[dict] = None  # as sent; checked against the vocabulary at admission
+    constraint: Optional[tuple[str, Any]] = None  # grammar.parse_constraint
+    logprobs: bool = False
+    top_logprobs: int = 0
 
     @property
     def greedy(self) -> bool:
@@ -95,6 +102,17 @@ def parse_sampling(params: dict, max_tokens_limit: int) -> SamplingParams:
         raise BadRequestError(f"parameter 'speculative' must be true or false, got {speculative!r}")
     out.speculative = speculative
     out.stream = bool(params.get("stream", False))
+    out.presence_penalty = _number(params, "presence_penalty", 0.0, float, -2.0, 2.0)
+    out.frequency_penalty = _number(params, "frequency_penalty", 0.0, float, -2.0, 2.0)
+    out.logit_bias = params.get("logit_bias") or None
+    from .grammar import parse_constraint  # no grammar engine is imported here
+
+    out.constraint = parse_constraint(params.get("constraint"))
+    logprobs = params.get("logprobs", False)
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise BadRequestError(f"parameter 'logprobs' must be true or false, got {logprobs!r}")
+    out.top_logprobs = _number(params, "top_logprobs", 0, int, 0, 20)
+    out.logprobs = bool(logprobs) or out.top_logprobs > 0
     return out
 
 

@@ -59,7 +59,7 @@ test accepts a divergence only at a position whose top-two gap is below that tol
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -117,24 +117,36 @@ class Verdict:
         return [0] + [i + 1 for i in self.accepted]
 
 
-def verify(tree: DraftTree, logits: torch.Tensor, params: Any, generator: Optional[torch.Generator]) -> Verdict:
-    """Greedy verification at temperature 0, lossless speculative sampling otherwise."""
+#: Row logits as the request's rules make them (constraints.TokenRules.apply): `adjust(row, path)`,
+#: `path` = the tokens emitted before this row in this step. Called once per row reached, in order,
+#: so call j gives the row emitted token j is drawn from.
+Adjust = Callable[[torch.Tensor, list[int]], torch.Tensor]
+
+
+def verify(tree: DraftTree, logits: torch.Tensor, params: Any, generator: Optional[torch.Generator],
+           adjust: Optional[Adjust] = None) -> Verdict:
+    """Greedy verification at temperature 0, lossless speculative sampling otherwise.
+
+    With `adjust`, each row reached is first adjusted for the path that reaches it (a grammar's
+    mask, logit_bias, penalties): the target distribution is the adjusted one, as plain decoding
+    samples from `adjust(row, [])`, so the rule stays lossless under the same rules."""
     if logits.dim() != 2 or logits.shape[0] != len(tree) + 1:
         raise ValueError(f"verify: expected logits of shape [1 + {len(tree)}, vocab], got {tuple(logits.shape)}")
     temperature, top_k, top_p = sampling_knobs(params)
     if is_greedy(temperature):  # the same threshold plain decoding uses
-        return verify_greedy(tree, logits)
-    return verify_sampling(tree, logits, temperature, top_k, top_p, generator)
+        return verify_greedy(tree, logits, adjust)
+    return verify_sampling(tree, logits, temperature, top_k, top_p, generator, adjust)
 
 
-def verify_greedy(tree: DraftTree, logits: torch.Tensor) -> Verdict:
+def verify_greedy(tree: DraftTree, logits: torch.Tensor, adjust: Optional[Adjust] = None) -> Verdict:
     """Follow the argmax through the tree; the bonus is the argmax of the last row reached."""
-    best = torch.argmax(logits, dim=-1).tolist()  # same function as sampling.greedy_token, all rows at once
+    # Without rules, every row's argmax at once (the same function as sampling.greedy_token).
+    best = torch.argmax(logits, dim=-1).tolist() if adjust is None else None
     children = children_of(tree)
     verdict = Verdict(draft_tokens=len(tree))
     node = -1
     while True:
-        want = best[node + 1]
+        want = best[node + 1] if best is not None else int(torch.argmax(adjust(logits[node + 1], list(verdict.tokens))))
         nxt = next((c for c in children[node] if tree.tokens[c] == want), None)
         if nxt is None:
             verdict.bonus = int(want)
@@ -156,6 +168,7 @@ def verify_sampling(
     top_k: int,
     top_p: float,
     generator: Optional[torch.Generator],
+    adjust: Optional[Adjust] = None,
 ) -> Verdict:
     """Multi-candidate speculative sampling over the tree (see the module docstring)."""
     children = children_of(tree)
@@ -163,7 +176,8 @@ def verify_sampling(
     verdict = Verdict(draft_tokens=len(tree))
     node = -1
     while True:
-        target = target_distribution(logits[node + 1], temperature, top_k, top_p)
+        row = logits[node + 1] if adjust is None else adjust(logits[node + 1], list(verdict.tokens))
+        target = target_distribution(row, temperature, top_k, top_p)
         kids = children[node]
         if not kids and node not in groups:  # a leaf: exactly plain sampling's draw
             verdict.bonus = sample_from(target, generator)

@@ -1,0 +1,135 @@
+"""What a request adds to the target's logits: logit_bias, presence/frequency penalties and a grammar.
+
+These are part of the target distribution (`TokenRules.apply`), applied to every row the target
+samples from or verifies, for the path of tokens that reaches it: a tree row at depth d sees the
+penalties and the grammar state after the d tokens above it. Plain decoding samples from
+`apply(row, [])`; speculative verification (`verify.verify(..., adjust=rules.apply)`) from the
+same function on each row it reaches, so speculation stays exact under the same rules. Draft
+nodes a grammar refuses are pruned before the forward (`allowed_prefix`): a draft-side heuristic
+that changes what is verified, never what is accepted.
+
+Log-probabilities (`token_logprobs`) are read off the distribution the token was drawn from:
+log softmax of the adjusted row when greedy, the log of `target_distribution` (temperature,
+top-k, top-p) when sampling.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+
+from outrider.errors import BadRequestError, ExecutionError
+
+from .sampling import is_greedy, target_distribution
+
+MAX_LOGIT_BIAS = 1024  # entries
+MAX_TOP_LOGPROBS = 20  # as OpenAI's
+
+
+def parse_logit_bias(value: Any, vocab_size: int) -> dict[int, float]:
+    """{token id: bias in [-100, 100]} from OpenAI's {"id": bias} map (ids as strings or ints)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or len(value) > MAX_LOGIT_BIAS:
+        raise BadRequestError(f"parameter 'logit_bias' must be a map of at most {MAX_LOGIT_BIAS} token ids to "
+                              f"numbers between -100 and 100")
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise BadRequestError(f"parameter 'logit_bias': key {str(key)[:32]!r} is not a token id") from None
+        if not 0 <= token < vocab_size:
+            raise BadRequestError(f"parameter 'logit_bias': token id {token} is outside the vocabulary "
+                                  f"(0 .. {vocab_size - 1})")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias) \
+                or not -100 <= bias <= 100:
+            raise BadRequestError(f"parameter 'logit_bias': the bias of token {token} must be a number between "
+                                  f"-100 and 100, got {bias!r}")
+        out[token] = float(bias)
+    return out
+
+
+class TokenRules:
+    """One sequence's adjustments of the target's logits (see the module docstring)."""
+
+    def __init__(self, vocab_size: int, logit_bias: Optional[dict[int, float]] = None,
+                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                 grammar: Any = None, eos_ids: frozenset[int] = frozenset()) -> None:
+        self.vocab_size = vocab_size
+        self.bias: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        if logit_bias:
+            ids = torch.tensor(sorted(logit_bias), dtype=torch.long)
+            self.bias = ids, torch.tensor([logit_bias[int(i)] for i in ids], dtype=torch.float32)
+        self.presence, self.frequency = float(presence_penalty), float(frequency_penalty)
+        self.grammar = grammar  # grammar.GrammarState, or None
+        self.eos_ids = eos_ids
+        self.counts: dict[int, int] = {}  # generated tokens so far (what the penalties count)
+
+    @property
+    def active(self) -> bool:
+        return bool(self.bias is not None or self.presence or self.frequency or self.grammar is not None)
+
+    def apply(self, row: torch.Tensor, path: list[int]) -> torch.Tensor:
+        """`row` (fp32 [vocab], not modified) as the request's target sees it after `path`."""
+        out = row.float().clone()
+        if self.bias is not None:
+            ids, values = self.bias
+            out[ids.to(out.device)] += values.to(out.device)
+        if self.presence or self.frequency:
+            counts = dict(self.counts)
+            for token in path:
+                counts[token] = counts.get(token, 0) + 1
+            if counts:
+                ids = torch.tensor(list(counts), dtype=torch.long, device=out.device)
+                n = torch.tensor(list(counts.values()), dtype=torch.float32, device=out.device)
+                out[ids] -= self.frequency * n + self.presence
+        if self.grammar is not None and not any(t in self.eos_ids for t in path):
+            allowed = self.grammar.allowed(path)  # bool [tokenizer vocab]
+            width = min(out.shape[-1], allowed.shape[-1])
+            out[:width].masked_fill_(~allowed[:width].to(out.device), float("-inf"))
+            out[width:] = float("-inf")  # ids past the tokenizer's vocabulary (padded heads) never fit
+        return out
+
+    def allowed_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens` (a draft path after the committed ones) the grammar accepts."""
+        return len(tokens) if self.grammar is None else self.grammar.valid_prefix(tokens)
+
+    def commit(self, tokens: list[int]) -> None:
+        """`tokens` were emitted (EOS excluded)."""
+        for token in tokens:
+            self.counts[token] = self.counts.get(token, 0) + 1
+        if self.grammar is not None:
+            self.grammar.commit(tokens)
+
+    @property
+    def finished(self) -> bool:
+        """The grammar allows nothing but the end: the sequence is complete."""
+        return self.grammar is not None and self.grammar.finished
+
+
+def token_logprobs(row: torch.Tensor, token: int, params: Any, top: int) -> dict[str, Any]:
+    """{"token_id", "logprob", "top": [[id, logprob], ...]} of `token` under the distribution it was
+    drawn from (`row` already adjusted by the request's rules)."""
+    if is_greedy(params.temperature):
+        logprobs = torch.log_softmax(row.float(), dim=-1)
+    else:
+        logprobs = torch.log(target_distribution(row, params.temperature, params.top_k, params.top_p))
+    entry: dict[str, Any] = {"token_id": int(token), "logprob": _finite(float(logprobs[token]))}
+    if top:
+        values, ids = torch.topk(logprobs, min(top, logprobs.shape[-1]))
+        entry["top"] = [[int(i), _finite(float(v))] for i, v in zip(ids, values) if v > float("-inf")]
+    return entry
+
+
+def _finite(value: float) -> float:
+    # -inf is not JSON; a token the rules made impossible is never drawn, but its top list may reach one.
+    return value if math.isfinite(value) else -9999.0
+
+
+def check_grammar_state(grammar: Any) -> None:
+    """Raise if the grammar engine entered its error state (a token it refused was consumed)."""
+    if grammar is not None and grammar.error:
+        raise ExecutionError(f"the output constraint failed: {grammar.error}")
