@@ -10,7 +10,8 @@ The constraint (ZeroMQ `generate` parameter `constraint`, one key):
     {"json_schema": {...}}   a JSON schema            {"json_object": true}   any JSON object
     {"regex": "..."}         a regular expression     {"choice": ["a", ...]}  one of these strings
     {"lark": "..."}          a Lark grammar (llguidance's dialect)
-A constraint that does not compile is a BadRequestError naming it. llguidance is imported only
+JSON comes out laid out as `json.dumps` writes it (JSON_LAYOUT). A constraint that does not
+compile is a BadRequestError naming it. llguidance is imported only
 when a request carries a constraint.
 """
 
@@ -30,6 +31,10 @@ KINDS = ("json_schema", "json_object", "regex", "choice", "lark")
 MAX_CONSTRAINT_BYTES = 64 * 1024
 MAX_CHOICES, MAX_CHOICE_CHARS = 256, 512
 COMPILED_CACHE = 64  # grammars kept compiled, by their text
+# JSON as `json.dumps` writes it: one space after "," and ":", no other whitespace. A small model
+# given free whitespace can spend its whole budget on newlines; a schema that wants it says
+# "x-guidance": {"whitespace_flexible": true} (llguidance reads that key over these defaults).
+JSON_LAYOUT = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
 
 
 def parse_constraint(value: Any) -> Optional[tuple[str, Any]]:
@@ -91,7 +96,7 @@ class GrammarCompiler:
                 return self._grammars[key]
         try:
             if kind == "json_schema":
-                grammar = LLMatcher.grammar_from_json_schema(spec)
+                grammar = LLMatcher.grammar_from_json_schema(spec, defaults=JSON_LAYOUT)
             elif kind == "regex":
                 grammar = LLMatcher.grammar_from_regex(spec)
             elif kind == "choice":  # Lark string literals take JSON's escapes
