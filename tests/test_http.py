@@ -286,16 +286,22 @@ def test_openai_errors_are_4xx_in_openai_shape(http_server):
     client = http_server.openai()
     chat = [{"role": "user", "content": "abc"}]
     with pytest.raises(openai.BadRequestError) as bad:
-        client.chat.completions.create(model="tiny", messages=chat, n=2)
+        client.chat.completions.create(model="tiny", messages=chat, n=17)
     assert bad.value.status_code == 400 and bad.value.body["param"] == "n"
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model="tiny", messages=chat, n=2, stream=True)
+    assert bad.value.body["param"] == "n"
     for stream in (False, True):  # refused by the engine: a stream is answered 400, not a 200 that fails
         with pytest.raises(openai.BadRequestError) as bad:
             client.completions.create(model="tiny", prompt="abc", temperature=-1, stream=stream)
         assert bad.value.body["param"] == "temperature" and bad.value.body["type"] == "invalid_request_error"
     with pytest.raises(openai.BadRequestError, match="alphabet"):
         client.completions.create(model="tiny", prompt="ABC", stream=True)
-    with pytest.raises(openai.BadRequestError, match="not supported"):
-        client.completions.create(model="tiny", prompt="abc", logprobs=2)
+    with pytest.raises(openai.BadRequestError, match="'echo' is not supported"):
+        client.completions.create(model="tiny", prompt="abc", echo=True)
+    with pytest.raises(openai.BadRequestError) as bad:  # the test model's tokenizer has no vocabulary to give
+        client.chat.completions.create(model="tiny", messages=chat, response_format={"type": "json_object"})
+    assert "grammar engine" in bad.value.body["message"]
     with pytest.raises(openai.BadRequestError, match="does not generate"):
         client.chat.completions.create(model="minilm", messages=chat)
     with pytest.raises(openai.BadRequestError, match="does not embed"):

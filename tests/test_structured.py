@@ -108,7 +108,8 @@ def test_sampled_logprobs_are_the_target_distribution_of_what_was_drawn(tiny):
                 token = entry["token_id"]
                 assert probs[token] > 0, "a token outside the target's support was drawn"
                 assert abs(entry["logprob"] - float(torch.log(probs[token]))) < 1e-5
-                assert len(entry["top"]) == 3 and entry["top"][0][1] >= entry["top"][-1][1]
+                assert len(entry["top"]) == 3 and entry["top"][0]["logprob"] >= entry["top"][-1]["logprob"]
+                assert entry["token"] == tokenizer.decode([token])
                 generated.append(token)
                 ids.append(token)
 

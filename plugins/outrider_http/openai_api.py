@@ -1,7 +1,10 @@
 """OpenAI-compatible routes: chat and text completions (plain and SSE), models (embeddings: embeddings_api.py).
 
-Requests are validated by a schema; a parameter Outrider does not implement (n > 1, logprobs,
-tools, penalties...) is refused with a 400 naming it rather than silently ignored. Generation
+Requests are validated by a schema; a parameter Outrider does not implement (echo, best_of,
+suffix, repetition_penalty, audio...) is refused with a 400 naming it rather than silently
+ignored. Structured output, tools and log-probabilities are mapped in openai_structured.py;
+`n` choices and several prompts are one engine request each (choice index = prompt * n + j,
+seed + j for a seeded request). Generation
 parameters are passed to the model's `generate` as they are, and the engine checks their ranges
 (a bad one is a 400 too: a stream waits for its first event before it answers, so a request the
 engine refuses never starts a 200 stream). Speculative decoding's figures are in
@@ -25,6 +28,8 @@ from starlette.routing import Route
 from outrider.errors import OutriderError
 
 from .dispatch import Call, ClientGone, Dispatcher, error_code, read_body, status_of
+from .openai_structured import (FieldError, Tools, chat_logprobs, completion_logprobs, constraint_of,
+                                history_as_text)
 
 log = logging.getLogger("outrider.http")
 
@@ -49,14 +54,22 @@ class _Generation(_Schema):
     stream_options: Optional[StreamOptions] = None
     stop: Optional[Union[str, list[str]]] = None
     seed: Optional[int] = None
+    logit_bias: Optional[dict[str, float]] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    top_logprobs: Optional[int] = None
     # Extensions (as vLLM's): top_k, speculative (false turns speculative decoding off), timeout_ms.
     top_k: Optional[int] = None
     speculative: Optional[bool] = None
     timeout_ms: Optional[float] = None
 
 
+MAX_CHOICES = 16  # n times the prompts of one request
+
+
 class CompletionRequest(_Generation):
     prompt: Union[str, list[str]]
+    logprobs: Optional[int] = None  # the legacy API: how many top entries per token (0..5)
 
 
 class TextPart(_Schema):
@@ -72,15 +85,13 @@ class ChatMessage(_Schema):
 class ChatRequest(_Generation):
     messages: list[ChatMessage]
     max_completion_tokens: Optional[int] = None
+    logprobs: Optional[bool] = None
 
 
 # Fields refused unless absent or at their default (value that means "off").
 UNSUPPORTED = {
-    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
-    "suffix": (None, ""), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
-    "repetition_penalty": (None, 1, 1.0), "logit_bias": (None, {}), "tools": (None, []),
+    "echo": (None, False), "best_of": (None, 1), "suffix": (None, ""), "repetition_penalty": (None, 1, 1.0),
     "functions": (None, []), "audio": (None,), "prediction": (None,), "modalities": (None, ["text"]),
-    "response_format": (None, {"type": "text"}),
 }
 
 
@@ -174,15 +185,29 @@ def routes(dispatch: Dispatcher) -> list[Route]:
         try:
             body = await _parse(request, ChatRequest if chat else CompletionRequest, limit)
             model = model_named(body.model, generates=True)
-            parameters = _generation_parameters(body, chat)
+            try:
+                tools = Tools(body) if chat else None
+                choices = _generation_parameters(body, chat, tools)
+            except FieldError as exc:
+                raise _bad(str(exc), exc.param) from None
             stream = bool(body.stream)
-            call = dispatch.submit(request.scope, "generate", model.name, parameters, stream=stream)
-            reply = Reply(chat, body.model, bool(body.stream_options and body.stream_options.include_usage))
-            if not stream:
-                header, _ = await dispatch.final(call, request.receive)
-                if not header.get("ok"):
-                    raise _failure(header)
-                return JSONResponse(reply.whole(header))
+            reply = Reply(chat, body.model, bool(body.stream_options and body.stream_options.include_usage), tools)
+            if not stream or len(choices) > 1:
+                if stream:
+                    raise _bad("stream with several choices (n > 1 or several prompts) is not supported", "n")
+                calls = [dispatch.submit(request.scope, "generate", model.name, p) for p in choices]
+                headers = []
+                try:
+                    for each in calls:  # all run at once in the engine; answered in order
+                        header, _ = await dispatch.final(each, request.receive)
+                        if not header.get("ok"):
+                            raise _failure(header)
+                        headers.append(header)
+                finally:
+                    for each in calls:  # a no-op for those answered
+                        dispatch.cancel(each, "another choice of the same HTTP request failed")
+                return JSONResponse(reply.whole(headers, body.n or 1))
+            call = dispatch.submit(request.scope, "generate", model.name, choices[0], stream=stream)
             # Wait for the first event before answering, so a request the engine refuses gets
             # its 4xx instead of a 200 stream that ends in an error.
             first = await dispatch.next(call, request.receive)
@@ -212,72 +237,122 @@ def _failure(header: dict) -> ApiError:
     return ApiError(status_of(code), message, code, _param_named(message))
 
 
-def _generation_parameters(body: Any, chat: bool) -> dict[str, Any]:
-    """The core's generate parameters from a completion request (ranges are the engine's to check)."""
-    if body.n not in (None, 1):
-        raise _bad("only n=1 is supported", "n")
+def _generation_parameters(body: Any, chat: bool, tools: Optional[Tools] = None) -> list[dict[str, Any]]:
+    """The core's generate parameters, one map per choice (ranges are the engine's to check)."""
+    n = 1 if body.n is None else body.n
+    if not 1 <= n <= MAX_CHOICES:
+        raise FieldError(f"'n' must be between 1 and {MAX_CHOICES}, got {n}", "n")
     parameters: dict[str, Any] = {}
+    prompts: list[Any] = [None]
     if chat:
         messages = []
+        if tools is not None and tools.active:
+            messages.append(tools.system_message())
         for index, message in enumerate(body.messages):
+            turn = history_as_text(message)
+            if turn is not None:
+                messages.append(turn)
+                continue
             content = message.content
             if isinstance(content, list):
                 if any(part.type != "text" for part in content):
-                    raise _bad(f"messages[{index}].content: only text parts are supported", "messages")
+                    raise FieldError(f"messages[{index}].content: only text parts are supported", "messages")
                 content = "".join(part.text or "" for part in content)
             messages.append({"role": message.role, "content": content or ""})
         parameters["messages"] = messages
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        if body.logprobs or body.top_logprobs:
+            parameters["logprobs"] = True
+            if body.top_logprobs:
+                parameters["top_logprobs"] = body.top_logprobs
     else:
-        prompt = body.prompt
-        if isinstance(prompt, list):
-            if len(prompt) != 1:
-                raise _bad("'prompt' must be one string (a list of several prompts is not supported)", "prompt")
-            prompt = prompt[0]
-        parameters["prompt"] = prompt
+        prompts = [body.prompt] if isinstance(body.prompt, str) else list(body.prompt)
+        if not prompts or len(prompts) * n > MAX_CHOICES:
+            raise FieldError(f"'prompt' must hold 1 to {MAX_CHOICES // n} prompts with n={n}", "prompt")
         max_tokens = body.max_tokens
+        if body.logprobs is not None:
+            if not 0 <= body.logprobs <= 5:
+                raise FieldError(f"'logprobs' must be between 0 and 5, got {body.logprobs}", "logprobs")
+            parameters["logprobs"] = True
+            if body.logprobs:
+                parameters["top_logprobs"] = body.logprobs
     for name, value in (("max_tokens", max_tokens), ("temperature", body.temperature), ("top_p", body.top_p),
                         ("top_k", body.top_k), ("seed", body.seed), ("speculative", body.speculative),
-                        ("timeout_ms", body.timeout_ms)):
+                        ("timeout_ms", body.timeout_ms), ("logit_bias", body.logit_bias),
+                        ("presence_penalty", body.presence_penalty), ("frequency_penalty", body.frequency_penalty)):
         if value is not None:
             parameters[name] = value
     if body.stop is not None:
         parameters["stop"] = [body.stop] if isinstance(body.stop, str) else body.stop
     if body.stream:
         parameters["stream"] = True
-    return parameters
+    constraint = constraint_of(body)
+    if tools is not None and tools.active:
+        if constraint is not None:
+            raise FieldError("give 'tools' or an output constraint (response_format...), not both", "tools")
+        constraint = tools.constraint()
+    if constraint is not None:
+        parameters["constraint"] = constraint
+    out = []
+    for prompt in prompts:
+        for j in range(n):
+            each = dict(parameters)
+            if prompt is not None:
+                each["prompt"] = prompt
+            if j and "seed" in each:
+                each["seed"] = each["seed"] + j  # several seeded choices, each its own draw
+            out.append(each)
+    return out
 
 
 class Reply:
-    """OpenAI's response objects for one generation: whole, or as stream chunks."""
+    """OpenAI's response objects for one generation request: whole, or as stream chunks."""
 
-    def __init__(self, chat: bool, model: str, include_usage: bool) -> None:
+    def __init__(self, chat: bool, model: str, include_usage: bool, tools: Optional[Tools] = None) -> None:
         self.chat, self.model, self.include_usage = chat, model, include_usage
+        self.tools = tools if tools is not None and tools.active else None
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
+        self.streamed_chars = 0  # text_offset of a streamed completion's next token
 
     def _base(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def whole(self, header: dict) -> dict[str, Any]:
-        reason = _finish_reason(header)
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": header.get("text", "")},
-                      "finish_reason": reason, "logprobs": None}
-        else:
-            choice = {"index": 0, "text": header.get("text", ""), "finish_reason": reason, "logprobs": None}
-        return {**self._base(self.object), "choices": [choice], "usage": usage(header.get("stats") or {})}
+    def _choice(self, index: int, header: dict) -> dict[str, Any]:
+        reason, text = _finish_reason(header), header.get("text", "")
+        if not self.chat:
+            return {"index": index, "text": text, "finish_reason": reason,
+                    "logprobs": completion_logprobs(header.get("logprobs"))}
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        calls = self.tools.tool_calls(text) if self.tools is not None and reason == "stop" else None
+        if calls:
+            message, reason = {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
+        return {"index": index, "message": message, "finish_reason": reason,
+                "logprobs": chat_logprobs(header.get("logprobs"))}
 
-    def chunk(self, text: Optional[str], reason: Optional[str] = None, role: bool = False) -> dict[str, Any]:
+    def whole(self, headers: list[dict], n: int = 1) -> dict[str, Any]:
+        """The response for every choice; usage counts each prompt once (as OpenAI does for n > 1)."""
+        stats = [h.get("stats") or {} for h in headers]
+        merged = dict(stats[0]) if stats else {}
+        for key in ("prompt_tokens", "cached_tokens"):
+            merged[key] = sum(int(s.get(key, 0)) for s in stats[::n])
+        merged["new_tokens"] = sum(int(s.get("new_tokens", 0)) for s in stats)
+        return {**self._base(self.object), "choices": [self._choice(i, h) for i, h in enumerate(headers)],
+                "usage": usage(merged)}
+
+    def chunk(self, text: Optional[str], reason: Optional[str] = None, role: bool = False,
+              logprobs: Optional[list[dict]] = None) -> dict[str, Any]:
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
             if text:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+            choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": chat_logprobs(logprobs)}
             out = {**self._base("chat.completion.chunk"), "choices": [choice]}
         else:
-            choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
+            choice = {"index": 0, "text": text or "", "finish_reason": reason,
+                      "logprobs": completion_logprobs(logprobs, self.streamed_chars)}
+            self.streamed_chars += len(text or "")
             out = {**self._base("text_completion"), "choices": [choice]}
         if self.include_usage:
             out["usage"] = None
@@ -318,8 +393,8 @@ async def _events(dispatch: Dispatcher, call: Call, reply: Reply,
         while True:
             kind, header, _ = item
             if kind == "chunk":
-                if header.get("text"):
-                    yield _data(reply.chunk(header["text"]))
+                if header.get("text") or header.get("logprobs"):
+                    yield _data(reply.chunk(header.get("text"), logprobs=header.get("logprobs")))
             elif header.get("ok"):
                 yield _data(reply.chunk(None, _finish_reason(header)))
                 if reply.include_usage:

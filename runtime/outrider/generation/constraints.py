@@ -16,7 +16,7 @@ top-k, top-p) when sampling.
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -110,17 +110,22 @@ class TokenRules:
         return self.grammar is not None and self.grammar.finished
 
 
-def token_logprobs(row: torch.Tensor, token: int, params: Any, top: int) -> dict[str, Any]:
-    """{"token_id", "logprob", "top": [[id, logprob], ...]} of `token` under the distribution it was
-    drawn from (`row` already adjusted by the request's rules)."""
+def token_logprobs(row: torch.Tensor, token: int, params: Any, top: int,
+                   decode: Callable[[list[int]], str]) -> dict[str, Any]:
+    """{"token_id", "token", "logprob", "top": [{"token_id", "token", "logprob"}, ...]} of `token`
+    under the distribution it was drawn from (`row` already adjusted by the request's rules)."""
     if is_greedy(params.temperature):
         logprobs = torch.log_softmax(row.float(), dim=-1)
     else:
         logprobs = torch.log(target_distribution(row, params.temperature, params.top_k, params.top_p))
-    entry: dict[str, Any] = {"token_id": int(token), "logprob": _finite(float(logprobs[token]))}
+
+    def one(i: int, value: float) -> dict[str, Any]:
+        return {"token_id": i, "token": decode([i]), "logprob": _finite(value)}
+
+    entry = one(int(token), float(logprobs[token]))
     if top:
         values, ids = torch.topk(logprobs, min(top, logprobs.shape[-1]))
-        entry["top"] = [[int(i), _finite(float(v))] for i, v in zip(ids, values) if v > float("-inf")]
+        entry["top"] = [one(int(i), float(v)) for i, v in zip(ids, values) if v > float("-inf")]
     return entry
 
 

@@ -345,7 +345,8 @@ class GenerationEngine:
             seq.token_ids.append(token)
             new.append(token)
             if seq.params.logprobs and rows:  # row j is the one emitted token j was drawn from
-                logprobs.append(token_logprobs(rows[index], token, seq.params, seq.params.top_logprobs))
+                logprobs.append(token_logprobs(rows[index], token, seq.params, seq.params.top_logprobs,
+                                               self.tokenizer.decode))
             if len(seq.generated) >= seq.params.max_tokens:
                 seq.finish_reason = "length"
                 break
