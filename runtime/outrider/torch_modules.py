@@ -61,7 +61,14 @@ def _sentence_embedder_class() -> type["torch.nn.Module"]:
                 input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids
             ).last_hidden_state
             mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
-            pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
+            # The sum over tokens is a running sum (its last prefix), added in token order: a
+            # row's padding (zeros after its last token) and the rows beside it cannot change it,
+            # so a sentence gets the same bits alone or in any batch. ORT's ReduceSum here
+            # vectorizes differently per batch shape and length (up to 1.2e-7 apart after the
+            # normalization); the encoder before it already gave identical bits on ORT CPU.
+            # In float32 even under an fp16 module: a running sum of 256 fp16 terms would drift.
+            summed = torch.cumsum((hidden * mask).float(), dim=1)[:, -1]
+            pooled = summed / mask.sum(dim=1).float().clamp(min=1e-9)
             return F.normalize(pooled, p=2.0, dim=1, eps=1e-12)
 
     return SentenceEmbedder
