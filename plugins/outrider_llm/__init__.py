@@ -12,7 +12,8 @@ bfloat16 | float16 | auto: the matmul precision of unquantized weights, and on C
 ones too, which run dequantized there), `cuda_graphs` (default true: decode and verify steps on
 CUDA replay captured graphs, see `cuda_graphs.py`), `weights` (file | float, default file: a quantized
 GGUF without a `quantize:` section is served in its own block types on the native kernels; float
-dequantizes it to `dtype`).
+dequantizes it to `dtype`), `prefix_cache_mb` (default 64; 0 = off: K/V of prompt prefixes kept
+for later requests that start with the same tokens, see outrider.generation.prefix_cache).
 
 On CUDA a sticky CUDA error (the context is unusable) makes `health()` unhealthy for good, and
 running out of GPU memory during warmup fails the load with that reason.
@@ -61,6 +62,9 @@ class LlmOptions(BaseModel):
     #: kernels (no fp32 copy); "float": dequantized to `dtype`. With a `quantize:` section the
     #: float weights are what it quantizes from, whatever this says.
     weights: Literal["file", "float"] = "file"
+    #: Automatic prefix caching (outrider.generation.prefix_cache): K/V of prompt prefixes kept, up
+    #: to this many MiB, for later requests that start with the same tokens; 0 turns it off.
+    prefix_cache_mb: int = Field(64, ge=0, le=1 << 20)
 
 
 class LlmBackend(GeneratingBackend):
@@ -157,6 +161,7 @@ class LlmBackend(GeneratingBackend):
         self.engine = GenerationEngine(
             self.model, self.tokenizer, strategy=strategy,
             max_sequences=options.max_sequences, max_length=self._max_length(options.max_length), stats=self.stats,
+            prefix_cache_bytes=options.prefix_cache_mb << 20,
         )
         if self.engine.strategy is not None:
             self.engine.strategy.attach(self.model, self.tokenizer)

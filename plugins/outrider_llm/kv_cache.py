@@ -103,6 +103,25 @@ class SlotKVCache:
         self._lengths[slot] = start + len(keep)
         self._fed[slot] = 0
 
+    def read(self, slot: int, start: int, end: int) -> torch.Tensor:
+        """A copy of `slot`'s committed K/V at positions start .. end-1: [layers, 2, kv_heads, n, head_dim]
+        (what the prefix cache keeps)."""
+        if not 0 <= start <= end <= self._lengths[slot]:
+            raise ValueError(f"read(slot={slot}): positions {start}..{end} are not all committed "
+                             f"({self._lengths[slot]})")
+        return self.kv[:, :, slot, :, start:end].clone()
+
+    def write(self, slot: int, start: int, kv: torch.Tensor) -> None:
+        """Commit `kv` (as `read` returns it) at positions start .. in `slot`, right after its
+        committed tokens (a cached prefix, copied in before the rest is prefilled)."""
+        if start != self._lengths[slot] or self._fed[slot]:
+            raise ValueError(f"write(slot={slot}): must start at the committed length {self._lengths[slot]}, "
+                             f"got {start}")
+        n = kv.shape[3]
+        self.reserve(slot, start + n)
+        self.kv[:, :, slot, :, start:start + n] = kv.to(self.kv.device, self.kv.dtype)
+        self._lengths[slot] = start + n
+
     def reset(self, slot: int) -> None:
         """Forget everything in `slot`; the memory goes back once no slot holds a sequence."""
         self._lengths[slot] = 0

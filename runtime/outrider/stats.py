@@ -244,6 +244,10 @@ class _CompatFamilies:
             "accepted": CounterMetricFamily("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted", labels=vl),
             "draft": CounterMetricFamily("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed", labels=vl),
             "drafts": CounterMetricFamily("vllm:spec_decode_num_drafts", "Speculative decode steps (per sequence)", labels=vl),
+            "prefix_queries": CounterMetricFamily("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                                  labels=vl),
+            "prefix_hits": CounterMetricFamily("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                                               labels=vl),
         }
 
     def add(self, name: str, snap: dict[str, Any], queued: int, running: int, generates: bool) -> None:
@@ -270,7 +274,8 @@ class _CompatFamilies:
         v["running"].add_metric(labels, running)
         v["waiting"].add_metric(labels, queued)
         for key, stat in (("prompt", "prompt_tokens"), ("generation", "generated_tokens"), ("accepted", "accepted_tokens"),
-                          ("draft", "draft_tokens"), ("drafts", "speculative_steps")):
+                          ("draft", "draft_tokens"), ("drafts", "speculative_steps"),
+                          ("prefix_queries", "prefix_cache_queries"), ("prefix_hits", "prefix_cache_hits")):
             v[key].add_metric(labels, extra.get(stat, 0.0))
 
     def families(self):

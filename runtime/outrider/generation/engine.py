@@ -29,6 +29,7 @@ from outrider.serving.scheduler import InstanceHandle, Scheduler
 
 from .constraints import TokenRules, check_grammar_state, parse_logit_bias, token_logprobs
 from .contract import Chunk, DraftTree, children_of
+from .prefix_cache import PrefixCache
 from .sampling import SamplingParams, parse_prompt, parse_sampling, sample_token
 from .text import IncrementalText
 
@@ -65,6 +66,7 @@ class Sequence:
         self.draft_tokens = 0
         self.accepted_tokens = 0
         self.rules: Optional[TokenRules] = None  # the request's logit_bias, penalties, grammar
+        self.cached_tokens = 0  # prompt tokens whose K/V came from the prefix cache
         self.logprobs: list[dict] = []  # per generated token, when the request asks for them
 
     @property
@@ -83,6 +85,7 @@ class Sequence:
             "mean_accepted_length": round((len(self.generated) - 1) / decode_steps, 3) if decode_steps else 0.0,
             "seconds": round(time.monotonic() - self.started, 4),
             "time_to_first_token": round(self.first_token_seconds or 0.0, 4),
+            "cached_tokens": self.cached_tokens,
         }
 
 
@@ -90,7 +93,7 @@ class GenerationEngine:
     """Owns the model, its KV cache and the sequences using it; driven by one instance thread."""
 
     def __init__(self, model: Any, tokenizer: Any, strategy: Any = None, max_sequences: int = 8,
-                 max_length: int = 2048, stats: Any = None) -> None:
+                 max_length: int = 2048, stats: Any = None, prefix_cache_bytes: int = 0) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.strategy = strategy
@@ -105,6 +108,8 @@ class GenerationEngine:
         self.eos = set(tokenizer.eos_token_ids)
         self.steps = 0  # forward passes run so far (warmup included): a backend tells idle spells apart by it
         self._grammars: Any = None  # grammar.GrammarCompiler, made on the first constrained request
+        # Prompt prefixes' K/V, reused by later requests (the cache must offer read and write).
+        self.prefix_cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
 
     # -- admission ------------------------------------------------------------------------
 
@@ -287,7 +292,10 @@ class GenerationEngine:
         length = self.cache.length(seq.slot)
         if not seq.prefilled:
             n = len(seq.token_ids)
-            return Chunk(seq.slot, torch.tensor(seq.token_ids), torch.arange(n)), None
+            if self.prefix_cache is not None and seq.request is not None and length == 0:
+                self._reuse_prefix(seq)
+                length = self.cache.length(seq.slot)
+            return Chunk(seq.slot, torch.tensor(seq.token_ids[length:]), torch.arange(length, n)), None
         tree = DraftTree()
         remaining = seq.params.max_tokens - len(seq.generated)
         room = min(self.max_length - length - 1, remaining - 1)
@@ -310,6 +318,7 @@ class GenerationEngine:
             self.cache.commit(seq.slot, list(range(len(chunk.tokens))))
             seq.last_hidden = hidden[-1]
             seq.prefilled = True
+            self._store_prefix(seq)
             row = logits[-1] if adjust is None else adjust(logits[-1], [])
             token = sample_token(row, seq.params, seq.generator)
             seq.first_token_seconds = time.monotonic() - seq.started
@@ -375,7 +384,28 @@ class GenerationEngine:
         if seq.finish_reason is not None:
             self._finish(seq)
 
+    def _reuse_prefix(self, seq: Sequence) -> None:
+        """Copy the cached blocks that start `seq`'s prompt into its slot (counted in stats)."""
+        blocks = self.prefix_cache.lookup(seq.token_ids)
+        for block in blocks:
+            self.cache.write(seq.slot, self.cache.length(seq.slot), block.kv)
+        seq.cached_tokens = self.cache.length(seq.slot)
+        if self.stats is not None:
+            self.stats.add("prefix_cache_queries", len(seq.token_ids))
+            self.stats.add("prefix_cache_hits", seq.cached_tokens)
+
+    def _store_prefix(self, seq: Sequence) -> None:
+        """Keep the full blocks of `seq`'s committed tokens for later requests (not warmup's)."""
+        if self.prefix_cache is None or seq.request is None:
+            return
+        length = self.cache.length(seq.slot)
+        try:
+            self.prefix_cache.insert(seq.token_ids[:length], lambda start, end: self.cache.read(seq.slot, start, end))
+        except Exception:  # a cache that cannot be read costs reuse, never this request
+            log.exception("model %s: storing a prefix in the prefix cache failed", seq.request.model)
+
     def _finish(self, seq: Sequence) -> None:
+        self._store_prefix(seq)
         stats = seq.stats()
         if self.stats is not None:
             self.stats.add("prompt_tokens", stats["prompt_tokens"])
