@@ -369,6 +369,7 @@ def usage(stats: dict) -> dict[str, Any]:
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": int(stats.get("cached_tokens", 0))},
         # Extension: what speculative decoding did for this request.
         "speculative": {key: stats.get(key, 0) for key in
                         ("steps", "draft_tokens", "accepted_tokens", "mean_accepted_length")},
