@@ -8,8 +8,9 @@ they are imported only when the front starts (`pip install 'outrider[http]'`).
 
 Reads top to bottom: what it registers, how it starts (bind, then uvicorn on a thread of its
 own), how it stops. The routes are gathered in `app.py`, from `kserve.py` (OIP v2),
-`triton_generate.py` (Triton's generate extension) and `openai_api.py`, over the bridge to the core
-in `dispatch.py`; `ray_serve.py` serves the same routes from Ray Serve replicas (`outrider[ray]`).
+`triton_generate.py` (Triton's generate extension), `openai_api.py` (OpenAI's generation routes),
+`embeddings_api.py` (OpenAI's embeddings) and `tokenize_api.py` (vLLM's tokenize and detokenize),
+over the bridge to the core in `dispatch.py`; `ray_serve.py` serves the same routes from Ray Serve replicas (`outrider[ray]`).
 Endpoints, error mapping and metric names: docs/HTTP.md.
 """
 

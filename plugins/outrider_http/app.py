@@ -30,11 +30,11 @@ def routes(dispatch: Dispatcher) -> list[Route]:
 
     found = [*kserve.routes(dispatch), *triton_generate.routes(dispatch), Route("/metrics", metrics)]
     try:
-        from . import embeddings_api, openai_api
+        from . import embeddings_api, openai_api, tokenize_api
     except ImportError as exc:  # sse-starlette is in outrider[http], not in ray[serve] (a Ray replica)
         log.info("OpenAI-compatible routes off (%s): pip install 'outrider[http]'", exc)
     else:
-        found += [*openai_api.routes(dispatch), *embeddings_api.routes(dispatch)]
+        found += [*openai_api.routes(dispatch), *embeddings_api.routes(dispatch), *tokenize_api.routes(dispatch)]
     return found
 
 

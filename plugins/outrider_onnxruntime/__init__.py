@@ -23,7 +23,8 @@ Manifest options: `onnx` (a file, relative to the manifest; else exported and ca
 `opset`, `export_timeout_s`, `intra_op_threads` (default: physical cores), `fp16` (TensorRT
 provider), `max_batch` and `max_seq_length` (the TensorRT profile), `provider_options`
 ({provider name: {option: value}}, passed to ORT; `device_id` comes from placement),
-`on_fallback` (`warn` or `error`), `io_binding` (default: on when a GPU provider runs).
+`on_fallback` (`warn` or `error`), `io_binding` (default: on when a GPU provider runs), and the
+text task's `truncate`, `matryoshka`, `matryoshka_dimensions` (plugins/outrider_text).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Literal, Ma
 
 import numpy as np
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
 from outrider import hookimpl
 from outrider.artifacts import PROVENANCE, Artifact, ArtifactCache
@@ -165,6 +166,11 @@ class OrtOptions(BaseModel):
     max_batch: Optional[int] = Field(None, ge=1, le=65536, description="TensorRT provider: the profile's largest batch")
     provider_options: dict[str, dict[str, Any]] = Field(default_factory=dict)
     max_seq_length: Optional[int] = Field(None, ge=2, description="text task: longest input in tokens")
+    # The text task's own (plugins/outrider_text): what it does with a text past max_seq_length,
+    # and the shortened embeddings (`dimensions`) of a model trained for them (Matryoshka).
+    truncate: Optional[StrictBool] = Field(None, description="text task: cut a longer text (true, the default) or refuse it")
+    matryoshka: Optional[StrictBool] = Field(None, description="text task: the model gives shortened embeddings")
+    matryoshka_dimensions: Optional[list[int]] = Field(None, description="text task: the shortened widths allowed")
     on_fallback: Literal["warn", "error"] = Field(
         "warn", description="when ORT runs the session, or compute nodes, on a later provider than asked: "
                             "'warn' (log it, show it in health) or 'error' (the model does not become ready)")

@@ -19,7 +19,8 @@ a poisoned context must never keep answering. Importing this plugin imports neit
 nor torch.
 
 Manifest options: `onnx`, `opset`, `export_timeout_s`, `max_batch` (default:
-batching.max_batch_size, else 32), `max_seq_length` (default: the task's), `fp16`, `workspace_mb`.
+batching.max_batch_size, else 32), `max_seq_length` (default: the task's), `fp16`, `workspace_mb`,
+and the text task's `truncate`, `matryoshka`, `matryoshka_dimensions` (plugins/outrider_text).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from outrider import hookimpl
 from outrider.artifacts import Artifact, ArtifactCache
@@ -63,6 +64,11 @@ class TensorRTOptions(BaseModel):
     export_timeout_s: float = Field(900, gt=0)
     max_batch: Optional[int] = Field(None, ge=1, le=65536)
     max_seq_length: Optional[int] = Field(None, ge=2)
+    # The text task's own (plugins/outrider_text): what it does with a text past max_seq_length,
+    # and the shortened embeddings (`dimensions`) of a model trained for them (Matryoshka).
+    truncate: Optional[StrictBool] = Field(None, description="text task: cut a longer text (true, the default) or refuse it")
+    matryoshka: Optional[StrictBool] = Field(None, description="text task: the model gives shortened embeddings")
+    matryoshka_dimensions: Optional[list[int]] = Field(None, description="text task: the shortened widths allowed")
     fp16: bool = Field(False, description="build from an fp16 copy of the graph (strongly typed)")
     workspace_mb: int = Field(1024, ge=16)
 

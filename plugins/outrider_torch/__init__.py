@@ -6,7 +6,8 @@ this plugin does not import torch; `load` does, when a manifest asks for this ba
 
 Manifest options: `threads` (torch intra-op threads on CPU; default: the CPUs this process may
 use; torch has one pool per process, see `outrider.torch_process`), `dtype` (auto | float32 |
-float16 | bfloat16: the module's precision on CUDA; auto is float16 there; CPU runs float32).
+float16 | bfloat16: the module's precision on CUDA; auto is float16 there; CPU runs float32), and
+the text task's `max_seq_length`, `truncate`, `matryoshka`, `matryoshka_dimensions` (plugins/outrider_text).
 
 On CUDA each instance has its own stream and pinned host buffers: inputs are staged in page-locked
 memory and copied without blocking, the module runs on the instance's stream, and the output comes
@@ -22,7 +23,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Literal, Optional
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from outrider import hookimpl
 from outrider.backend import Availability, Backend, Task, require_packages, torch_device
@@ -57,6 +58,11 @@ class TorchOptions(BaseModel):
 
     threads: Optional[int] = Field(None, ge=1, le=1024)
     max_seq_length: Optional[int] = Field(None, ge=2, description="text task: longest input in tokens")
+    # The text task's own (plugins/outrider_text): what it does with a text past max_seq_length,
+    # and the shortened embeddings (`dimensions`) of a model trained for them (Matryoshka).
+    truncate: Optional[StrictBool] = Field(None, description="text task: cut a longer text (true, the default) or refuse it")
+    matryoshka: Optional[StrictBool] = Field(None, description="text task: the model gives shortened embeddings")
+    matryoshka_dimensions: Optional[list[int]] = Field(None, description="text task: the shortened widths allowed")
     dtype: Literal["auto", "float32", "fp32", "float16", "fp16", "bfloat16", "bf16"] = Field(
         "auto", description="precision of the module on CUDA (auto: float16); CPU runs float32")
 
