@@ -72,8 +72,13 @@ class TokenRules:
     def active(self) -> bool:
         return bool(self.bias is not None or self.presence or self.frequency or self.grammar is not None)
 
-    def apply(self, row: torch.Tensor, path: list[int]) -> torch.Tensor:
-        """`row` (fp32 [vocab], not modified) as the request's target sees it after `path`."""
+    def apply(self, row: torch.Tensor, path: list[int], argmax_only: bool = False) -> torch.Tensor:
+        """`row` (fp32 [vocab], not modified) as the request's target sees it after `path`.
+
+        With `argmax_only` (greedy, no logprobs asked), a row whose argmax is the target's: the
+        grammar's mask (~100-250 µs for a 49k vocabulary) is computed only when the unmasked
+        argmax is a token the grammar refuses. Exact: if the best token is allowed, masking the
+        others cannot change the first maximum."""
         out = row.float().clone()
         if self.bias is not None:
             ids, values = self.bias
@@ -87,6 +92,8 @@ class TokenRules:
                 n = torch.tensor(list(counts.values()), dtype=torch.float32, device=out.device)
                 out[ids] -= self.frequency * n + self.presence
         if self.grammar is not None and not any(t in self.eos_ids for t in path):
+            if argmax_only and self.grammar.accepts(path, int(torch.argmax(out))):
+                return out
             allowed = self.grammar.allowed(path)  # bool [tokenizer vocab]
             width = min(out.shape[-1], allowed.shape[-1])
             out[:width].masked_fill_(~allowed[:width].to(out.device), float("-inf"))

@@ -489,9 +489,10 @@ def _adjuster(seq: Sequence, rows: list[torch.Tensor]) -> Any:
     rules = seq.rules
     if rules is None and not seq.params.logprobs:
         return None
+    argmax_only = seq.params.greedy and not seq.params.logprobs  # all greedy reads of a row is its argmax
 
     def adjust(row: torch.Tensor, path: list[int]) -> torch.Tensor:
-        out = rules.apply(row, path) if rules is not None else row
+        out = rules.apply(row, path, argmax_only) if rules is not None else row
         rows.append(out)
         return out
 

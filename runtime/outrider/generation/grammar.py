@@ -162,6 +162,13 @@ class GrammarState:
         self.masks_computed += 1
         return torch.from_numpy(np.unpackbits(bits, bitorder="little")[:self.vocab_size].astype(bool))
 
+    def accepts(self, path: list[int], token: int) -> bool:
+        """Whether the constraint allows `token` after `path` (without computing a whole mask)."""
+        if token >= self.vocab_size:
+            return False
+        self._sync(path)
+        return self.matcher.validate_tokens([token]) == 1
+
     def valid_prefix(self, tokens: list[int]) -> int:
         """How many of `tokens`, after the committed ones, the constraint accepts."""
         self._sync([])
