@@ -232,7 +232,7 @@ def smol_int8(tmp_path_factory):
 def test_smollm2_json_schema_outputs_all_validate_and_speculation_changes_nothing(smol_int8):
     jsonschema = pytest.importorskip("jsonschema")
     constraint = {"json_schema": PERSON}
-    accepted = 0
+    accepted, steps = 0, [0, 0]
     with smol_int8.client(timeout=300) as client:
         for question in QUESTIONS:
             messages = [{"role": "user", "content": question + " Answer in JSON."}]
@@ -245,7 +245,11 @@ def test_smollm2_json_schema_outputs_all_validate_and_speculation_changes_nothin
             jsonschema.validate(json.loads(plain.text), PERSON)
             assert max(abs(a["logprob"] - b["logprob"]) for a, b in zip(plain.logprobs, spec.logprobs)) < 1e-5
             accepted += spec.stats["accepted_tokens"]
+            steps[0] += plain.stats["steps"]
+            steps[1] += spec.stats["steps"]
     assert accepted > 0, "no draft was accepted under the schema: speculation was not exercised"
+    # the grammar's forced tokens (keys, punctuation) are drafted and accepted: fewer steps
+    assert steps[1] < 0.8 * steps[0], steps
 
 
 def test_smollm2_choice_regex_streams_and_clear_refusals(smol_int8):

@@ -98,8 +98,8 @@ def mask_costs(path: list[int], grammar_path: str) -> list[tuple[str, str, str]]
         row.masked_fill_(~state.allowed([]), float("-inf"))
         state.commit([token])
     out.append(("llguidance", f"{compile_ms:.1f}", f"{(time.perf_counter() - begin) / len(path) * 1e6:.0f}"))
-    if grammar_path:
-        sys.path.insert(0, grammar_path)
+    for directory in reversed(grammar_path.split(",") if grammar_path else []):
+        sys.path.insert(0, directory)
     try:
         import xgrammar as xgr
         from transformers import PreTrainedTokenizerFast
@@ -127,9 +127,9 @@ def mask_costs(path: list[int], grammar_path: str) -> list[tuple[str, str, str]]
 
         eos = min(tokenizer.eos_token_ids)
         mapping: dict[str, list[int]] = {}
-        for piece, token in tokenizer.backend.get_vocab().items():
-            if token != eos and token < vocab:
-                mapping.setdefault(piece, []).append(token)
+        for token in range(vocab):  # outlines keys tokens by the text they decode to
+            if token != eos:
+                mapping.setdefault(tokenizer.decode([token]), []).append(token)
         begin = time.perf_counter()
         index = Index(build_regex_from_schema(json.dumps(SCHEMA)), Vocabulary(eos, mapping))
         compile_ms = (time.perf_counter() - begin) * 1e3
@@ -248,7 +248,7 @@ def main() -> None:
     parser.add_argument("--llama-cpp", default="", metavar="DIR", help="llama-cpp-python target dir (optional)")
     parser.add_argument("--gguf", default="", help="the GGUF llama.cpp serves (default: SmolLM2's Q4_0, made once)")
     parser.add_argument("--files-dir", default=str(Path.home() / ".cache" / "outrider-bench"))
-    parser.add_argument("--grammar-path", default="", help="a directory holding xgrammar / outlines-core (optional)")
+    parser.add_argument("--grammar-path", default="", help="directories (comma-separated) holding xgrammar / outlines-core (optional)")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument("--rounds", type=int, default=5)

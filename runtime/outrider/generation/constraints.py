@@ -100,6 +100,10 @@ class TokenRules:
             out[width:] = float("-inf")  # ids past the tokenizer's vocabulary (padded heads) never fit
         return out
 
+    def forced_tokens(self, limit: int) -> list[int]:
+        """The tokens the grammar forces next (none without a grammar), at most `limit`."""
+        return self.grammar.forced_tokens()[:limit] if self.grammar is not None else []
+
     def allowed_prefix(self, tokens: list[int]) -> int:
         """How many of `tokens` (a draft path after the committed ones) the grammar accepts."""
         return len(tokens) if self.grammar is None else self.grammar.valid_prefix(tokens)

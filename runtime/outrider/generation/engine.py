@@ -35,6 +35,8 @@ from .text import IncrementalText
 
 log = logging.getLogger("outrider.llm")
 
+MAX_FORCED_DRAFT = 16  # forced tokens drafted in one step
+
 
 class Sequence:
     """One generation in flight. Also the `SequenceView` drafters read."""
@@ -67,6 +69,7 @@ class Sequence:
         self.accepted_tokens = 0
         self.rules: Optional[TokenRules] = None  # the request's logit_bias, penalties, grammar
         self.cached_tokens = 0  # prompt tokens whose K/V came from the prefix cache
+        self.forced_draft = False  # this step's draft is the grammar's forced tokens
         self.logprobs: list[dict] = []  # per generated token, when the request asks for them
 
     @property
@@ -299,11 +302,19 @@ class GenerationEngine:
         tree = DraftTree()
         remaining = seq.params.max_tokens - len(seq.generated)
         room = min(self.max_length - length - 1, remaining - 1)
+        seq.forced_draft = False
         if seq.speculate and budget > 0 and room > 0:
-            tree = self.strategy.propose(seq, min(budget, room))
-            tree = self.strategy.limit_depth(tree, room)
-            if seq.rules is not None and seq.rules.grammar is not None and len(tree):
-                tree = _grammatical(tree, seq.rules)
+            forced = seq.rules.forced_tokens(min(room, MAX_FORCED_DRAFT)) if seq.rules is not None else []
+            if forced:
+                # What the grammar forces next (a key, punctuation), drafted as a chain: the target
+                # still verifies it, so this only saves steps (SGLang's jump-forward, kept lossless).
+                tree = DraftTree(list(forced), list(range(-1, len(forced) - 1)), [1.0] * len(forced))
+                seq.forced_draft = True
+            else:
+                tree = self.strategy.propose(seq, min(budget, room))
+                tree = self.strategy.limit_depth(tree, room)
+                if seq.rules is not None and seq.rules.grammar is not None and len(tree):
+                    tree = _grammatical(tree, seq.rules)
         tokens = torch.tensor([seq.token_ids[-1], *tree.tokens])
         positions = length + torch.tensor([0, *tree.depths()], dtype=torch.long)
         return Chunk(seq.slot, tokens, positions, tree.mask() if len(tree) else None), tree
@@ -340,7 +351,8 @@ class GenerationEngine:
         if len(tree) and self.stats is not None:
             self.stats.add("speculative_steps", 1)
         if seq.speculate:
-            self.strategy.record(seq, len(tree), len(accepted))
+            if not seq.forced_draft:  # the adaptive budget learns the drafter's confidence, not the grammar's
+                self.strategy.record(seq, len(tree), len(accepted))
         self._emit(seq, [tree.tokens[i] for i in accepted] + [bonus], rows)
 
     def _emit(self, seq: Sequence, tokens: list[int], rows: Optional[list[torch.Tensor]] = None) -> None:

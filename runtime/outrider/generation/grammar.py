@@ -169,6 +169,11 @@ class GrammarState:
         self._sync(path)
         return self.matcher.validate_tokens([token]) == 1
 
+    def forced_tokens(self) -> list[int]:
+        """Tokens the constraint forces after the committed ones (llguidance's fast-forward tokens)."""
+        self._sync([])
+        return list(self.matcher.compute_ff_tokens())
+
     def valid_prefix(self, tokens: list[int]) -> int:
         """How many of `tokens`, after the committed ones, the constraint accepts."""
         self._sync([])
