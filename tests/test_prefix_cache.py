@@ -124,3 +124,17 @@ def test_smollm2_cached_prefix_is_exact_and_counted(smol_int8):
     body = httpx.post(f"http://127.0.0.1:{smol_int8.http_port}/v1/completions", timeout=120,
                       json={"model": "smollm2-int8", "prompt": DOCUMENT + "\nQ: what is it?\nA:", "max_tokens": 2}).json()
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def test_prompts_arriving_together_share_one_prefill(tiny):
+    """n choices of one prompt (or a burst with one system prompt) admitted in the same step: the
+    first prefills, the others wait one step and reuse its blocks; outputs are unchanged."""
+    model, tokenizer = tiny
+    prompt = "abcdefghijklmnop" * 3
+    params = [{"prompt": prompt, "max_tokens": 8, "temperature": 1.0, "seed": s} for s in range(3)]
+    alone = _run(_engine(model, tokenizer, speculative=False), params)
+    engine = _engine(model, tokenizer, speculative=False)
+    engine.prefix_cache = PrefixCache(1 << 20)
+    together = _run(engine, params)
+    assert [together.final[i]["stats"]["cached_tokens"] for i in range(3)] == [0, 32, 32]
+    assert [together.final[i]["token_ids"] for i in range(3)] == [alone.final[i]["token_ids"] for i in range(3)]

@@ -29,7 +29,7 @@ from outrider.serving.scheduler import InstanceHandle, Scheduler
 
 from .constraints import TokenRules, check_grammar_state, parse_logit_bias, token_logprobs
 from .contract import Chunk, DraftTree, children_of
-from .prefix_cache import PrefixCache
+from .prefix_cache import BLOCK_TOKENS, PrefixCache, block_keys
 from .sampling import SamplingParams, parse_prompt, parse_sampling, sample_token
 from .text import IncrementalText
 
@@ -70,6 +70,7 @@ class Sequence:
         self.rules: Optional[TokenRules] = None  # the request's logit_bias, penalties, grammar
         self.cached_tokens = 0  # prompt tokens whose K/V came from the prefix cache
         self.forced_draft = False  # this step's draft is the grammar's forced tokens
+        self.deferred = False  # its prefill waited a step for another prompt's identical first block
         self.logprobs: list[dict] = []  # per generated token, when the request asks for them
 
     @property
@@ -251,7 +252,10 @@ class GenerationEngine:
 
         budget = self.strategy.batch_budget(len(self.active)) if self.strategy is not None else 0
         planned: list[tuple[Sequence, Chunk, Optional[DraftTree]]] = []
+        prefilling: set[bytes] = set()  # first blocks of the prompts prefilled in this step
         for seq in list(self.active):
+            if self._shares_a_prefill(seq, prefilling):
+                continue  # next step it finds that prompt's blocks in the prefix cache
             try:
                 planned.append((seq, *self._plan(seq, budget)))
             except Exception as exc:  # drafting for this sequence: its own failure
@@ -395,6 +399,23 @@ class GenerationEngine:
             seq.request.chunk(text=delta, token_ids=new, **({"logprobs": logprobs} if seq.params.logprobs else {}))
         if seq.finish_reason is not None:
             self._finish(seq)
+
+    def _shares_a_prefill(self, seq: Sequence, prefilling: set[bytes]) -> bool:
+        """Whether `seq`'s prompt starts with a block another prompt prefills in this step (n
+        choices of one prompt, a burst of requests with one system prompt): it then waits one
+        step and reuses that K/V instead of computing it again."""
+        if seq.prefilled or self.prefix_cache is None or seq.request is None or seq.deferred:
+            return False
+        if len(seq.token_ids) <= BLOCK_TOKENS:  # a lookup leaves the last token: no block to share
+            return False
+        first = block_keys(seq.token_ids[:BLOCK_TOKENS])[0]
+        if first in self.prefix_cache.blocks:
+            return False
+        if first in prefilling:
+            seq.deferred = True  # once: a prompt never waits twice
+            return True
+        prefilling.add(first)
+        return False
 
     def _reuse_prefix(self, seq: Sequence) -> None:
         """Copy the cached blocks that start `seq`'s prompt into its slot (counted in stats)."""
