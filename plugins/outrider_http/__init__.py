@@ -57,8 +57,8 @@ class HttpFront(Front):
 
     name = "http"
 
-    def __init__(self, server: Any, address: str) -> None:
-        super().__init__(server, address)
+    def __init__(self, server: Any, address: str, options: Optional[dict] = None) -> None:
+        super().__init__(server, address, options)
         self._uvicorn: Any = None
         self._thread: Optional[threading.Thread] = None
         self._failed: Optional[BaseException] = None
@@ -77,6 +77,18 @@ class HttpFront(Front):
         from .app import build_app
 
         host, port = parse_address(self.address)
+        options = self.options
+        tls = _tls_files(options)
+        keys = None
+        if options.get("api_key_file"):
+            from .auth import ApiKeys
+
+            keys = ApiKeys(options["api_key_file"])  # a bad or readable-by-others file fails the start
+        if not _is_loopback(host) and not (tls and keys) and not options.get("insecure"):
+            # As the ZeroMQ side refuses a non-loopback TCP bind without CURVE keys.
+            raise OutriderError(
+                f"--http {self.address}: a non-loopback address needs TLS and API keys (--tls-cert, --tls-key, "
+                f"--api-key-file), or --http-insecure for a private network", code="usage")
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         # proto IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on such sockets, and without it
         # a kept-alive connection waits ~40 ms per response (Nagle against the client's delayed ACK).
@@ -90,8 +102,14 @@ class HttpFront(Front):
             raise OutriderError(f"--http {self.address}: cannot listen: {exc}", code="usage") from None
         sock.listen(2048)
         self.port = sock.getsockname()[1]
+        app: Any = build_app(self.server, self.name)
+        if keys is not None:
+            from .auth import RequireKey
+
+            app = RequireKey(app, keys, open_metrics=bool(options.get("open_metrics")))
         config = uvicorn.Config(
-            build_app(self.server, self.name),
+            app,
+            **({"ssl_certfile": tls[0], "ssl_keyfile": tls[1]} if tls else {}),
             log_config=None,  # the process's logging is Outrider's
             log_level="warning",
             access_log=False,
@@ -106,10 +124,11 @@ class HttpFront(Front):
             if not self._thread.is_alive() or time.monotonic() > end:
                 raise OutriderError(f"--http {self.address}: the HTTP server did not start: {self._failed!r}")
             time.sleep(0.005)
-        if not _is_loopback(host):
-            log.warning("HTTP on %s:%d has no authentication and no TLS: keep it on a private network or behind "
-                        "a proxy that has them", host, self.port)
-        log.info("HTTP on http://%s:%d (OIP v2 /v2, OpenAI /v1, /metrics)", host, self.port)
+        if not _is_loopback(host) and not (tls and keys):
+            log.warning("HTTP on %s:%d without %s (--http-insecure): keep it on a private network or behind a "
+                        "proxy that has them", host, self.port, "API keys" if tls else "TLS" if keys else "TLS or API keys")
+        log.info("HTTP on %s://%s:%d (OIP v2 /v2, OpenAI /v1, /metrics)%s", "https" if tls else "http", host,
+                 self.port, "; API keys required" if keys else "")
 
     def _run(self, sock: socket.socket) -> None:
         try:
@@ -126,6 +145,22 @@ class HttpFront(Front):
         if self._thread.is_alive():
             self._uvicorn.force_exit = True
             self._thread.join(timeout)
+
+
+def _tls_files(options: dict) -> Optional[tuple[str, str]]:
+    """(certificate, key) when TLS is asked for; both or neither, each readable."""
+    cert, key = options.get("tls_cert"), options.get("tls_key")
+    if not cert and not key:
+        return None
+    if not (cert and key):
+        raise OutriderError("give both --tls-cert and --tls-key", code="usage")
+    for flag, path in (("--tls-cert", cert), ("--tls-key", key)):
+        try:
+            with open(path, "rb"):
+                pass
+        except OSError as exc:
+            raise OutriderError(f"{flag} {path}: {exc.strerror}", code="usage") from None
+    return cert, key
 
 
 @hookimpl

@@ -20,7 +20,7 @@ from outrider.front import AsyncCall
 STATUS = {
     "protocol_error": 400,
     "bad_request": 400,
-    "too_large": 400,
+    "too_large": 413,  # Content Too Large: a body, a tensor or a count past its limit
     "model_not_found": 404,
     "model_not_ready": 503,
     "overloaded": 503,
@@ -108,15 +108,20 @@ async def _disconnected(receive: Any) -> None:
 
 async def read_body(request: Any, limit: int) -> bytes:
     """The request body, refused (too_large) past `limit` bytes before it is all read."""
+    from starlette.requests import ClientDisconnect
+
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise TooLargeError(f"request body is {declared} bytes; the limit is {limit} (--max-message-mb)")
+    if declared is not None and declared.isascii() and declared.isdigit() and (len(declared) > 19 or int(declared) > limit):
+        raise TooLargeError(f"request body is {declared[:24]} bytes; the limit is {limit} (--max-message-mb)")
     parts, size = [], 0
-    async for part in request.stream():
-        size += len(part)
-        if size > limit:
-            raise TooLargeError(f"request body exceeds {limit} bytes (--max-message-mb)")
-        parts.append(part)
+    try:
+        async for part in request.stream():
+            size += len(part)
+            if size > limit:
+                raise TooLargeError(f"request body exceeds {limit} bytes (--max-message-mb)")
+            parts.append(part)
+    except ClientDisconnect:  # the client left mid-body: nobody to answer, nothing to log
+        raise ClientGone() from None
     return b"".join(parts)
 
 

@@ -20,7 +20,8 @@ from starlette.routing import Route
 
 from outrider import __version__
 from outrider.errors import BadRequestError, ModelNotFoundError, OutriderError, ProtocolError
-from outrider.protocol import DATATYPES, datatype_of, encode_bytes_tensor, numpy_dtype
+from outrider.protocol import (DATATYPES, DEFAULT_LIMITS, Limits, check_shape, datatype_of, encode_bytes_tensor,
+                               numpy_dtype, preview as _preview)
 
 from .dispatch import ClientGone, Dispatcher, error_code, read_body, status_of
 
@@ -28,6 +29,7 @@ log = logging.getLogger("outrider.http")
 
 HEADER_LENGTH = "inference-header-content-length"
 MODEL_VERSION = "1"  # a served model has one version
+MAX_TIMEOUT_US = 10**13  # about 116 days: past any deadline a request may mean
 
 
 def routes(dispatch: Dispatcher) -> list[Route]:
@@ -83,7 +85,7 @@ def routes(dispatch: Dispatcher) -> list[Route]:
         try:
             model = model_named(request)
             body = await read_body(request, server.limits.max_message_bytes)
-            document, inputs, buffers = parse_infer_request(body, request.headers.get(HEADER_LENGTH))
+            document, inputs, buffers = parse_infer_request(body, request.headers.get(HEADER_LENGTH), server.limits)
             parameters = _parameters(document.get("parameters"))
             call = dispatch.submit(request.scope, "infer", model.name, parameters, inputs, buffers)
             header, outputs = await dispatch.final(call, request.receive)
@@ -123,19 +125,25 @@ def _parameters(given: Any) -> dict:
     out: dict[str, Any] = {}
     if "timeout" in given:
         timeout = given["timeout"]
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-            raise BadRequestError(f"parameter 'timeout' must be a number of microseconds, got {timeout!r:.40}")
+        # A JSON integer has no size limit: 10**400 is a Python int that no float holds.
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout <= MAX_TIMEOUT_US:
+            raise BadRequestError(f"parameter 'timeout' must be a number of microseconds from 0 to {MAX_TIMEOUT_US}, "
+                                  f"got {_preview(timeout)}")
         out["timeout_ms"] = timeout / 1000
     if "timeout_ms" in given:
         out["timeout_ms"] = given["timeout_ms"]
     return out
 
 
-def parse_infer_request(body: bytes, header_length: Optional[str]) -> tuple[dict, list[dict], list[Any]]:
+def parse_infer_request(body: bytes, header_length: Optional[str],
+                        limits: Limits = DEFAULT_LIMITS) -> tuple[dict, list[dict], list[Any]]:
     """(the JSON document, tensor descriptions, buffers in the wire layout) of an infer request."""
     view = memoryview(body)
     if header_length is not None:
-        if not header_length.isdigit() or int(header_length) > len(body):
+        # ASCII digits only, and no more of them than a body length can have: str.isdigit() takes
+        # "¹²" (which int() refuses) and int() of thousands of digits is slow.
+        if not (0 < len(header_length) <= 19 and header_length.isascii() and header_length.isdigit()) \
+                or int(header_length) > len(body):
             raise ProtocolError(f"Inference-Header-Content-Length {header_length[:20]!r} does not fit a body of "
                                 f"{len(body)} bytes")
         split = int(header_length)
@@ -148,6 +156,10 @@ def parse_infer_request(body: bytes, header_length: Optional[str]) -> tuple[dict
         raise ProtocolError(f"the request is not valid JSON: {exc}") from None
     if not isinstance(document, dict):
         raise ProtocolError("the request must be a JSON object")
+    requested = document.get("outputs")  # checked before inference runs, not after
+    if requested is not None and (not isinstance(requested, list) or not all(
+            isinstance(r, dict) and isinstance(r.get("name"), str) for r in requested)):
+        raise ProtocolError("'outputs' must be a list of JSON objects, each with a string 'name'")
     specs = document.get("inputs")
     if not isinstance(specs, list):
         raise ProtocolError("'inputs' must be a list of tensors")
@@ -156,12 +168,15 @@ def parse_infer_request(body: bytes, header_length: Optional[str]) -> tuple[dict
         if not isinstance(spec, dict):
             raise ProtocolError(f"input #{index} must be a JSON object")
         name, datatype, shape = spec.get("name"), spec.get("datatype"), spec.get("shape")
+        if not isinstance(name, str):
+            raise ProtocolError(f"input #{index}: 'name' must be a string, got {_preview(name)}")
+        shape = list(check_shape(name, shape, limits))  # bounded before anything is sized or printed
         inputs.append({"name": name, "datatype": datatype, "shape": shape})
         parameters = spec.get("parameters") or {}
         size = parameters.get("binary_data_size") if isinstance(parameters, dict) else None
         if size is not None:
             if isinstance(size, bool) or not isinstance(size, int) or size < 0 or offset + size > len(binary):
-                raise ProtocolError(f"input {name!r}: binary_data_size {size!r:.40} does not fit the "
+                raise ProtocolError(f"input {name!r}: binary_data_size {_preview(size)} does not fit the "
                                     f"{len(binary) - offset} binary bytes left in the body")
             buffers.append(binary[offset:offset + size])
             offset += size
@@ -177,7 +192,7 @@ def parse_infer_request(body: bytes, header_length: Optional[str]) -> tuple[dict
 def _pack_json(name: Any, datatype: Any, shape: Any, data: Any) -> bytes:
     """JSON `data` (flat or nested, row-major) as the tensor's bytes in the wire layout."""
     if not isinstance(datatype, str) or datatype not in DATATYPES:
-        raise ProtocolError(f"input {name!r}: unknown datatype {datatype!r:.40}; expected one of {sorted(DATATYPES)}")
+        raise ProtocolError(f"input {name!r}: unknown datatype {_preview(datatype)}; expected one of {sorted(DATATYPES)}")
     if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
         raise ProtocolError(f"input {name!r}: shape must be a list of non-negative integers")
     count = math.prod(shape)

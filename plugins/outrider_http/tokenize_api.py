@@ -27,7 +27,7 @@ from starlette.routing import Route
 
 from outrider.errors import BadRequestError, ModelNotReadyError, OutriderError, TooLargeError
 
-from .dispatch import Dispatcher
+from .dispatch import ClientGone, Dispatcher
 from .openai_api import ApiError, _bad, _parse, _Schema
 
 log = logging.getLogger("outrider.http")
@@ -278,6 +278,8 @@ def _message(index: int, message: Message) -> dict[str, str]:
 
 
 def _answer(exc: Exception, param: str) -> Response:
+    if isinstance(exc, ClientGone):  # left mid-body: nobody reads the answer
+        return Response(status_code=499)
     if isinstance(exc, BadRequestError):  # the tokenizer's own refusal: about the text it was given
         return ApiError.of(exc, param).response()
     if not isinstance(exc, (ApiError, OutriderError)):

@@ -279,7 +279,13 @@ class SentenceEmbeddingTask(Task):
         """One element as text, cut to `max_chars` characters before anyone tokenizes it."""
         limit = self.max_chars
         if isinstance(item, str):
-            return item[:limit]
+            text = item[:limit]
+            try:
+                text.encode("utf-8")  # a lone surrogate (JSON's "\ud800") is no text a tokenizer takes
+            except UnicodeEncodeError as exc:
+                raise BadRequestError(f"input {self.input_name!r} element {index} is not valid text "
+                                      f"({exc.reason} at character {exc.start})") from None
+            return text
         if isinstance(item, (bytes, bytearray, memoryview)):
             raw = bytes(item[: 4 * limit])  # UTF-8 spends at most 4 bytes a character
             try:

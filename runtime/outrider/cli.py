@@ -53,11 +53,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         curve = CurveServerKeys(args.curve_secret_key, args.curve_allow, allow_any=args.curve_allow_any)
     limits = Limits(max_message_bytes=args.max_message_mb * 1024 * 1024)
     fronts = []
+    http_options = {"api_key_file": args.api_key_file, "tls_cert": args.tls_cert, "tls_key": args.tls_key,
+                    "insecure": args.http_insecure, "open_metrics": args.metrics_without_key}
     for spec in ([f"http={args.http}"] if args.http else []) + args.front:
         name, sep, address = spec.partition("=")
         if not sep or not name or not address:
             raise OutriderError(f"--front {spec!r}: expected NAME=ADDRESS, e.g. http=127.0.0.1:8000", code="usage")
-        fronts.append((registry.front(name), address))
+        options = {k: v for k, v in http_options.items() if v} if name == "http" else {}
+        fronts.append((registry.front(name), address, options))
+    if not args.http and not any(s.startswith("http=") for s in args.front) and any(http_options.values()):
+        raise OutriderError("--api-key-file, --tls-cert, --tls-key, --http-insecure and --metrics-without-key "
+                            "apply to the HTTP front: give --http HOST:PORT too", code="usage")
     server = Server(manifests, registry, address=args.bind, limits=limits, curve=curve,
                     drain_timeout=args.drain_timeout, metrics_port=args.metrics_port, fronts=fronts)
     return server.serve_forever()
@@ -248,6 +254,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "needs outrider[http]")
     p.add_argument("--front", action="append", default=[], metavar="NAME=ADDRESS",
                    help="also serve through the front-end plugin NAME (--http ADDR is --front http=ADDR)")
+    p.add_argument("--api-key-file", metavar="FILE",
+                   help="HTTP: require 'Authorization: Bearer KEY' with a key of FILE (one per line, or sha256:HEX; "
+                        "private to its owner; re-read when it changes) on every route but /v2/health")
+    p.add_argument("--metrics-without-key", action="store_true", help="HTTP: /metrics needs no API key")
+    p.add_argument("--tls-cert", metavar="FILE", help="HTTP: serve HTTPS with this certificate (PEM)")
+    p.add_argument("--tls-key", metavar="FILE", help="HTTP: the certificate's private key (PEM)")
+    p.add_argument("--http-insecure", action="store_true",
+                   help="HTTP: allow a non-loopback bind without TLS and API keys (a private network only)")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds SIGTERM waits for in-flight work")
     p.add_argument("--max-message-mb", type=int, default=64, help="largest accepted request, in MiB")
     p.add_argument("--curve-secret-key", metavar="FILE", help="server secret key file; enables CURVE")

@@ -50,9 +50,12 @@ class Front:
 
     name: ClassVar[str] = ""
 
-    def __init__(self, server: Submitter, address: str) -> None:
+    def __init__(self, server: Submitter, address: str, options: Optional[Mapping[str, Any]] = None) -> None:
         self.server = server
         self.address = address
+        # What `outrider serve` was told for this front (the HTTP front: api_key_file, tls_cert,
+        # tls_key, insecure, open_metrics); a front ignores what it does not know.
+        self.options: Mapping[str, Any] = dict(options or {})
 
     @classmethod
     def availability(cls) -> tuple[bool, str]:

@@ -99,9 +99,13 @@ def datatype_of(array: np.ndarray) -> str:
 def encode_bytes_tensor(array: np.ndarray) -> bytes:
     """BYTES elements as <uint32 little-endian length><bytes>, in C order (as Triton does)."""
     parts = []
-    for item in array.reshape(-1):
+    for index, item in enumerate(array.reshape(-1)):
         if isinstance(item, str):
-            item = item.encode("utf-8")
+            try:
+                item = item.encode("utf-8")
+            except UnicodeEncodeError as exc:  # a lone surrogate (JSON's "\ud800") is no UTF-8 text
+                raise ProtocolError(f"BYTES element {index} is not valid text: {exc.reason} at character "
+                                    f"{exc.start}") from None
         elif not isinstance(item, (bytes, bytearray, memoryview)):
             raise ProtocolError(
                 f"BYTES tensor element of type {type(item).__name__}; expected str or bytes"
@@ -221,7 +225,9 @@ def unpack_header(raw: memoryview | bytes, limits: Limits = DEFAULT_LIMITS) -> d
     return header
 
 
-def _check_shape(name: str, shape: Any, limits: Limits) -> tuple[int, ...]:
+def check_shape(name: str, shape: Any, limits: Limits) -> tuple[int, ...]:
+    """`shape` checked against `limits` (TooLargeError past them, ProtocolError if malformed);
+    every front's tensor descriptions go through it, before any size is computed or printed."""
     if not isinstance(shape, (list, tuple)) or len(shape) > _MAX_DIMS:
         raise ProtocolError(
             f"tensor {name!r}: shape must be a list of at most {_MAX_DIMS} integers, "
@@ -239,7 +245,7 @@ def _check_shape(name: str, shape: Any, limits: Limits) -> tuple[int, ...]:
             )
         if dim > most:
             raise TooLargeError(
-                f"tensor {name!r}: shape dimension {index} is {dim}; the limit is {most} elements per tensor"
+                f"tensor {name!r}: shape dimension {index} is {preview(dim)}; the limit is {most} elements per tensor"
             )
         if dim:
             spread *= dim
@@ -251,9 +257,21 @@ def _check_shape(name: str, shape: Any, limits: Limits) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def _preview(value: Any) -> str:
-    text = repr(value)
+def preview(value: Any) -> str:
+    """A short repr of an untrusted value for an error message (never raises: an int of thousands
+    of digits has no repr under Python's int_max_str_digits)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 256:
+        return f"an integer of {value.bit_length()} bits"
+    if isinstance(value, (list, tuple, dict)) and len(value) > 16:
+        return f"a {type(value).__name__} of {len(value)} items"
+    try:
+        text = repr(value)
+    except ValueError:
+        return f"a {type(value).__name__}"
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+_preview = preview
 
 
 class TensorFrame:
@@ -330,7 +348,7 @@ def parse_tensors(specs: Any, frames: Sequence[Any], limits: Limits = DEFAULT_LI
             raise ProtocolError(
                 f"tensor {name!r}: unknown datatype {_preview(datatype)}; expected one of {sorted(DATATYPES)}"
             )
-        shape = _check_shape(name, spec.get("shape"), limits)
+        shape = check_shape(name, spec.get("shape"), limits)
         buffer = _buffer(frame)
         tensor = TensorFrame(name, datatype, shape, buffer)
         count = tensor.count

@@ -55,7 +55,7 @@ class Server:
         curve: Optional[CurveServerKeys] = None,
         drain_timeout: float = 30.0,
         metrics_port: Optional[int] = None,
-        fronts: Sequence[tuple[type[Front], str]] = (),
+        fronts: Sequence[tuple] = (),  # (Front class, address[, options])
     ) -> None:
         names = [m.name for m in manifests]
         duplicates = sorted({n for n in names if names.count(n) > 1})
@@ -92,8 +92,9 @@ class Server:
 
             start_metrics_server(self.metrics_port, lambda: self.models)
             log.info("metrics on http://127.0.0.1:%d/metrics", self.metrics_port)
-        for cls, address in self.front_specs:  # listening before the models load, like the socket
-            front = cls(self, address)
+        for cls, address, *options in self.front_specs:  # listening before the models load, like the socket
+            # (class, address) or (class, address, options); a front written before options gets none
+            front = cls(self, address, options[0]) if options and options[0] else cls(self, address)
             front.start()
             self.fronts.append(front)
         log.info("listening on %s (models loading: %s)", self.address, ", ".join(self.models))
