@@ -493,3 +493,80 @@ def test_hostile_requests_get_4xx_never_5xx(http_server):
     assert httpx.get(base + "/v2/health/ready").status_code == 200
     time.sleep(0.5)
     assert "Traceback" not in http_server.process.log()
+
+
+def test_headers_are_bounded_and_slow_clients_time_out(tmp_path):
+    """431 past 100 headers or 64 KiB of head (a header that never ends included), 408 for headers
+    that do not arrive in time, and a stalled body closed, all while another client is served."""
+    import socket
+
+    port = free_port()
+    server = start_server(tmp_path, [MANIFESTS / "echo.yaml"], ["outrider_echo", "outrider_http"],
+                          args=["--http", f"127.0.0.1:{port}"],
+                          env={"OUTRIDER_HTTP_HEAD_TIMEOUT_S": "1", "OUTRIDER_HTTP_BODY_IDLE_TIMEOUT_S": "1"})
+    try:
+        server.wait_ready()
+
+        def send(data: bytes, wait: float = 10) -> bytes:
+            with socket.create_connection(("127.0.0.1", port), timeout=wait) as sock:
+                sock.sendall(data)
+                try:
+                    return sock.recv(200)
+                except ConnectionResetError:
+                    return b""
+
+        many = b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-%d: y\r\n" % i for i in range(200)) + b"\r\n"
+        assert send(many).startswith(b"HTTP/1.1 431")
+        long = b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (1 << 20) + b"\r\n\r\n"
+        assert send(long).startswith(b"HTTP/1.1 431")
+        endless = b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\nX-Endless: " + b"a" * 100_000  # no end of line
+        assert send(endless).startswith(b"HTTP/1.1 431")
+        begin = time.monotonic()
+        assert send(b"GET /v2/health/ready HTTP/1.1\r\nHo").startswith(b"HTTP/1.1 408")
+        assert time.monotonic() - begin < 5
+        stalled = b"POST /v2/models/echo/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n{\"in"
+        begin = time.monotonic()
+        assert send(stalled) == b""  # closed without an answer
+        assert time.monotonic() - begin < 5
+        ok = httpx.post(f"http://127.0.0.1:{port}/v2/models/echo/infer", json={
+            "inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [1.0]}]})
+        assert ok.status_code == 200
+        assert "Traceback" not in server.log()
+    finally:
+        server.stop()
+
+
+def test_bodies_being_read_share_one_budget(tmp_path):
+    """Each body is bounded by --max-message-mb, and all the bodies being read at once by four
+    times that: a fifth stalled upload is answered 503 (retry), not buffered."""
+    import socket
+
+    port = free_port()
+    server = start_server(tmp_path, [MANIFESTS / "echo.yaml"], ["outrider_echo", "outrider_http"],
+                          args=["--http", f"127.0.0.1:{port}", "--max-message-mb", "2"])
+    head = b"POST /v2/models/echo/infer HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % (2 << 20)
+    held = []
+    try:
+        server.wait_ready()
+        for _ in range(4):
+            sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+            sock.sendall(head + b"x" * int(1.9 * (1 << 20)))  # then stalls
+            held.append(sock)
+        time.sleep(0.5)
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            try:
+                sock.sendall(head + b"x" * int(1.9 * (1 << 20)))
+            except (BrokenPipeError, ConnectionResetError):  # answered and closed before all was sent
+                pass
+            answer = sock.recv(300)
+        assert answer.startswith(b"HTTP/1.1 503") and b"budget" in answer, answer
+    finally:
+        for sock in held:
+            sock.close()
+    try:
+        time.sleep(0.5)
+        ok = httpx.post(f"http://127.0.0.1:{port}/v2/models/echo/infer", json={
+            "inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [1.0]}]})
+        assert ok.status_code == 200
+    finally:
+        server.stop()

@@ -107,8 +107,12 @@ class HttpFront(Front):
             from .auth import RequireKey
 
             app = RequireKey(app, keys, open_metrics=bool(options.get("open_metrics")))
+        from .connection_limits import MAX_CONNECTIONS, protocol_class
+
         config = uvicorn.Config(
             app,
+            http=protocol_class(),  # header size and count, header and body read timeouts
+            limit_concurrency=MAX_CONNECTIONS,  # past it, a 503
             **({"ssl_certfile": tls[0], "ssl_keyfile": tls[1]} if tls else {}),
             log_config=None,  # the process's logging is Outrider's
             log_level="warning",

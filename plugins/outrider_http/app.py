@@ -40,4 +40,7 @@ def routes(dispatch: Dispatcher) -> list[Route]:
 
 def build_app(server: Any, front: str = "http") -> Starlette:
     """Routes for `server`'s models; every infer and generate goes through `Server.submit`."""
-    return Starlette(routes=routes(Dispatcher(server, front)))
+    dispatch = Dispatcher(server, front)
+    app = Starlette(routes=routes(dispatch))
+    app.state.dispatch = dispatch  # read_body counts every route's bodies against its budget
+    return app

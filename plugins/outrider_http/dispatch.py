@@ -13,7 +13,7 @@ import asyncio
 import itertools
 from typing import Any, Optional, Sequence
 
-from outrider.errors import OutriderError, TooLargeError
+from outrider.errors import OutriderError, OverloadedError, TooLargeError
 from outrider.front import AsyncCall
 
 #: HTTP status for each error code (KServe and OpenAI routes alike)
@@ -51,6 +51,10 @@ class Dispatcher:
         self.server = server
         self.front = front
         self._anonymous = itertools.count()
+        # Bytes of request bodies being read, over all connections: each body is bounded by the
+        # message limit, and all of them together by this (16 stalled 59 MiB uploads held 919 MB).
+        self.body_budget = BODY_BUDGET_MESSAGES * server.limits.max_message_bytes
+        self.body_bytes = 0
 
     def client_key(self, scope: dict) -> bytes:
         """The connection a request came on: each counts as its own client for queue fairness."""
@@ -106,9 +110,17 @@ async def _disconnected(receive: Any) -> None:
             return
 
 
-async def read_body(request: Any, limit: int) -> bytes:
-    """The request body, refused (too_large) past `limit` bytes before it is all read."""
+BODY_BUDGET_MESSAGES = 4
+
+
+async def read_body(request: Any, limit: int, dispatch: Optional["Dispatcher"] = None) -> bytes:
+    """The request body, refused (too_large) past `limit` bytes before it is all read, and
+    (overloaded, 503) when the bodies being read by all connections would pass the dispatcher's
+    budget."""
     from starlette.requests import ClientDisconnect
+
+    if dispatch is None:
+        dispatch = getattr(request.app.state, "dispatch", None) if hasattr(request, "app") else None
 
     declared = request.headers.get("content-length")
     if declared is not None and declared.isascii() and declared.isdigit() and (len(declared) > 19 or int(declared) > limit):
@@ -119,9 +131,17 @@ async def read_body(request: Any, limit: int) -> bytes:
             size += len(part)
             if size > limit:
                 raise TooLargeError(f"request body exceeds {limit} bytes (--max-message-mb)")
+            if dispatch is not None:
+                if dispatch.body_bytes + len(part) > dispatch.body_budget:
+                    raise OverloadedError(f"the server is reading {dispatch.body_bytes} bytes of request bodies, "
+                                          f"its budget; retry")
+                dispatch.body_bytes += len(part)
             parts.append(part)
     except ClientDisconnect:  # the client left mid-body: nobody to answer, nothing to log
         raise ClientGone() from None
+    finally:
+        if dispatch is not None:
+            dispatch.body_bytes -= sum(map(len, parts))
     return b"".join(parts)
 
 
