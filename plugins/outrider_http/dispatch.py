@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, TypeVar
 
 from outrider.errors import OutriderError, OverloadedError, TooLargeError
 from outrider.front import AsyncCall
@@ -111,6 +111,18 @@ async def _disconnected(receive: Any) -> None:
 
 
 BODY_BUDGET_MESSAGES = 4
+INLINE_BYTES = 64 * 1024  # bodies parsed on the event loop; larger ones on a thread
+
+T = TypeVar("T")
+
+
+async def off_loop(work: Callable[[], T], size: int, inline_below: int = INLINE_BYTES) -> T:
+    """`work()` (parsing, tokenizing) here when `size` is small, else on a thread, so a client's
+    million-element JSON does not stall every other client's requests on the event loop (the
+    GIL is shared, but the loop gets its turns: other requests wait milliseconds, not seconds)."""
+    if size <= inline_below:
+        return work()
+    return await asyncio.to_thread(work)
 
 
 async def read_body(request: Any, limit: int, dispatch: Optional["Dispatcher"] = None) -> bytes:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 from starlette.requests import Request
@@ -19,11 +19,12 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from outrider import __version__
+from outrider.backend import check_shapes
 from outrider.errors import BadRequestError, ModelNotFoundError, OutriderError, ProtocolError
 from outrider.protocol import (DATATYPES, DEFAULT_LIMITS, Limits, check_shape, datatype_of, encode_bytes_tensor,
                                numpy_dtype, preview as _preview)
 
-from .dispatch import ClientGone, Dispatcher, error_code, read_body, status_of
+from .dispatch import ClientGone, Dispatcher, error_code, off_loop, read_body, status_of
 
 log = logging.getLogger("outrider.http")
 
@@ -85,7 +86,9 @@ def routes(dispatch: Dispatcher) -> list[Route]:
         try:
             model = model_named(request)
             body = await read_body(request, server.limits.max_message_bytes)
-            document, inputs, buffers = parse_infer_request(body, request.headers.get(HEADER_LENGTH), server.limits)
+            document, inputs, buffers = await off_loop(lambda: parse_infer_request(
+                body, request.headers.get(HEADER_LENGTH), server.limits,
+                lambda shapes: check_shapes(model.manifest, shapes)), len(body))
             parameters = _parameters(document.get("parameters"))
             call = dispatch.submit(request.scope, "infer", model.name, parameters, inputs, buffers)
             header, outputs = await dispatch.final(call, request.receive)
@@ -135,9 +138,10 @@ def _parameters(given: Any) -> dict:
     return out
 
 
-def parse_infer_request(body: bytes, header_length: Optional[str],
-                        limits: Limits = DEFAULT_LIMITS) -> tuple[dict, list[dict], list[Any]]:
-    """(the JSON document, tensor descriptions, buffers in the wire layout) of an infer request."""
+def parse_infer_request(body: bytes, header_length: Optional[str], limits: Limits = DEFAULT_LIMITS,
+                        check: Optional[Callable[[dict], None]] = None) -> tuple[dict, list[dict], list[Any]]:
+    """(the JSON document, tensor descriptions, buffers in the wire layout) of an infer request;
+    `check({name: (datatype, shape)})` runs once the shapes are known, before JSON data is packed."""
     view = memoryview(body)
     if header_length is not None:
         # ASCII digits only, and no more of them than a body length can have: str.isdigit() takes
@@ -163,13 +167,16 @@ def parse_infer_request(body: bytes, header_length: Optional[str],
     specs = document.get("inputs")
     if not isinstance(specs, list):
         raise ProtocolError("'inputs' must be a list of tensors")
-    inputs, buffers, offset = [], [], 0
     for index, spec in enumerate(specs):
         if not isinstance(spec, dict):
             raise ProtocolError(f"input #{index} must be a JSON object")
+        if not isinstance(spec.get("name"), str):
+            raise ProtocolError(f"input #{index}: 'name' must be a string, got {_preview(spec.get('name'))}")
+    if check is not None:
+        check({s["name"]: (s.get("datatype"), check_shape(s["name"], s.get("shape"), limits)) for s in specs})
+    inputs, buffers, offset = [], [], 0
+    for index, spec in enumerate(specs):
         name, datatype, shape = spec.get("name"), spec.get("datatype"), spec.get("shape")
-        if not isinstance(name, str):
-            raise ProtocolError(f"input #{index}: 'name' must be a string, got {_preview(name)}")
         shape = list(check_shape(name, shape, limits))  # bounded before anything is sized or printed
         inputs.append({"name": name, "datatype": datatype, "shape": shape})
         parameters = spec.get("parameters") or {}

@@ -27,7 +27,7 @@ from starlette.routing import Route
 
 from outrider.errors import OutriderError
 
-from .dispatch import Call, ClientGone, Dispatcher, error_code, read_body, status_of
+from .dispatch import Call, ClientGone, Dispatcher, error_code, off_loop, read_body, status_of
 from .openai_structured import (FieldError, Tools, chat_logprobs, completion_logprobs, constraint_of,
                                 history_as_text)
 
@@ -132,7 +132,7 @@ def _bad(message: str, param: Optional[str] = None) -> ApiError:
 async def _parse(request: Request, schema: type[BaseModel], limit: int) -> Any:
     body = await read_body(request, limit)
     try:
-        data = json.loads(body)
+        data = await off_loop(lambda: json.loads(body), len(body))
     except (ValueError, RecursionError) as exc:
         raise _bad(f"the request body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):

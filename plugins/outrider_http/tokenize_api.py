@@ -27,7 +27,7 @@ from starlette.routing import Route
 
 from outrider.errors import BadRequestError, ModelNotReadyError, OutriderError, TooLargeError
 
-from .dispatch import ClientGone, Dispatcher
+from .dispatch import ClientGone, Dispatcher, off_loop as _off_loop
 from .openai_api import ApiError, _bad, _parse, _Schema
 
 log = logging.getLogger("outrider.http")
@@ -180,9 +180,7 @@ async def model_text(model: Any) -> ModelText:
 
 async def off_loop(work: Callable[[], T], characters: int) -> T:
     """Run `work` (tokenizing) here when the request is small, else on a thread."""
-    if characters <= INLINE_CHARACTERS:
-        return work()
-    return await asyncio.to_thread(work)
+    return await _off_loop(work, characters, INLINE_CHARACTERS)
 
 
 class TextPart(_Schema):

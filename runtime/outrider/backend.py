@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional
 
@@ -317,6 +318,24 @@ def check_request(manifest: Manifest, tensors: list[TensorFrame]) -> None:
     """
     _check_contract(manifest, {t.name: (t.datatype, t.shape) for t in tensors})
     check_limits(manifest, tensors)
+
+
+def check_shapes(manifest: Manifest, shapes: dict[str, tuple[str, tuple[int, ...]]]) -> None:
+    """What `check_request` can tell from names, datatypes and shapes alone ({name: (datatype,
+    shape)}): the input contract, `limits.max_rows` and `limits.max_elements`. A front that must
+    build the tensors from text (JSON data) calls it first, so an oversized request is refused
+    before its million elements are packed."""
+    _check_contract(manifest, shapes)
+    limits = manifest.limits
+    elements = 0
+    for name, (_, shape) in shapes.items():
+        if shape and shape[0] > limits.max_rows:
+            raise TooLargeError(f"model {manifest.name!r}: input {name!r} has {shape[0]} rows (first dimension); "
+                                f"the limit is limits.max_rows = {limits.max_rows}")
+        elements += math.prod(shape)
+    if elements > limits.max_elements:
+        raise TooLargeError(f"model {manifest.name!r}: the request has {elements} elements; the limit is "
+                            f"limits.max_elements = {limits.max_elements}")
 
 
 def check_limits(manifest: Manifest, tensors: list[TensorFrame]) -> None:
