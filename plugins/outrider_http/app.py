@@ -9,7 +9,7 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from outrider.stats import metrics_text
@@ -28,13 +28,19 @@ def routes(dispatch: Dispatcher) -> list[Route]:
         body, content_type = metrics_text(lambda: server.models)
         return Response(body, media_type=content_type)
 
+    async def openapi(request: Request) -> Response:
+        from .openapi import document
+
+        return JSONResponse(document())
+
     found = [*kserve.routes(dispatch), *triton_generate.routes(dispatch), Route("/metrics", metrics)]
     try:
         from . import embeddings_api, openai_api, tokenize_api
     except ImportError as exc:  # sse-starlette is in outrider[http], not in ray[serve] (a Ray replica)
         log.info("OpenAI-compatible routes off (%s): pip install 'outrider[http]'", exc)
     else:
-        found += [*openai_api.routes(dispatch), *embeddings_api.routes(dispatch), *tokenize_api.routes(dispatch)]
+        found += [*openai_api.routes(dispatch), *embeddings_api.routes(dispatch), *tokenize_api.routes(dispatch),
+                  Route("/openapi.json", openapi)]
     return found
 
 
