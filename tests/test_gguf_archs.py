@@ -160,7 +160,7 @@ def test_train_draft_trains_a_head_for_another_model_and_the_head_serves_only_it
     path, _ = write_tiny_gguf(tmp_path, "qwen2", seed=6)
     out = tmp_path / "head.safetensors"
     args = training.build_parser().parse_args([
-        "--gguf", str(path), "--minutes", "0.35", "--gen-minutes", "0.05", "--text-minutes", "0.03", "--out", str(out),
+        "--gguf", str(path), "--minutes", "0.6", "--gen-minutes", "0.05", "--text-minutes", "0.03", "--out", str(out),
         "--batch-sequences", "8", "--draft-vocab", "128", "--intermediate", "64", "--blocks", "1"])
     run_start = time.monotonic()
     target, target_tokenizer = load_model(path)  # as the tool loads it
