@@ -15,6 +15,7 @@
    a header that never ends, slowloris sockets, stalled bodies, million-element BYTES JSON).
    Prints the hostile requests by status class, the innocent p50/p99 idle and during, its
    failures, the server's RSS growth, and whether health stayed ready.
+   OUTRIDER_BENCH_SKIP_CASES="million BYTES,..." leaves cases out (to see what each one costs).
 """
 
 from __future__ import annotations
@@ -260,7 +261,8 @@ def hostile(tmp: Path, seconds: float) -> None:
 
 def attack(port: int, part: int, seconds: float) -> None:
     """One attacker process: its third of the cases in a loop for `seconds`; prints its counts."""
-    cases = hostile_cases(port)[part::3]
+    skip = set(filter(None, os.environ.get("OUTRIDER_BENCH_SKIP_CASES", "").split(",")))
+    cases = [c for c in hostile_cases(port) if c[0] not in skip][part::3]
     counts: Counter = Counter()
     end = time.monotonic() + seconds
     while time.monotonic() < end:
