@@ -570,3 +570,26 @@ def test_bodies_being_read_share_one_budget(tmp_path):
         assert ok.status_code == 200
     finally:
         server.stop()
+
+
+def test_large_json_bodies_are_parsed_by_the_worker_process(http_server):
+    """A JSON body over 1 MiB is parsed in a child process (json_worker.py): the same answers as
+    inline, the model's limits checked before packing, malformed ones refused as inline."""
+    base = http_server.url
+    values = [float(i % 97) for i in range(200_000)]  # ~1.4 MB of JSON
+    answer = httpx.post(base + "/v2/models/echo/infer", timeout=60, json={
+        "inputs": [{"name": "x", "datatype": "FP32", "shape": [1000, 200], "data": values}]})
+    assert answer.status_code == 200, answer.text[:300]
+    assert answer.json()["outputs"][0]["data"][:3] == [0.0, 1.0, 2.0] and len(answer.json()["outputs"][0]["data"]) == 200_000
+    rows = httpx.post(base + "/v2/models/minilm/infer", timeout=60, json={
+        "inputs": [{"name": "text", "datatype": "BYTES", "shape": [300_000], "data": ["ab"] * 300_000}]})
+    assert rows.status_code == 413 and "max_rows" in rows.json()["error"]
+    broken = httpx.post(base + "/v2/models/echo/infer", timeout=60,
+                        content=b'{"inputs": [' + b"1, " * 600_000 + b"]")
+    assert broken.status_code == 400 and "not valid JSON" in broken.json()["error"]
+    surrogate = httpx.post(base + "/v2/models/minilm/infer", timeout=60, content=json.dumps({
+        "inputs": [{"name": "text", "datatype": "BYTES", "shape": [1], "data": ["\ud800" + "a" * 1_100_000]}]}))
+    assert surrogate.status_code == 400 and "not valid text" in surrogate.json()["error"]
+    again = httpx.post(base + "/v2/models/echo/infer", timeout=60, json={
+        "inputs": [{"name": "x", "datatype": "FP32", "shape": [1000, 200], "data": values}]})
+    assert again.status_code == 200

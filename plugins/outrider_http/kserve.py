@@ -25,6 +25,7 @@ from outrider.protocol import (DATATYPES, DEFAULT_LIMITS, Limits, check_shape, d
                                numpy_dtype, preview as _preview)
 
 from .dispatch import ClientGone, Dispatcher, error_code, off_loop, read_body, status_of
+from .json_worker import WORKER_BYTES, JsonWorker
 
 log = logging.getLogger("outrider.http")
 
@@ -35,6 +36,7 @@ MAX_TIMEOUT_US = 10**13  # about 116 days: past any deadline a request may mean
 
 def routes(dispatch: Dispatcher) -> list[Route]:
     server = dispatch.server
+    json_worker = JsonWorker()  # large JSON bodies, parsed outside this interpreter
 
     def error(exc: BaseException) -> JSONResponse:
         code, message = error_code(exc)
@@ -86,9 +88,13 @@ def routes(dispatch: Dispatcher) -> list[Route]:
         try:
             model = model_named(request)
             body = await read_body(request, server.limits.max_message_bytes)
-            document, inputs, buffers = await off_loop(lambda: parse_infer_request(
-                body, request.headers.get(HEADER_LENGTH), server.limits,
-                lambda shapes: check_shapes(model.manifest, shapes)), len(body))
+            check = lambda shapes: check_shapes(model.manifest, shapes)  # noqa: E731
+            header_length = request.headers.get(HEADER_LENGTH)
+            if header_length is None and len(body) > WORKER_BYTES:  # parsed where it holds no GIL of ours
+                document, inputs, buffers = await json_worker.parse(body, server.limits.max_tensor_elements, check)
+            else:
+                document, inputs, buffers = await off_loop(
+                    lambda: parse_infer_request(body, header_length, server.limits, check), len(body))
             parameters = _parameters(document.get("parameters"))
             call = dispatch.submit(request.scope, "infer", model.name, parameters, inputs, buffers)
             header, outputs = await dispatch.final(call, request.receive)
@@ -138,22 +144,23 @@ def _parameters(given: Any) -> dict:
     return out
 
 
-def parse_infer_request(body: bytes, header_length: Optional[str], limits: Limits = DEFAULT_LIMITS,
-                        check: Optional[Callable[[dict], None]] = None) -> tuple[dict, list[dict], list[Any]]:
-    """(the JSON document, tensor descriptions, buffers in the wire layout) of an infer request;
-    `check({name: (datatype, shape)})` runs once the shapes are known, before JSON data is packed."""
+def split_body(body: bytes, header_length: Optional[str]) -> tuple[memoryview, memoryview]:
+    """(JSON text, binary tensor data) of an infer body, split at Inference-Header-Content-Length."""
     view = memoryview(body)
-    if header_length is not None:
-        # ASCII digits only, and no more of them than a body length can have: str.isdigit() takes
-        # "¹²" (which int() refuses) and int() of thousands of digits is slow.
-        if not (0 < len(header_length) <= 19 and header_length.isascii() and header_length.isdigit()) \
-                or int(header_length) > len(body):
-            raise ProtocolError(f"Inference-Header-Content-Length {header_length[:20]!r} does not fit a body of "
-                                f"{len(body)} bytes")
-        split = int(header_length)
-        text, binary = view[:split], view[split:]
-    else:
-        text, binary = view, view[:0]
+    if header_length is None:
+        return view, view[:0]
+    # ASCII digits only, and no more of them than a body length can have: str.isdigit() takes
+    # "¹²" (which int() refuses) and int() of thousands of digits is slow.
+    if not (0 < len(header_length) <= 19 and header_length.isascii() and header_length.isdigit()) \
+            or int(header_length) > len(body):
+        raise ProtocolError(f"Inference-Header-Content-Length {header_length[:20]!r} does not fit a body of "
+                            f"{len(body)} bytes")
+    split = int(header_length)
+    return view[:split], view[split:]
+
+
+def parse_document(text: Any, limits: Limits = DEFAULT_LIMITS) -> tuple[dict, list[dict]]:
+    """(the JSON document, its inputs with string names and shapes bounded by `limits`)."""
     try:
         document = json.loads(bytes(text))
     except (ValueError, RecursionError) as exc:
@@ -172,13 +179,15 @@ def parse_infer_request(body: bytes, header_length: Optional[str], limits: Limit
             raise ProtocolError(f"input #{index} must be a JSON object")
         if not isinstance(spec.get("name"), str):
             raise ProtocolError(f"input #{index}: 'name' must be a string, got {_preview(spec.get('name'))}")
-    if check is not None:
-        check({s["name"]: (s.get("datatype"), check_shape(s["name"], s.get("shape"), limits)) for s in specs})
-    inputs, buffers, offset = [], [], 0
-    for index, spec in enumerate(specs):
-        name, datatype, shape = spec.get("name"), spec.get("datatype"), spec.get("shape")
-        shape = list(check_shape(name, shape, limits))  # bounded before anything is sized or printed
-        inputs.append({"name": name, "datatype": datatype, "shape": shape})
+        spec["shape"] = list(check_shape(spec["name"], spec.get("shape"), limits))  # bounded before any use
+    return document, specs
+
+
+def pack_inputs(specs: list[dict], binary: memoryview) -> list[Any]:
+    """Each input's bytes in the wire layout: its JSON `data` packed, or its slice of `binary`."""
+    buffers, offset = [], 0
+    for spec in specs:
+        name, datatype, shape = spec["name"], spec.get("datatype"), spec["shape"]
         parameters = spec.get("parameters") or {}
         size = parameters.get("binary_data_size") if isinstance(parameters, dict) else None
         if size is not None:
@@ -193,7 +202,19 @@ def parse_infer_request(body: bytes, header_length: Optional[str], limits: Limit
             raise ProtocolError(f"input {name!r} has neither 'data' nor parameters.binary_data_size")
     if offset != len(binary):
         raise ProtocolError(f"the body carries {len(binary) - offset} binary bytes no input claims")
-    return document, inputs, buffers
+    return buffers
+
+
+def parse_infer_request(body: bytes, header_length: Optional[str], limits: Limits = DEFAULT_LIMITS,
+                        check: Optional[Callable[[dict], None]] = None) -> tuple[dict, list[dict], list[Any]]:
+    """(the JSON document, tensor descriptions, buffers in the wire layout) of an infer request;
+    `check({name: (datatype, shape)})` runs once the shapes are known, before JSON data is packed."""
+    text, binary = split_body(body, header_length)
+    document, specs = parse_document(text, limits)
+    if check is not None:
+        check({s["name"]: (s.get("datatype"), tuple(s["shape"])) for s in specs})
+    inputs = [{"name": s["name"], "datatype": s.get("datatype"), "shape": s["shape"]} for s in specs]
+    return document, inputs, pack_inputs(specs, binary)
 
 
 def _pack_json(name: Any, datatype: Any, shape: Any, data: Any) -> bytes:
