@@ -20,12 +20,12 @@ import hmac
 import json
 import logging
 import os
-import stat
 import threading
 import time
 from typing import Any, Awaitable, Callable
 
 from outrider.errors import OutriderError
+from outrider.transport import check_private_file
 
 log = logging.getLogger("outrider.http")
 
@@ -40,15 +40,7 @@ def _digest(key: str) -> bytes:
 
 def read_key_file(path: str) -> list[bytes]:
     """The SHA-256 digests of the keys in `path`; OutriderError (code bad_key) says what is wrong."""
-    try:
-        info = os.stat(path)
-    except OSError as exc:
-        raise OutriderError(f"--api-key-file {path}: {exc.strerror}", code="bad_key") from None
-    if not stat.S_ISREG(info.st_mode):
-        raise OutriderError(f"--api-key-file {path} is not a regular file", code="bad_key")
-    if info.st_mode & 0o077:
-        raise OutriderError(f"--api-key-file {path} has mode {stat.S_IMODE(info.st_mode):04o}: group or others can "
-                            f"read it, so it is refused; chmod 600 {path}", code="bad_key")
+    info = check_private_file(path, "--api-key-file")  # as a CURVE secret key file
     if info.st_size > MAX_KEY_FILE_BYTES:
         raise OutriderError(f"--api-key-file {path} is {info.st_size} bytes; the limit is {MAX_KEY_FILE_BYTES}",
                             code="bad_key")

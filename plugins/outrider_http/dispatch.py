@@ -125,15 +125,13 @@ async def off_loop(work: Callable[[], T], size: int, inline_below: int = INLINE_
     return await asyncio.to_thread(work)
 
 
-async def read_body(request: Any, limit: int, dispatch: Optional["Dispatcher"] = None) -> bytes:
+async def read_body(request: Any, limit: int) -> bytes:
     """The request body, refused (too_large) past `limit` bytes before it is all read, and
-    (overloaded, 503) when the bodies being read by all connections would pass the dispatcher's
-    budget."""
+    (overloaded, 503) when the bodies being read by all connections would pass the budget of the
+    app's dispatcher (build_app sets `app.state.dispatch`; an app without one has no shared budget)."""
     from starlette.requests import ClientDisconnect
 
-    if dispatch is None:
-        dispatch = getattr(request.app.state, "dispatch", None) if hasattr(request, "app") else None
-
+    dispatch = getattr(getattr(request.scope.get("app"), "state", None), "dispatch", None)
     declared = request.headers.get("content-length")
     if declared is not None and declared.isascii() and declared.isdigit() and (len(declared) > 19 or int(declared) > limit):
         raise TooLargeError(f"request body is {declared[:24]} bytes; the limit is {limit} (--max-message-mb)")

@@ -33,7 +33,7 @@ from outrider.errors import OutriderError
 from outrider.protocol import encode_bytes_tensor
 
 from .dispatch import ClientGone, Dispatcher
-from .openai_api import ApiError, _bad, _failure, _parse, _Schema
+from .openai_api import ApiError, _bad, _failure, _parse, _Schema, served_model
 from .tokenize_api import EmbeddingTokenizer, embedding_tokenizer_async, off_loop
 
 log = logging.getLogger("outrider.http")
@@ -57,10 +57,7 @@ def routes(dispatch: Dispatcher) -> list[Route]:
     limit = server.limits.max_message_bytes
 
     def model_named(name: str) -> Any:
-        model = server.models.get(name)
-        if model is None:
-            raise ApiError(404, f"The model '{name[:128]}' does not exist; served here: {sorted(server.models)}",
-                           "model_not_found", "model")
+        model = served_model(server, name)
         if model.generates:
             raise _bad(f"model '{name}' generates text; use /v1/completions or /v1/chat/completions", "model")
         return model

@@ -22,7 +22,7 @@ from outrider import __version__
 from outrider.backend import check_shapes
 from outrider.errors import BadRequestError, ModelNotFoundError, OutriderError, ProtocolError
 from outrider.protocol import (DATATYPES, DEFAULT_LIMITS, Limits, check_shape, datatype_of, encode_bytes_tensor,
-                               numpy_dtype, preview as _preview)
+                               numpy_dtype, preview)
 
 from .dispatch import ClientGone, Dispatcher, error_code, off_loop, read_body, status_of
 from .json_worker import WORKER_BYTES, JsonWorker
@@ -137,7 +137,7 @@ def _parameters(given: Any) -> dict:
         # A JSON integer has no size limit: 10**400 is a Python int that no float holds.
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout <= MAX_TIMEOUT_US:
             raise BadRequestError(f"parameter 'timeout' must be a number of microseconds from 0 to {MAX_TIMEOUT_US}, "
-                                  f"got {_preview(timeout)}")
+                                  f"got {preview(timeout)}")
         out["timeout_ms"] = timeout / 1000
     if "timeout_ms" in given:
         out["timeout_ms"] = given["timeout_ms"]
@@ -178,7 +178,7 @@ def parse_document(text: Any, limits: Limits = DEFAULT_LIMITS) -> tuple[dict, li
         if not isinstance(spec, dict):
             raise ProtocolError(f"input #{index} must be a JSON object")
         if not isinstance(spec.get("name"), str):
-            raise ProtocolError(f"input #{index}: 'name' must be a string, got {_preview(spec.get('name'))}")
+            raise ProtocolError(f"input #{index}: 'name' must be a string, got {preview(spec.get('name'))}")
         spec["shape"] = list(check_shape(spec["name"], spec.get("shape"), limits))  # bounded before any use
     return document, specs
 
@@ -192,7 +192,7 @@ def pack_inputs(specs: list[dict], binary: memoryview) -> list[Any]:
         size = parameters.get("binary_data_size") if isinstance(parameters, dict) else None
         if size is not None:
             if isinstance(size, bool) or not isinstance(size, int) or size < 0 or offset + size > len(binary):
-                raise ProtocolError(f"input {name!r}: binary_data_size {_preview(size)} does not fit the "
+                raise ProtocolError(f"input {name!r}: binary_data_size {preview(size)} does not fit the "
                                     f"{len(binary) - offset} binary bytes left in the body")
             buffers.append(binary[offset:offset + size])
             offset += size
@@ -220,7 +220,7 @@ def parse_infer_request(body: bytes, header_length: Optional[str], limits: Limit
 def _pack_json(name: Any, datatype: Any, shape: Any, data: Any) -> bytes:
     """JSON `data` (flat or nested, row-major) as the tensor's bytes in the wire layout."""
     if not isinstance(datatype, str) or datatype not in DATATYPES:
-        raise ProtocolError(f"input {name!r}: unknown datatype {_preview(datatype)}; expected one of {sorted(DATATYPES)}")
+        raise ProtocolError(f"input {name!r}: unknown datatype {preview(datatype)}; expected one of {sorted(DATATYPES)}")
     if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
         raise ProtocolError(f"input {name!r}: shape must be a list of non-negative integers")
     count = math.prod(shape)

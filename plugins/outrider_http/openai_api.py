@@ -129,6 +129,15 @@ def _bad(message: str, param: Optional[str] = None) -> ApiError:
     return ApiError(400, message, "bad_request", param)
 
 
+def served_model(server: Any, name: str) -> Any:
+    """The model `name` serves, or the OpenAI-shaped 404 naming the ones it does (every /v1 route)."""
+    model = server.models.get(name)
+    if model is None:
+        raise ApiError(404, f"The model '{name[:128]}' does not exist; served here: {sorted(server.models)}",
+                       "model_not_found", "model")
+    return model
+
+
 async def _parse(request: Request, schema: type[BaseModel], limit: int) -> Any:
     body = await read_body(request, limit)
     try:
@@ -154,10 +163,7 @@ def routes(dispatch: Dispatcher) -> list[Route]:
     limit = server.limits.max_message_bytes
 
     def model_named(name: str, generates: bool) -> Any:
-        model = server.models.get(name)
-        if model is None:
-            raise ApiError(404, f"The model '{name[:128]}' does not exist; served here: {sorted(server.models)}",
-                           "model_not_found", "model")
+        model = served_model(server, name)
         if model.generates != generates:
             what = "does not generate text" if generates else "generates text; use /v1/completions or /v1/chat/completions"
             raise _bad(f"model '{name}' {what}", "model")

@@ -28,7 +28,7 @@ from starlette.routing import Route
 from outrider.errors import BadRequestError, ModelNotReadyError, OutriderError, TooLargeError
 
 from .dispatch import ClientGone, Dispatcher, off_loop as _off_loop
-from .openai_api import ApiError, _bad, _parse, _Schema
+from .openai_api import ApiError, _bad, _parse, _Schema, served_model
 
 log = logging.getLogger("outrider.http")
 T = TypeVar("T")
@@ -213,17 +213,10 @@ def routes(dispatch: Dispatcher) -> list[Route]:
     server = dispatch.server
     limit = server.limits.max_message_bytes
 
-    def model_named(name: str) -> Any:
-        model = server.models.get(name)
-        if model is None:
-            raise ApiError(404, f"The model '{name[:128]}' does not exist; served here: {sorted(server.models)}",
-                           "model_not_found", "model")
-        return model
-
     async def tokenize(request: Request) -> Response:
         try:
             body = await _parse(request, TokenizeRequest, limit)
-            model = model_named(body.model)
+            model = served_model(server, body.model)
             if (body.prompt is None) == (body.messages is None):
                 raise _bad("give exactly one of 'prompt' (a string) or 'messages'", "prompt")
             if body.add_generation_prompt is False:
@@ -247,7 +240,7 @@ def routes(dispatch: Dispatcher) -> list[Route]:
     async def detokenize(request: Request) -> Response:
         try:
             body = await _parse(request, DetokenizeRequest, limit)
-            model = model_named(body.model)
+            model = served_model(server, body.model)
             text = await model_text(model)
             top = text.vocab_size
             bad = next((i for i, t in enumerate(body.tokens) if t < 0 or (top is not None and t >= top)), None)

@@ -231,7 +231,7 @@ def check_shape(name: str, shape: Any, limits: Limits) -> tuple[int, ...]:
     if not isinstance(shape, (list, tuple)) or len(shape) > _MAX_DIMS:
         raise ProtocolError(
             f"tensor {name!r}: shape must be a list of at most {_MAX_DIMS} integers, "
-            f"got {_preview(shape)}"
+            f"got {preview(shape)}"
         )
     most = limits.max_tensor_elements
     # A zero dimension makes the count 0, but numpy still multiplies the others: bound them too,
@@ -240,7 +240,7 @@ def check_shape(name: str, shape: Any, limits: Limits) -> tuple[int, ...]:
     for index, dim in enumerate(shape):
         if type(dim) is not int or dim < 0:  # `type`: a bool is an int to isinstance
             raise ProtocolError(
-                f"tensor {name!r}: shape dimension {index} is {_preview(dim)}; expected non-negative "
+                f"tensor {name!r}: shape dimension {index} is {preview(dim)}; expected non-negative "
                 f"integers (0 to {most})"
             )
         if dim > most:
@@ -269,9 +269,6 @@ def preview(value: Any) -> str:
     except ValueError:
         return f"a {type(value).__name__}"
     return text if len(text) <= 80 else text[:77] + "..."
-
-
-_preview = preview
 
 
 class TensorFrame:
@@ -346,7 +343,7 @@ def parse_tensors(specs: Any, frames: Sequence[Any], limits: Limits = DEFAULT_LI
         itemsize = _ITEMSIZE_OR_BYTES.get(datatype) if type(datatype) is str else None
         if itemsize is None:
             raise ProtocolError(
-                f"tensor {name!r}: unknown datatype {_preview(datatype)}; expected one of {sorted(DATATYPES)}"
+                f"tensor {name!r}: unknown datatype {preview(datatype)}; expected one of {sorted(DATATYPES)}"
             )
         shape = check_shape(name, spec.get("shape"), limits)
         buffer = _buffer(frame)

@@ -148,27 +148,29 @@ def _allow_location(curve: CurveServerKeys) -> str:
     return folder
 
 
-def _check_private(path: str) -> None:
-    """A secret key file must be a regular file that neither group nor others can access (like ssh)."""
+def check_private_file(path: str, what: str = "secret key file") -> os.stat_result:
+    """A file of secrets (a CURVE secret key, the HTTP front's API keys) must be a regular file that
+    neither group nor others can access (like ssh); OutriderError (bad_key) says what is wrong."""
     try:
         info = os.stat(path)
     except OSError as exc:
-        raise OutriderError(f"secret key file {path}: {exc.strerror}", code="bad_key") from None
+        raise OutriderError(f"{what} {path}: {exc.strerror}", code="bad_key") from None
     if not stat.S_ISREG(info.st_mode):
-        raise OutriderError(f"secret key file {path} is not a regular file", code="bad_key")
+        raise OutriderError(f"{what} {path} is not a regular file", code="bad_key")
     if info.st_mode & 0o077:
         raise OutriderError(
-            f"secret key file {path} has mode {stat.S_IMODE(info.st_mode):04o}: group or others can access it, "
+            f"{what} {path} has mode {stat.S_IMODE(info.st_mode):04o}: group or others can access it, "
             f"so it is refused; chmod 600 {path} (and keep it in a directory only its owner can read)",
             code="bad_key",
         )
+    return info
 
 
 def load_secret_key(path: str) -> tuple[bytes, bytes]:
     """(public, secret) from a CURVE certificate file that only its owner can read."""
     from zmq.auth import load_certificate
 
-    _check_private(path)
+    check_private_file(path)
     try:
         public, secret = load_certificate(path)
     except (OSError, ValueError) as exc:

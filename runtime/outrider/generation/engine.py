@@ -28,7 +28,7 @@ from outrider.serving.request import PendingRequest
 from outrider.serving.scheduler import InstanceHandle, Scheduler
 
 from .constraints import TokenRules, check_grammar_state, parse_logit_bias, token_logprobs
-from .contract import Chunk, DraftTree, children_of
+from .contract import Chunk, DraftTree, children_of, sampled_groups
 from .prefix_cache import BLOCK_TOKENS, PrefixCache, block_keys
 from .sampling import SamplingParams, parse_prompt, parse_sampling, sample_token
 from .text import IncrementalText
@@ -556,7 +556,7 @@ def _grammatical(tree: DraftTree, rules: TokenRules) -> DraftTree:
     out.tokens = [tree.tokens[i] for i in keep]
     out.parents = [-1 if tree.parents[i] < 0 else index[tree.parents[i]] for i in keep]
     out.probs = [tree.probs[i] for i in keep] if tree.probs else []
-    sampled = getattr(tree, "sampled", None)
+    sampled = sampled_groups(tree)
     if sampled:  # groups hang off parents; a pruned parent's groups go with it
         out.sampled = {(-1 if p < 0 else index[p]): g for p, g in sampled.items() if p < 0 or p in index}
     return out
