@@ -13,7 +13,9 @@
    requests (3 attacker processes) that were 5xx or unbounded before (huge numbers, huge shapes, lone surrogates,
    non-string output names, lying Inference-Header-Content-Length, 200 headers, a 1 MiB header,
    a header that never ends, slowloris sockets, stalled bodies, million-element BYTES JSON).
-   Prints the hostile requests by status class, the innocent p50/p99 idle and during, its
+   Between the two, the control: 3 processes sending valid small requests as fast as they can.
+   Prints the hostile requests by status class, the innocent p50/p99 idle, under the benign flood
+   and during the hostile one, its
    failures, the server's RSS growth, and whether health stayed ready.
    OUTRIDER_BENCH_SKIP_CASES="million BYTES,..." leaves cases out (to see what each one costs).
 """
@@ -214,6 +216,13 @@ def hostile(tmp: Path, seconds: float) -> None:
 
             innocent(2.0)
             idle, idle_failed = innocent(seconds)
+            # The control: as many attacker processes sending valid small requests on fresh
+            # connections. On 2 cores any 3 busy clients slow the innocent one; what the hostile
+            # cases may not do is slow it more than that.
+            benign_senders = [subprocess.Popen([sys.executable, __file__, "--attacker", str(port), "benign",
+                                                str(seconds)], stdout=subprocess.PIPE, text=True) for _ in range(3)]
+            benign, benign_failed = innocent(seconds)
+            benign_count = sum(json.loads(s.communicate(timeout=120)[0])[0][2] for s in benign_senders)
             rss_before = _rss_mb(proc.pid)
             statuses: Counter = Counter()
             by_case: dict = {}
@@ -252,6 +261,10 @@ def hostile(tmp: Path, seconds: float) -> None:
               f"({len(idle)} requests, {idle_failed} failed); during p50 {np.percentile(during, 50):.2f} ms p99 "
               f"{np.percentile(during, 99):.2f} ms ({len(during)} requests, {during_failed} failed); p99 ratio "
               f"{np.percentile(during, 99) / np.percentile(idle, 99):.2f}x")
+        print(f"innocent under a benign flood ({benign_count} valid requests from 3 processes): p50 "
+              f"{np.percentile(benign, 50):.2f} ms p99 {np.percentile(benign, 99):.2f} ms ({len(benign)} requests, "
+              f"{benign_failed} failed); hostile p99 / benign p99 "
+              f"{np.percentile(during, 99) / np.percentile(benign, 99):.2f}x")
         print(f"server RSS {rss_before:.0f} MB -> {rss_after:.0f} MB (+{rss_after - rss_before:.0f}); health ready "
               f"throughout: {health_ok[0]}; tracebacks in the log: {log.count('Traceback')}")
     finally:
@@ -259,10 +272,17 @@ def hostile(tmp: Path, seconds: float) -> None:
         proc.wait(60)
 
 
-def attack(port: int, part: int, seconds: float) -> None:
-    """One attacker process: its third of the cases in a loop for `seconds`; prints its counts."""
+def attack(port: int, part: str, seconds: float) -> None:
+    """One attacker process: its third (`part` 0, 1, 2) of the cases in a loop for `seconds`, or
+    valid requests (`part` "benign"); prints its counts."""
     skip = set(filter(None, os.environ.get("OUTRIDER_BENCH_SKIP_CASES", "").split(",")))
-    cases = [c for c in hostile_cases(port) if c[0] not in skip][part::3]
+    if part == "benign":
+        valid = json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 2], "data": [1.0, 2.0]}]}).encode()
+        cases = [("valid", lambda: _raw(port, b"POST /v2/models/echo/infer HTTP/1.1\r\nhost: x\r\ncontent-type: "
+                                        b"application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
+                                        % len(valid) + valid))]
+    else:
+        cases = [c for c in hostile_cases(port) if c[0] not in skip][int(part)::3]
     counts: Counter = Counter()
     end = time.monotonic() + seconds
     while time.monotonic() < end:
@@ -274,7 +294,7 @@ def attack(port: int, part: int, seconds: float) -> None:
 
 def main() -> None:
     if len(sys.argv) == 5 and sys.argv[1] == "--attacker":
-        attack(int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]))
+        attack(int(sys.argv[2]), sys.argv[3], float(sys.argv[4]))
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=400)
