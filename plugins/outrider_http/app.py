@@ -1,4 +1,4 @@
-"""The ASGI application: OIP v2 routes, Triton's generate extension, OpenAI routes (generation in
+"""The ASGI application: OIP v2 routes, Triton's generate and model-repository extensions, OpenAI routes (generation in
 openai_api.py; embeddings, tokenize and detokenize in embeddings_api.py) and /metrics,
 over one dispatch path; Ray Serve replicas (ray_serve.py) serve the same `routes`."""
 
@@ -14,7 +14,7 @@ from starlette.routing import Route
 
 from outrider.stats import metrics_text
 
-from . import kserve, triton_generate
+from . import kserve, repository_api, triton_generate
 from .dispatch import Dispatcher
 
 log = logging.getLogger("outrider.http")
@@ -25,7 +25,8 @@ def routes(dispatch: Dispatcher) -> list[Route]:
     server = dispatch.server
 
     async def metrics(request: Request) -> Response:
-        body, content_type = metrics_text(lambda: server.models)
+        repository = getattr(server, "repository", None)
+        body, content_type = metrics_text(lambda: server.models, repository.index if repository is not None else None)
         return Response(body, media_type=content_type)
 
     async def openapi(request: Request) -> Response:
@@ -34,6 +35,8 @@ def routes(dispatch: Dispatcher) -> list[Route]:
         return JSONResponse(document())
 
     found = [*kserve.routes(dispatch), *triton_generate.routes(dispatch), Route("/metrics", metrics)]
+    if getattr(server, "repository", None) is not None:
+        found += repository_api.routes(dispatch)
     try:
         from . import embeddings_api, openai_api, tokenize_api
     except ImportError as exc:  # sse-starlette is in outrider[http], not in ray[serve] (a Ray replica)

@@ -25,6 +25,12 @@ STATUS = {
     "model_not_ready": 503,
     "overloaded": 503,
     "unavailable": 503,
+    "insufficient_memory": 503,  # a load that does not fit --memory-budget until busy models go idle
+    "manifest_error": 400,  # model control: the manifest to load does not validate
+    "load_failed": 400,
+    "quality_gate_failed": 400,
+    "bad_artifact": 400,
+    "backend_unavailable": 400,
     "timeout": 504,
     "cancelled": 499,  # nginx's "client closed request": nobody reads it
     "execution_error": 500,

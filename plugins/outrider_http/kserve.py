@@ -42,14 +42,14 @@ def routes(dispatch: Dispatcher) -> list[Route]:
         code, message = error_code(exc)
         return JSONResponse({"error": message}, status_code=status_of(code))
 
-    def model_named(request: Request) -> Any:
+    def model_named(request: Request, load: bool = False) -> Any:
+        """The model the path names (with `load`, an on-demand one starts loading: inference)."""
         name = request.path_params["name"]
-        model = server.models.get(name)
-        if model is None:
-            raise ModelNotFoundError(f"no model named {name[:128]!r}; served here: {sorted(server.models)}")
+        model = server.find_model(name, load)
         version = request.path_params.get("version")
-        if version is not None and version != MODEL_VERSION:
-            raise ModelNotFoundError(f"model {name!r} has only version {MODEL_VERSION}, not {version[:32]!r}")
+        serving = str(getattr(model, "version", MODEL_VERSION))
+        if version is not None and version != serving:
+            raise ModelNotFoundError(f"model {name!r} serves version {serving}, not {version[:32]!r}")
         return model
 
     async def server_metadata(request: Request) -> Response:
@@ -70,7 +70,7 @@ def routes(dispatch: Dispatcher) -> list[Route]:
         described = model.describe()
         return JSONResponse({
             "name": model.name,
-            "versions": [MODEL_VERSION],
+            "versions": [str(model.version)],
             "platform": f"outrider_{described['backend']}",
             "inputs": [_spec(t) for t in described["inputs"]],
             "outputs": [_spec(t) for t in described["outputs"]],
@@ -86,7 +86,7 @@ def routes(dispatch: Dispatcher) -> list[Route]:
     async def infer(request: Request) -> Response:
         call = None
         try:
-            model = model_named(request)
+            model = model_named(request, load=True)
             body = await read_body(request, server.limits.max_message_bytes)
             check = lambda shapes: check_shapes(model.manifest, shapes)  # noqa: E731
             header_length = request.headers.get(HEADER_LENGTH)

@@ -25,7 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from outrider.errors import OutriderError
+from outrider.errors import ModelNotFoundError, OutriderError
 
 from .dispatch import Call, ClientGone, Dispatcher, error_code, off_loop, read_body, status_of
 from .openai_structured import (FieldError, Tools, chat_logprobs, completion_logprobs, constraint_of,
@@ -129,13 +129,16 @@ def _bad(message: str, param: Optional[str] = None) -> ApiError:
     return ApiError(400, message, "bad_request", param)
 
 
-def served_model(server: Any, name: str) -> Any:
-    """The model `name` serves, or the OpenAI-shaped 404 naming the ones it does (every /v1 route)."""
-    model = server.models.get(name)
-    if model is None:
+def served_model(server: Any, name: str, load: bool = True) -> Any:
+    """The model `name` serves (with `load`, an on-demand model starts loading: its PendingLoad),
+    or the OpenAI-shaped error: a 404 naming the models served, a 503 for one not loaded."""
+    try:
+        return server.find_model(name, load)
+    except ModelNotFoundError:
         raise ApiError(404, f"The model '{name[:128]}' does not exist; served here: {sorted(server.models)}",
-                       "model_not_found", "model")
-    return model
+                       "model_not_found", "model") from None
+    except OutriderError as exc:
+        raise ApiError.of(exc, "model") from None
 
 
 async def _parse(request: Request, schema: type[BaseModel], limit: int) -> Any:
@@ -169,14 +172,20 @@ def routes(dispatch: Dispatcher) -> list[Route]:
             raise _bad(f"model '{name}' {what}", "model")
         return model
 
+    def requestable() -> list[str]:
+        # Loaded models and those a request loads (load_on_demand), as a client may name them.
+        on_demand = [e.name for e in server.repository.entries.values()
+                     if e.manifest is not None and e.manifest.load_on_demand]
+        return sorted(set(server.models) | set(on_demand))
+
     async def list_models(request: Request) -> Response:
         created = int(server.started)
         return JSONResponse({"object": "list", "data": [
-            {"id": name, "object": "model", "created": created, "owned_by": "outrider"} for name in server.models]})
+            {"id": name, "object": "model", "created": created, "owned_by": "outrider"} for name in requestable()]})
 
     async def get_model(request: Request) -> Response:
         name = request.path_params["name"]
-        if name not in server.models:
+        if name not in requestable():
             return ApiError(404, f"The model '{name[:128]}' does not exist", "model_not_found", "model").response()
         return JSONResponse({"id": name, "object": "model", "created": int(server.started), "owned_by": "outrider"})
 

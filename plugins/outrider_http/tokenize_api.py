@@ -216,7 +216,7 @@ def routes(dispatch: Dispatcher) -> list[Route]:
     async def tokenize(request: Request) -> Response:
         try:
             body = await _parse(request, TokenizeRequest, limit)
-            model = served_model(server, body.model)
+            model = served_model(server, body.model, load=False)
             if (body.prompt is None) == (body.messages is None):
                 raise _bad("give exactly one of 'prompt' (a string) or 'messages'", "prompt")
             if body.add_generation_prompt is False:
@@ -240,7 +240,7 @@ def routes(dispatch: Dispatcher) -> list[Route]:
     async def detokenize(request: Request) -> Response:
         try:
             body = await _parse(request, DetokenizeRequest, limit)
-            model = served_model(server, body.model)
+            model = served_model(server, body.model, load=False)
             text = await model_text(model)
             top = text.vocab_size
             bad = next((i for i, t in enumerate(body.tokens) if t < 0 or (top is not None and t >= top)), None)

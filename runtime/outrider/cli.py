@@ -1,4 +1,5 @@
-"""The `outrider` command: serve, health, plugins, cache, infer, generate, keygen, bake."""
+"""The `outrider` command: serve, health, models, load, unload, plugins, cache, infer, generate,
+keygen, bake."""
 
 from __future__ import annotations
 
@@ -38,6 +39,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .server import Server
     from .transport import CurveServerKeys
 
+    from .serving.repository import parse_bytes
+
+    if not args.manifests and not args.models:
+        raise OutriderError("name the manifests to serve, or a directory of them with --models DIR", code="usage")
+    if (args.load or args.load_all) and not args.models:
+        raise OutriderError("--load and --load-all choose among the models of --models DIR: give --models too",
+                            code="usage")
+    if args.watch and not args.models:
+        raise OutriderError("--watch reloads the changed files of --models DIR: give --models too", code="usage")
+    budget = None
+    if args.memory_budget:
+        try:
+            budget = parse_bytes(args.memory_budget)
+        except ValueError as exc:
+            raise OutriderError(f"--memory-budget: {exc}", code="usage") from None
     registry = create_registry(modules=args.plugin)
     manifests = [load_manifest(path, args.set, registry.check_section) for path in args.manifests]
     curve = None
@@ -64,8 +80,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not args.http and not any(s.startswith("http=") for s in args.front) and any(http_options.values()):
         raise OutriderError("--api-key-file, --tls-cert, --tls-key, --http-insecure and --metrics-without-key "
                             "apply to the HTTP front: give --http HOST:PORT too", code="usage")
+    load = None if args.load_all else [n for part in args.load for n in part.split(",") if n]
     server = Server(manifests, registry, address=args.bind, limits=limits, curve=curve,
-                    drain_timeout=args.drain_timeout, metrics_port=args.metrics_port, fronts=fronts)
+                    drain_timeout=args.drain_timeout, metrics_port=args.metrics_port, fronts=fronts,
+                    models_dir=args.models, load=load, watch=args.watch, memory_budget=budget,
+                    overrides=args.set)
     return server.serve_forever()
 
 
@@ -95,6 +114,45 @@ def cmd_health(args: argparse.Namespace) -> int:
     if args.live:  # the loop answered: alive, whatever its models are doing
         return 0
     return 0 if health.get("ready") else 1
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from .client import Client
+
+    with Client(args.connect, timeout=args.timeout, curve=_curve_client(args)) as client:
+        index = client.repository()
+    if args.json:
+        print(json.dumps(index, indent=2))
+        return 0
+    for item in index:
+        line = f"{item['name']:24} {item['state']:10} version {item['version'] or '-'}"
+        extras = [k for k in ("load_on_demand",) if item.get(k)]
+        if item.get("idle_unload_s"):
+            extras.append(f"idle_unload_s={item['idle_unload_s']:g}")
+        if extras:
+            line += f"  ({', '.join(extras)})"
+        if item.get("reason"):
+            line += f"  - {item['reason']}"
+        print(line)
+    return 0
+
+
+def cmd_load(args: argparse.Namespace) -> int:
+    from .client import Client
+
+    with Client(args.connect, timeout=args.timeout, curve=_curve_client(args)) as client:
+        result = client.load(args.model, timeout=args.timeout)
+    print(f"{args.model}: {result['state']} (version {result['version']})")
+    return 0
+
+
+def cmd_unload(args: argparse.Namespace) -> int:
+    from .client import Client
+
+    with Client(args.connect, timeout=args.timeout, curve=_curve_client(args)) as client:
+        result = client.unload(args.model, cancel_streams=args.cancel_streams, timeout=args.timeout)
+    print(f"{args.model}: {result['state']}")
+    return 0
 
 
 def _gpu_line(gpu: dict) -> str:
@@ -241,7 +299,19 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("serve", help="load, warm up and serve models")
-    p.add_argument("manifests", nargs="+", metavar="MANIFEST")
+    p.add_argument("manifests", nargs="*", metavar="MANIFEST", help="manifests loaded at start")
+    p.add_argument("--models", metavar="DIR",
+                   help="a model repository: every *.yaml in DIR may be served; --load or --load-all choose "
+                        "what loads at start, the rest are available (outrider load NAME, or load_on_demand)")
+    p.add_argument("--load", action="append", default=[], metavar="NAME[,NAME...]",
+                   help="with --models: load these at start")
+    p.add_argument("--load-all", action="store_true", help="with --models: load every model at start")
+    p.add_argument("--watch", action="store_true",
+                   help="with --models: reload a changed manifest (or model file) as a new version beside the "
+                        "old one, which drains once the new one is ready; add new files, unload removed ones")
+    p.add_argument("--memory-budget", metavar="SIZE",
+                   help="e.g. 2GiB: before a load, unload idle models (least recently used first) until it fits; "
+                        "a model that cannot fit is refused with the numbers")
     p.add_argument("--bind", default=DEFAULT_ADDRESS, metavar="ADDR",
                    help=f"address to bind (default {DEFAULT_ADDRESS}); ipc://PATH or tcp://HOST:PORT")
     p.add_argument("--set", action="append", default=[], metavar="[MODEL:]KEY=VALUE",
@@ -278,6 +348,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="exit 0 whenever the server answers, ready or not (a liveness probe: loading, "
                         "degraded and draining servers are alive)")
     p.set_defaults(func=cmd_health)
+
+    p = sub.add_parser("models", help="list the server's models, loaded or not, with state and version")
+    _add_client_options(p)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_models)
+
+    p = sub.add_parser("load", help="load a model of the server's repository and wait until it is ready")
+    _add_client_options(p)
+    p.set_defaults(timeout=600.0)
+    p.add_argument("model")
+    p.set_defaults(func=cmd_load)
+
+    p = sub.add_parser("unload", help="unload a model once what it took is answered")
+    _add_client_options(p)
+    p.add_argument("model")
+    p.add_argument("--cancel-streams", action="store_true",
+                   help="cancel the model's generations in progress (with a reason) instead of letting them finish")
+    p.set_defaults(func=cmd_unload)
 
     p = sub.add_parser("plugins", help="list plugins, their hooks and whether they can run here")
     p.add_argument("--plugin", action="append", default=[], metavar="MODULE")

@@ -218,6 +218,26 @@ class Client:
         reply, _ = self._call("models", {}, None, "models", timeout)
         return list(reply["models"])
 
+    def repository(self, ready: bool = False, timeout: Optional[float] = None) -> list[dict[str, Any]]:
+        """Every model the server may serve, loaded or not: name, version, state (available,
+        loading, ready, unloading, failed) and reason; `ready=True` lists only the ready ones."""
+        reply, _ = self._call("repository", {"ready": ready}, None, "repository", timeout)
+        return list(reply["models"])
+
+    def load(self, model: str, timeout: float = 600.0) -> dict[str, Any]:
+        """Load `model` and wait until it is ready (warmed up), at most `timeout` seconds;
+        returns its state and version. Raises the load's error (model_not_ready with the reason
+        when it failed, insufficient_memory when it does not fit the server's budget)."""
+        reply, _ = self._call("load", {"model": model, "timeout_s": timeout}, None, f"load {model!r}", timeout + 5.0)
+        return {k: v for k, v in reply.items() if k not in ("id", "ok")}
+
+    def unload(self, model: str, cancel_streams: bool = False, timeout: Optional[float] = None) -> dict[str, Any]:
+        """Unload `model` once what it took is answered (streams finish, or are cancelled with a
+        reason when `cancel_streams`); returns when its memory is handed back."""
+        reply, _ = self._call("unload", {"model": model, "cancel_streams": cancel_streams}, None,
+                              f"unload {model!r}", 120.0 if timeout is None else timeout)
+        return {k: v for k, v in reply.items() if k not in ("id", "ok")}
+
     def wait_ready(self, timeout: float, interval: float = 0.02, process: Any = None) -> None:
         """Ask `health` until every model is ready (a server still starting, or not yet bound, is
         asked again every `interval` seconds). RequestTimeoutError after `timeout` seconds;
@@ -358,3 +378,20 @@ class AsyncClient:
         """The served models with readiness, inputs and outputs."""
         reply, _ = await self._call("models", {}, None, "models", timeout)
         return list(reply["models"])
+
+    async def repository(self, ready: bool = False, timeout: Optional[float] = None) -> list[dict[str, Any]]:
+        """As Client.repository."""
+        reply, _ = await self._call("repository", {"ready": ready}, None, "repository", timeout)
+        return list(reply["models"])
+
+    async def load(self, model: str, timeout: float = 600.0) -> dict[str, Any]:
+        """As Client.load."""
+        reply, _ = await self._call("load", {"model": model, "timeout_s": timeout}, None, f"load {model!r}",
+                                    timeout + 5.0)
+        return {k: v for k, v in reply.items() if k not in ("id", "ok")}
+
+    async def unload(self, model: str, cancel_streams: bool = False, timeout: Optional[float] = None) -> dict[str, Any]:
+        """As Client.unload."""
+        reply, _ = await self._call("unload", {"model": model, "cancel_streams": cancel_streams}, None,
+                                    f"unload {model!r}", 120.0 if timeout is None else timeout)
+        return {k: v for k, v in reply.items() if k not in ("id", "ok")}

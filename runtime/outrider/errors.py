@@ -82,6 +82,13 @@ class UnavailableError(OutriderError):
     code = "unavailable"
 
 
+class InsufficientMemoryError(OutriderError):
+    """A model cannot be loaded within `--memory-budget`, even after unloading every idle model;
+    the message gives the numbers. Retry once busy models go idle."""
+
+    code = "insufficient_memory"
+
+
 class ExecutionError(OutriderError):
     """The backend failed while computing this request."""
 
@@ -160,6 +167,7 @@ _BY_CODE: dict[str, type[OutriderError]] = {
         RequestTimeoutError,
         CancelledError,
         UnavailableError,
+        InsufficientMemoryError,
         ExecutionError,
         ManifestError,
         BackendUnavailableError,

@@ -131,6 +131,11 @@ class Manifest(_Strict):
     warmup: WarmupSpec = Field(default_factory=WarmupSpec)
     scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec)
     limits: LimitsSpec = Field(default_factory=LimitsSpec)
+    #: a request to this model while it is unloaded loads it and waits (within its deadline)
+    #: instead of being answered model_not_found (Ollama's load on first request)
+    load_on_demand: bool = False
+    #: unload after this many seconds without a request (Ollama's keep_alive); 0: never
+    idle_unload_s: float = Field(0.0, ge=0, le=30 * 86400)
     # Set by the loader, not by the file.
     source_file: Optional[str] = Field(None, exclude=True)
 

@@ -18,7 +18,7 @@ import numpy as np
 from .errors import ProtocolError, TooLargeError
 
 MAGIC = b"outrider/1"
-REQUEST_KINDS = frozenset({"infer", "generate", "health", "models", "cancel"})
+REQUEST_KINDS = frozenset({"infer", "generate", "health", "models", "cancel", "repository", "load", "unload"})
 REPLY_KINDS = frozenset({"reply", "chunk"})
 _TYPE_FRAME_OF = {kind: MAGIC + b" " + kind.encode("ascii") for kind in REQUEST_KINDS | REPLY_KINDS}
 _TYPE_FRAMES = {frame: kind for kind, frame in _TYPE_FRAME_OF.items()}

@@ -23,6 +23,7 @@ from .errors import (
     CancelledError,
     ManifestError,
     ModelNotFoundError,
+    ModelNotReadyError,
     OutriderError,
     ProtocolError,
     UnavailableError,
@@ -31,7 +32,7 @@ from .front import Front
 from .manifest import Manifest
 from .plugins import PluginRegistry
 from .protocol import DEFAULT_LIMITS, Limits, parse_tensors
-from .serving.assembly import build_model
+from .serving.repository import ModelRepository, PendingLoad
 from .serving.request import PendingRequest
 from .serving.served_model import ServedModel
 from .transport import DEFAULT_ADDRESS, CurveServerKeys
@@ -56,11 +57,22 @@ class Server:
         drain_timeout: float = 30.0,
         metrics_port: Optional[int] = None,
         fronts: Sequence[tuple] = (),  # (Front class, address[, options])
+        models_dir: Optional[str] = None,
+        load: Optional[Sequence[str]] = None,
+        watch: bool = False,
+        memory_budget: Optional[int] = None,
+        overrides: Optional[list[str]] = None,
     ) -> None:
+        """`manifests` are loaded at start; `models_dir` adds a repository of manifests of which
+        `load` names those loaded at start (None: all of them; the rest are available, loaded
+        by model control or on demand); `watch` reloads changed files; `memory_budget` (bytes)
+        bounds what loads (serving/repository.py). `overrides`: `--set` for the directory's files."""
         names = [m.name for m in manifests]
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ManifestError(f"two manifests name the same model: {duplicates}")
+        if watch and models_dir is None:
+            raise ManifestError("--watch reloads the files of --models DIR: give --models too")
         self.registry = registry
         self.address = address
         self.limits = limits
@@ -70,7 +82,26 @@ class Server:
         #: other front-ends (class, address) started beside the ZeroMQ socket (`--http`)
         self.front_specs = list(fronts)
         self.fronts: list[Front] = []
-        self.models: dict[str, ServedModel] = {m.name: build_model(m, registry) for m in manifests}
+        #: the loaded models (serving or loading), by name; the repository adds and removes them
+        self.models: dict[str, ServedModel] = {}
+        self.repository = ModelRepository(self, registry, manifests, models_dir, overrides, watch, memory_budget)
+        at_start = list(names)
+        if models_dir is not None:
+            from_dir = [n for n, e in self.repository.entries.items() if n not in names]
+            if load is None:
+                at_start += from_dir
+            else:
+                unknown = sorted(set(load) - set(self.repository.entries))
+                if unknown:
+                    raise ManifestError(f"--load names {unknown}, not in {models_dir}; there: {sorted(from_dir)}")
+                at_start += [n for n in load if n not in at_start]
+        elif load:
+            raise ManifestError("--load chooses among the models of --models DIR: give --models too")
+        for name in at_start:  # built now, so a bad manifest stops the start
+            entry = self.repository.entries[name]
+            if entry.manifest is None:
+                raise ManifestError(f"model {name!r}: {entry.reason}")
+            self.models[name] = self.repository.build(entry, entry.manifest)
         self.inflight: dict[tuple[bytes, Any], PendingRequest] = {}
         self.draining = False
         self.started = time.time()
@@ -90,7 +121,7 @@ class Server:
         if self.metrics_port is not None:
             from .stats import start_metrics_server
 
-            start_metrics_server(self.metrics_port, lambda: self.models)
+            start_metrics_server(self.metrics_port, lambda: self.models, index=self.repository.index)
             log.info("metrics on http://127.0.0.1:%d/metrics", self.metrics_port)
         for cls, address, *options in self.front_specs:  # listening before the models load, like the socket
             # (class, address) or (class, address, options); a front written before options gets none
@@ -99,42 +130,66 @@ class Server:
             self.fronts.append(front)
         log.info("listening on %s (models loading: %s)", self.address, ", ".join(self.models))
         devices.inventory()  # probed once here, so a health request only ever reads the snapshot
-        for model in self.models.values():
+        for name, model in self.models.items():
+            self.repository.adopt(name, model)
             model.start()
         self._supervisor = threading.Thread(target=self._supervise, name="outrider-supervisor", daemon=True)
         self._supervisor.start()
 
     def _supervise(self) -> None:
-        """Replace dead or hung instances; off the I/O loop since a restart loads a model."""
+        """Replace dead or hung instances, and the repository's reloads and idle unloads; off the
+        I/O loop since a restart loads a model."""
         while not self._stopping.wait(0.05):
             now = time.monotonic()
-            for model in self.models.values():
+            for model in list(self.models.values()):
                 try:
                     model.supervise(now)
                 except Exception:
                     log.exception("model %s: supervision failed", model.name)
+            if not self.draining:
+                try:
+                    self.repository.tick(now)
+                except Exception:
+                    log.exception("model repository: tick failed")
 
     @property
     def ready(self) -> bool:
-        return not self.draining and all(m.ready for m in self.models.values())
+        """Not draining, and every model loaded at start is ready (a model loaded later, by
+        model control or on demand, never makes a serving server unready)."""
+        return not self.draining and all(m.ready for m in list(self.models.values()) if m.required)
 
     def wait_ready(self, timeout: float) -> bool:
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             if self.ready:
                 return True
-            if any(m.state == "failed" for m in self.models.values()):
+            if any(m.state == "failed" for m in list(self.models.values()) if m.required):
                 return False
             time.sleep(0.01)
         return self.ready
 
-    def _model(self, name: Any) -> ServedModel:
+    def find_model(self, name: Any, load: bool = True) -> "ServedModel | PendingLoad":
+        """The model a request names: loaded (serving or loading), or with `load`, an unloaded
+        `load_on_demand` model whose load this starts (its PendingLoad holds the request until the
+        model takes it). Raises ModelNotFoundError, or ModelNotReadyError for a model in the
+        repository that is not loaded. Never blocks: fronts call it on their I/O threads."""
         if not isinstance(name, str):
             raise ProtocolError("'model' must be a string naming a served model")
         model = self.models.get(name)
-        if model is None:
-            raise ModelNotFoundError(f"no model named {name[:128]!r}; served here: {sorted(self.models)}")
-        return model
+        if model is not None:
+            return model
+        if load:
+            loading = self.repository.on_demand(name)
+            if loading is not None:
+                return loading
+        entry = self.repository.entries.get(name)
+        if entry is not None:
+            raise ModelNotReadyError(f"model {name[:128]!r} is {entry.state}, not loaded"
+                                     + (f" ({entry.reason})" if entry.reason else "")
+                                     + "; load it first (outrider load, or POST /v2/repository/models/NAME/load)")
+        raise ModelNotFoundError(f"no model named {name[:128]!r}; served here: {sorted(self.models)}")
+
+    _model = find_model
 
     def submit(
         self,
@@ -169,7 +224,9 @@ class Server:
         """Answer `request` as cancelled (a queued one is dropped, a generation frees its slot at
         its next step); False when it was already answered."""
         if request.fail(CancelledError(f"request {request.id!r}: {why}")):
-            self.models[request.model].stats.failure("cancelled")
+            model = self.models.get(request.model)  # gone once unloaded
+            if model is not None:
+                model.stats.failure("cancelled")
             return True
         return False
 
@@ -179,10 +236,10 @@ class Server:
         # the protocol and the model's limits; the buffers are decoded by the instance that runs
         # the request (PendingRequest.decode), never on this thread.
         model = self._model(model_name)
-        generates = model.generates
+        generates = model.generates  # None: a model loading on demand whose backend decides (checked then)
         if kind == "infer" and generates:
             raise BadRequestError(f"model {model.name!r} generates text; send generate")
-        if kind == "generate" and not generates:
+        if kind == "generate" and generates is False:
             raise BadRequestError(f"model {model.name!r} does not generate text; use infer")
         if self.draining:
             raise UnavailableError("server is shutting down and takes no new requests")
@@ -231,7 +288,7 @@ class Server:
 
     def expire_deadlines(self, now: float) -> None:
         """Answer queued requests whose deadline passed (the I/O loop calls this every 10 ms)."""
-        for model in self.models.values():
+        for model in list(self.models.values()):
             expired = model.queue.expire(now)
             if expired:
                 model.stats.failure("timeout", expired)
@@ -239,14 +296,17 @@ class Server:
     # -- health and shutdown ---------------------------------------------------------------
 
     def health(self) -> dict[str, Any]:
-        models = {name: m.health() for name, m in self.models.items()}
+        loaded = list(self.models.items())
+        models = {name: m.health() for name, m in loaded}
+        # The server's status follows the models loaded at start (see `ready`).
+        required = [models[name] for name, m in loaded if m.required]
         if self.draining:
             status = "draining"
-        elif all(m["ready"] for m in models.values()):
+        elif all(m["ready"] for m in required):
             status = "ready"
-        elif any(m["state"] == "failed" for m in models.values()):
+        elif any(m["state"] == "failed" for m in required):
             status = "failed"
-        elif any(m["state"] == "degraded" for m in models.values()):
+        elif any(m["state"] == "degraded" for m in required):
             status = "degraded"  # was serving; no instance of some model can serve now (being replaced)
         else:
             status = "loading"
@@ -255,6 +315,8 @@ class Server:
             "ready": status == "ready",
             "status": status,
             "models": models,
+            # Every model the server may serve, loaded or not, with its state and why.
+            "repository": self.repository.index(),
             # Per GPU: memory, utilization, temperature, error (only where there are GPUs).
             **({"devices": found.health(), "devices_source": found.source} if found.gpus else {}),
             "server": {
@@ -279,12 +341,13 @@ class Server:
         while self.inflight and time.monotonic() < end:
             time.sleep(0.005)
         gone = UnavailableError("server shut down before this request finished")
-        for model in self.models.values():
+        models = list(self.models.values()) + self.repository.stop_all()
+        for model in models:
             for request in model.stop():
                 request.fail(gone)
         for request in list(self.inflight.values()):
             request.fail(gone)
-        for model in self.models.values():
+        for model in models:
             model.join(timeout=5.0)
         for front in self.fronts:  # every request it passed on has had its final reply by now
             try:

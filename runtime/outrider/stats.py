@@ -154,9 +154,10 @@ class PrometheusCollector:
     dashboards read, so those work unchanged; `compat=False` leaves them out.
     """
 
-    def __init__(self, models: Any, compat: bool = True) -> None:
+    def __init__(self, models: Any, compat: bool = True, index: Any = None) -> None:
         self._models = models  # callable returning {name: ServedModel}
         self._compat = compat
+        self._index = index  # callable returning the repository index (every model, loaded or not)
 
     def collect(self):  # noqa: D401 - prometheus_client's interface
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -186,7 +187,14 @@ class PrometheusCollector:
             "per_output_token_seconds": HistogramMetricFamily("outrider_time_per_output_token_seconds", "Per generation: decode time per token after the first", labels=["model"]),
         }
         compat = _CompatFamilies() if self._compat else None
-        for name, model in self._models().items():
+        if self._index is not None:
+            state = GaugeMetricFamily("outrider_model_state", "1 for the state each model of the repository is in",
+                                      labels=["model", "state"])
+            for item in self._index():
+                for name in ("available", "loading", "ready", "unloading", "failed"):
+                    state.add_metric([item["name"], name], 1.0 if item["state"] == name else 0.0)
+            yield state
+        for name, model in list(self._models().items()):
             snap = model.stats.snapshot()
             extra = snap.get("extra", {})
             req.add_metric([name], snap["requests"])
@@ -283,19 +291,20 @@ class _CompatFamilies:
         yield from self.vllm.values()
 
 
-def metrics_text(models: Any) -> tuple[bytes, str]:
-    """The Prometheus exposition of `models()` (body, content type), for fronts serving /metrics."""
+def metrics_text(models: Any, index: Any = None) -> tuple[bytes, str]:
+    """The Prometheus exposition of `models()` (body, content type), for fronts serving /metrics;
+    `index()`: the repository's, for each model's state."""
     from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
     registry = CollectorRegistry()
-    registry.register(PrometheusCollector(models))
+    registry.register(PrometheusCollector(models, index=index))
     return generate_latest(registry), CONTENT_TYPE_LATEST
 
 
-def start_metrics_server(port: int, models: Any, addr: str = "127.0.0.1") -> None:
+def start_metrics_server(port: int, models: Any, addr: str = "127.0.0.1", index: Any = None) -> None:
     """Serve Prometheus text on http://addr:port/metrics (prometheus_client's own server thread)."""
     from prometheus_client import CollectorRegistry, start_http_server
 
     registry = CollectorRegistry()
-    registry.register(PrometheusCollector(models))
+    registry.register(PrometheusCollector(models, index=index))
     start_http_server(port, addr=addr, registry=registry)

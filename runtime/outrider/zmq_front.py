@@ -45,6 +45,10 @@ _BURST_BYTES = 4 << 20
 # this many at most and this long at most; chunks are not kept (the final reply carries all).
 _BACKLOG_MAX = 4096
 _BACKLOG_S = 30.0
+# Model control (load, unload) runs on threads of its own, this many at once at most.
+_CONTROL_THREADS = 8
+#: the longest a `load` may wait for its model to be ready (it goes on loading after that)
+MAX_LOAD_WAIT_S = 3600.0
 
 
 
@@ -79,6 +83,7 @@ class ZmqFront:
         # The connection (file descriptor) each route with requests in flight came in on, so a
         # disconnect reported by the socket monitor can cancel that client's requests and streams.
         self._route_fd: dict[bytes, int] = {}
+        self._control_slots = threading.BoundedSemaphore(_CONTROL_THREADS)
 
     def start(self) -> None:
         """Bind the ROUTER and start the I/O thread."""
@@ -299,6 +304,55 @@ class ZmqFront:
     def _on_models(self, route: bytes, request_id: Any, header: dict, tensors: list) -> None:
         self._reply_now(route, {"id": request_id, "ok": True, "models": [m.describe() for m in self.server.models.values()]})
 
+    def _on_repository(self, route: bytes, request_id: Any, header: dict, tensors: list) -> None:
+        ready = header.get("ready", False)
+        if not isinstance(ready, bool):
+            raise ProtocolError(f"'ready' must be true or false, got {type(ready).__name__}")
+        self._reply_now(route, {"id": request_id, "ok": True, "models": self.server.repository.index(ready)})
+
+    def _on_load(self, route: bytes, request_id: Any, header: dict, tensors: list) -> None:
+        name = _model_name(header)
+        wait_s = header.get("timeout_s", 600.0)
+        if isinstance(wait_s, bool) or not isinstance(wait_s, (int, float)) or not (0 < wait_s <= MAX_LOAD_WAIT_S):
+            raise ProtocolError(f"'timeout_s' must be a number of seconds in (0, {MAX_LOAD_WAIT_S:g}]")
+        repository = self.server.repository
+        self._control(route, request_id, lambda: repository.load(name, wait_s=float(wait_s)) and None,
+                      lambda: {"model": name, "state": repository.entries[name].state,
+                               "version": str(repository.entries[name].version)})
+
+    def _on_unload(self, route: bytes, request_id: Any, header: dict, tensors: list) -> None:
+        name = _model_name(header)
+        cancel = header.get("cancel_streams", False)
+        if not isinstance(cancel, bool):
+            raise ProtocolError(f"'cancel_streams' must be true or false, got {type(cancel).__name__}")
+        repository = self.server.repository
+        self._control(route, request_id, lambda: repository.unload(name, cancel_streams=cancel),
+                      lambda: {"model": name, "state": repository.entries[name].state})
+
+    def _control(self, route: bytes, request_id: Any, act: Callable[[], None], result: Callable[[], dict]) -> None:
+        """Run a model-control action on a thread of its own (it loads or drains: seconds) and
+        reply when it is done; at most _CONTROL_THREADS at once."""
+        if not self._control_slots.acquire(blocking=False):
+            from .errors import OverloadedError
+
+            raise OverloadedError(f"{_CONTROL_THREADS} model-control requests are already under way; retry")
+
+        def run() -> None:
+            try:
+                act()
+                reply = {"id": request_id, "ok": True, **result()}
+            except OutriderError as exc:
+                reply = {"id": request_id, "ok": False, "error": exc.to_wire()}
+            except Exception as exc:
+                log.exception("model control failed")
+                reply = {"id": request_id, "ok": False,
+                         "error": InternalError(f"{type(exc).__name__}: {exc}").to_wire()}
+            finally:
+                self._control_slots.release()
+            self.reply_later(route, reply)
+
+        threading.Thread(target=run, name="outrider-control", daemon=True).start()
+
     def _on_infer(self, route: bytes, request_id: Any, header: dict, tensors: list) -> None:
         self.server.enqueue("infer", route, request_id, header.get("model"), header.get("parameters", {}),
                       header.get("inputs", []), tensors, self.send)
@@ -313,8 +367,9 @@ class ZmqFront:
         # The engine sees `done` and drops the request (a queued one is skipped, a generating
         # one frees its cache at the next step).
         cancelled = request is not None and request.fail(cancel_error(request))
-        if cancelled:
-            self.server.models[request.model].stats.failure("cancelled")
+        model = self.server.models.get(request.model) if cancelled else None
+        if model is not None:
+            model.stats.failure("cancelled")
         self._reply_now(route, {"id": request_id, "ok": True, "cancelled": bool(cancelled)})
 
     def _note_connection(self, route: bytes, frame: Any) -> None:
@@ -338,6 +393,15 @@ class ZmqFront:
         frames = [route, *encode_message("reply", header)]
         with self._socket_lock:
             self._send_frames(frames)
+
+    def reply_later(self, route: bytes, header: dict) -> None:
+        """A final reply from another thread than the I/O loop (model control)."""
+        frames = [route, *encode_message("reply", header)]
+        with self._socket_lock:
+            self._send_frames(frames, True)
+            pending = self.router.getsockopt(_EVENTS) & _POLLIN
+        if pending:
+            self._wake()
 
     def send(self, request: PendingRequest, kind: str, header: dict, outputs: Optional[dict]) -> None:
         """Send a reply or chunk from any thread (an instance, the supervisor, the I/O loop).
@@ -371,6 +435,13 @@ class ZmqFront:
         if status == errno.EHOSTUNREACH and not final:
             # A stream whose client left: stop generating for nobody and free its slot.
             self.server.cancel(request)
+
+
+def _model_name(header: dict) -> str:
+    name = header.get("model")
+    if not isinstance(name, str) or not 0 < len(name) <= 256:
+        raise ProtocolError("'model' must be a string of 1 to 256 characters naming a model")
+    return name
 
 
 def _request_id(header: dict, field: str = "id") -> Any:

@@ -13,15 +13,17 @@ from ..backend import Backend, check_options
 from ..errors import ManifestError
 from ..manifest import Manifest
 from ..plugins import PluginRegistry
+from ..stats import ModelStats
 from ..worker.proxy import WorkerBackend
 from .scheduler import Scheduler
 from .served_model import ServedModel
 
 
-def build_model(manifest: Manifest, registry: PluginRegistry) -> ServedModel:
+def build_model(manifest: Manifest, registry: PluginRegistry, stats: Optional[ModelStats] = None) -> ServedModel:
     """The served model of `manifest`: backend chosen, options and task checked, accelerators
     selected, its scheduler (the batch policy, or the generating backend's own), its instances'
-    backends made in this process or behind worker processes. Raises ManifestError."""
+    backends made in this process or behind worker processes. `stats`: the counters of the
+    version it replaces (a reload), so they carry on. Raises ManifestError."""
     choice = registry.choose_backend(manifest)
     if manifest.model and manifest.model.task and manifest.model.task not in registry.tasks:
         raise ManifestError(
@@ -52,6 +54,7 @@ def build_model(manifest: Manifest, registry: PluginRegistry) -> ServedModel:
         on_state=registry.notify_state,
         accelerators=accelerators,
         backend_factory=factory,
+        stats=stats,
     )
 
 

@@ -40,6 +40,7 @@ class ServedModel:
         on_state: Optional[Callable[[str, str, str], None]] = None,
         accelerators: Optional[AcceleratorSet] = None,
         backend_factory: Optional[Callable[[str, int], Backend]] = None,
+        stats: Optional[ModelStats] = None,
     ) -> None:
         self.manifest = manifest
         self.accelerators = accelerators if accelerators is not None else AcceleratorSet()
@@ -53,8 +54,21 @@ class ServedModel:
         # and in-process instances; whether an instance's backend allows it is asked per request.
         self._inline_policy = type(self.scheduler) is Scheduler and manifest.scheduling.instance_kind == "thread"
         self.queue = RequestQueue(manifest.scheduling.max_queue_size, manifest.scheduling.max_queue_bytes)
-        self.stats = ModelStats()
+        # Shared by the versions of one name (a reload), so its counters carry on.
+        self.stats = stats if stats is not None else ModelStats()
         self.instances: list[Instance] = []
+        #: the repository's version number of this load (1, 2, ... per reload)
+        self.version = 1
+        #: the server's readiness waits for this model (loaded at start); a model loaded later,
+        #: on demand or by model control, never makes a serving server unready
+        self.required = True
+        #: requests wait in the queue while the model loads (load on demand) instead of being
+        #: answered model_not_ready
+        self.accept_while_loading = False
+        #: requests taken and not yet answered: what an unload or a reload drains
+        self.outstanding: set[PendingRequest] = set()
+        #: time.monotonic() of the last request (idle unload, least-recently-used eviction)
+        self.last_used = time.monotonic()
         self.state = ModelState.LOADING
         self.reason = ""
         self._backend_factory = backend_factory
@@ -145,9 +159,11 @@ class ServedModel:
     def submit(self, request: PendingRequest) -> None:
         """Queue a request, or answer it here when it can run inline (`_run_inline`); raise when
         it cannot be taken (not ready, overloaded, unavailable)."""
+        self.last_used = time.monotonic()
         if self._inline_policy and self._run_inline(request):
             return
-        if not self.ready:
+        waits = self.accept_while_loading and self.state == ModelState.LOADING and not self.stopped
+        if not self.ready and not waits:
             detail = f": {self.reason}" if self.reason else ""
             if self._ever_ready and self.state == ModelState.DEGRADED:
                 # Was serving; every instance is down or unhealthy and being replaced: retry soon.
@@ -159,9 +175,11 @@ class ServedModel:
             request.deadline = request.received + self.manifest.scheduling.timeout_ms / 1000
         self.stats.request()
         request._on_claim.append(self._answered)
+        self.outstanding.add(request)
         try:
             self.queue.put(request)
         except OutriderError as exc:
+            self.outstanding.discard(request)
             self.stats.failure(exc.code)
             raise
 
@@ -222,6 +240,7 @@ class ServedModel:
             request.reply(result, claimed=True)
 
     def _answered(self, request: PendingRequest) -> None:
+        self.outstanding.discard(request)
         self.stats.observe("request_seconds", time.monotonic() - request.received)
 
     def queue_depth(self) -> int:

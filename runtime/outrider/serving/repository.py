@@ -1,0 +1,759 @@
+"""The model repository: the models a server may serve, which of them are loaded, and loading,
+unloading and reloading them while it serves (Triton's model control and polled repository,
+Ollama's load on first request and keep-alive, ModelMesh's memory budget).
+
+- Entries come from the manifests named at `outrider serve` and from every `*.yaml`/`*.yml` in
+  `--models DIR`. A loaded entry has a ServedModel in `server.models`; the rest are available.
+- `load` builds and starts a ServedModel (warmed up before it is ready, as at start) after making
+  room under the memory budget; `unload` takes the model out of `server.models` and drains it:
+  what it had taken is answered (streams finish, or are cancelled with a reason when asked),
+  then its instances stop and its memory is handed back.
+- A reload (a changed file under `--watch`) loads the new version beside the old one; the name
+  switches to it once it is ready and the old one drains. A new version that fails validation
+  or its load leaves the old one serving, with the reason in the index.
+- `tick` runs on the server's supervisor thread: reload switches, idle unloads, the watch scan.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import hashlib
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional
+
+from ..artifacts import cache_root
+from ..errors import (
+    InsufficientMemoryError,
+    ManifestError,
+    ModelNotFoundError,
+    ModelNotReadyError,
+    OutriderError,
+    UnavailableError,
+)
+from ..manifest import Manifest, load_manifest
+from ..plugins import PluginRegistry
+from .assembly import build_model
+from .request import ModelState
+from .served_model import ServedModel
+
+log = logging.getLogger("outrider.repository")
+
+AVAILABLE, LOADING, READY, UNLOADING, FAILED = "available", "loading", "ready", "unloading", "failed"
+#: seconds between two scans of a watched directory
+WATCH_INTERVAL_S = float(os.environ.get("OUTRIDER_WATCH_INTERVAL_S", "1.0"))
+#: the file, in the artifact cache, with each model's resident cost measured at its last load
+LOAD_COSTS_FILE = "load-costs.json"
+_MANIFEST_SUFFIXES = (".yaml", ".yml")
+
+
+def parse_bytes(text: str) -> int:
+    """'2GiB', '512MiB', '1.5G', '800M', '1000000': a size in bytes (binary units for K/M/G/T
+    with or without 'i', as memory is counted); raises ValueError naming the expected forms."""
+    units = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
+             "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30, "T": 1 << 40, "TB": 1 << 40, "TIB": 1 << 40}
+    stripped = text.strip().upper().replace(" ", "")
+    number = stripped.rstrip("KMGTIB")
+    unit = stripped[len(number):]
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if unit not in units or not (value > 0) or value == float("inf"):
+        raise ValueError(f"{text!r} is not a size: expected a positive number with an optional unit, "
+                         f"e.g. 2GiB, 512MiB, 1.5G")
+    return int(value * units[unit])
+
+
+def resident_bytes() -> int:
+    """This process's resident memory (RSS), from /proc; 0 where there is no /proc."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def release_memory() -> None:
+    """Collect garbage and hand freed heap pages back to the OS (glibc keeps them otherwise, and
+    the RSS after an unload would stay at its peak)."""
+    gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc (musl, macOS): freed memory is reused, not returned
+        pass
+
+
+def _mib(n: float) -> str:
+    return f"{n / (1 << 20):.0f} MiB"
+
+
+@dataclass(eq=False)
+class ModelEntry:
+    """One model the server may serve: its manifest file, what is loaded of it, and why not."""
+
+    name: str
+    path: Optional[Path]  # the manifest file (None for a manifest built in process)
+    manifest: Optional[Manifest]  # None when its file does not validate (`reason` says why)
+    fingerprint: str = ""
+    served: Optional[ServedModel] = None
+    #: a newer version loading beside `served` (a reload); takes the name once ready
+    pending: Optional[ServedModel] = None
+    version: int = 0
+    unloading: bool = False
+    reason: str = ""  # why the last load or reload failed, or why the file does not validate
+    #: time.monotonic() of the load start (its resident cost is measured once it is ready)
+    load_started: float = 0.0
+    rss_before_load: int = 0
+    measured: bool = True
+    #: a load under way before its ServedModel exists (making room, building)
+    loader: Optional["PendingLoad"] = None
+    #: guards the fields above; held only to decide, never while loading or draining
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def state(self) -> str:
+        if self.unloading:
+            return UNLOADING
+        if self.served is None:
+            return LOADING if self.loader is not None else (FAILED if self.reason else AVAILABLE)
+        state = self.served.state
+        if state in (ModelState.READY, ModelState.DEGRADED):
+            return READY if self.served.ready else FAILED
+        return {ModelState.LOADING: LOADING, ModelState.FAILED: FAILED}.get(state, AVAILABLE)
+
+
+class ModelRepository:
+    """Which models the server may serve, and the control of what is loaded (see the module doc)."""
+
+    def __init__(
+        self,
+        server: Any,
+        registry: PluginRegistry,
+        manifests: Iterable[Manifest],
+        directory: Optional[Path] = None,
+        overrides: Optional[list[str]] = None,
+        watch: bool = False,
+        memory_budget: Optional[int] = None,
+    ) -> None:
+        self.server = server
+        self.registry = registry
+        self.directory = Path(directory) if directory is not None else None
+        self.overrides = list(overrides or [])
+        self.watch = watch
+        self.memory_budget = memory_budget
+        self.entries: dict[str, ModelEntry] = {}
+        self._lock = threading.RLock()  # the entries dict and the budget decision
+        self._next_scan = 0.0
+        self._retiring: list[threading.Thread] = []
+        for manifest in manifests:
+            path = Path(manifest.source_file) if manifest.source_file else None
+            self._add(ModelEntry(manifest.name, path, manifest, _fingerprint(path, manifest)))
+        if self.directory is not None:
+            if not self.directory.is_dir():
+                raise ManifestError(f"--models {self.directory}: not a directory")
+            for path in self._manifest_files():
+                entry = self._read(path)
+                if entry.name in self.entries:
+                    raise ManifestError(f"{path}: model {entry.name!r} is already defined by "
+                                        f"{self.entries[entry.name].path}")
+                self._add(entry)
+
+    # -- reading the directory --------------------------------------------------------------
+
+    def _manifest_files(self) -> list[Path]:
+        assert self.directory is not None
+        return sorted(p for p in self.directory.iterdir() if p.suffix in _MANIFEST_SUFFIXES and p.is_file())
+
+    def _read(self, path: Path) -> ModelEntry:
+        """The entry of one manifest file; a file that does not validate becomes a failed entry
+        named after the file, so the index says why it is not served."""
+        try:
+            manifest = load_manifest(path, self.overrides, self.registry.check_section)
+        except ManifestError as exc:
+            return ModelEntry(path.stem, path, None, _fingerprint(path, None), reason=exc.message)
+        return ModelEntry(manifest.name, path, manifest, _fingerprint(path, manifest))
+
+    def _add(self, entry: ModelEntry) -> None:
+        self.entries[entry.name] = entry
+        if entry.manifest is None:
+            log.error("model %s: %s", entry.name, entry.reason)
+
+    # -- what clients see ---------------------------------------------------------------------
+
+    def index(self, ready_only: bool = False) -> list[dict[str, Any]]:
+        """Every model with its version, state and why (Triton's repository index, with more)."""
+        out = []
+        for name, entry in sorted(self.entries.items()):
+            state = entry.state
+            if ready_only and state != READY:
+                continue
+            item: dict[str, Any] = {"name": name, "version": str(entry.version) if entry.version else "",
+                                    "state": state}
+            reason = entry.reason or (entry.served.reason if entry.served is not None else "")
+            if reason:
+                item["reason"] = reason
+            if entry.pending is not None:
+                item["loading_version"] = str(entry.pending.version)
+            manifest = entry.manifest
+            if manifest is not None:
+                item["load_on_demand"] = manifest.load_on_demand
+                item["idle_unload_s"] = manifest.idle_unload_s
+            if entry.served is not None:
+                item["idle_s"] = round(time.monotonic() - entry.served.last_used, 3)
+            estimate = self._estimate(entry)
+            if estimate:
+                item["resident_bytes_estimate"] = estimate[0]
+            out.append(item)
+        return out
+
+    def on_demand(self, name: str) -> Optional["PendingLoad"]:
+        """For a request to `name`, not loaded: start loading it if its manifest asks for load on
+        demand and return the load, which holds requests until the model takes them; None when
+        the model is unknown or not loaded on demand. Never blocks (called on I/O threads)."""
+        entry = self.entries.get(name)
+        if entry is None or entry.manifest is None or not entry.manifest.load_on_demand:
+            return None
+        if entry.unloading:
+            raise UnavailableError(f"model {name!r} is being unloaded; retry shortly")
+        return self._start_load(entry, on_demand=True)
+
+    # -- load -----------------------------------------------------------------------------
+
+    def build(self, entry: ModelEntry, manifest: Manifest) -> ServedModel:
+        """A ServedModel for `manifest` (validated against the plugins; not started)."""
+        previous = entry.served
+        served = build_model(manifest, self.registry, stats=previous.stats if previous is not None else None)
+        served.version = entry.version + 1
+        return served
+
+    def adopt(self, name: str, served: ServedModel) -> None:
+        """Record a model the server built and starts itself (the ones loaded at start)."""
+        entry = self.entries[name]
+        entry.served, entry.version, entry.reason = served, served.version, ""
+        entry.rss_before_load, entry.load_started, entry.measured = resident_bytes(), time.monotonic(), False
+
+    def load(self, name: str, wait_s: Optional[float] = None) -> Optional[ServedModel]:
+        """Load `name` (nothing to do when it is loaded or loading) and, with `wait_s`, wait until
+        it is ready and return it. Raises ModelNotFoundError, ManifestError (its file does not
+        validate), InsufficientMemoryError (does not fit the budget), ModelNotReadyError (it failed,
+        or is not ready after `wait_s`), UnavailableError (being unloaded)."""
+        entry = self.entries.get(name)
+        if entry is None:
+            raise ModelNotFoundError(f"no model named {name[:128]!r} in the repository; known: {sorted(self.entries)}")
+        if entry.manifest is None:
+            raise ManifestError(f"model {name!r}: {entry.reason}")
+        if entry.unloading:
+            raise UnavailableError(f"model {name!r} is being unloaded; load it again once it is")
+        started = self._start_load(entry, on_demand=False)
+        if wait_s is None:
+            return None
+        end = time.monotonic() + wait_s
+        if isinstance(started, PendingLoad):
+            served = started.wait(wait_s)
+        else:
+            served = started
+        self._wait_ready(served, max(0.0, end - time.monotonic()))
+        return served
+
+    def _start_load(self, entry: ModelEntry, on_demand: bool) -> Any:
+        """The serving or loading ServedModel of `entry`, else the PendingLoad just started (or
+        under way). Holds the entry's lock only to decide: the building runs on the load's thread."""
+        with entry.lock:
+            served = entry.served
+            if served is not None and served.state != ModelState.FAILED:
+                return served
+            if entry.loader is not None:
+                return entry.loader
+            if served is not None:  # failed before: a fresh try replaces it
+                entry.served = None
+                if self.server.models.get(entry.name) is served:
+                    del self.server.models[entry.name]
+                threading.Thread(target=self._stop_quietly, args=(served,), daemon=True).start()
+            entry.loader = PendingLoad(self, entry, on_demand)
+            entry.loader.start()
+            return entry.loader
+
+    def _finish_load(self, load: "PendingLoad") -> ServedModel:
+        """On the load's thread: make room, build, register and start the model."""
+        entry = load.entry
+        assert entry.manifest is not None
+        self._make_room(entry)
+        rss = resident_bytes()
+        try:
+            served = self.build(entry, entry.manifest)
+        except OutriderError as exc:
+            entry.reason = f"load failed: {exc.message}"
+            raise
+        served.required = False
+        served.accept_while_loading = entry.manifest.load_on_demand
+        with entry.lock:
+            entry.rss_before_load, entry.load_started, entry.measured = rss, time.monotonic(), False
+            entry.served, entry.version, entry.reason = served, served.version, ""
+            self.server.models[entry.name] = served
+        log.info("model %s: loading version %d%s", entry.name, served.version, " (on demand)" if load.on_demand else "")
+        served.start()
+        return served
+
+    def _wait_ready(self, served: ServedModel, wait_s: float) -> None:
+        end = time.monotonic() + wait_s
+        while not served.ready:
+            if served.state == ModelState.FAILED:
+                raise ModelNotReadyError(f"model {served.name!r} failed to load: {served.reason}")
+            if time.monotonic() >= end:
+                raise ModelNotReadyError(f"model {served.name!r} is still {served.state} after {wait_s:g}s")
+            time.sleep(0.01)
+
+    # -- the memory budget ------------------------------------------------------------------
+
+    def _estimate(self, entry: ModelEntry) -> Optional[tuple[int, str]]:
+        """(bytes, how it was found): the resident cost of loading `entry`, from its last measured
+        load, else from the size of its model file or directory; None when neither is known."""
+        manifest = entry.manifest
+        if manifest is None:
+            return None
+        measured = _load_costs().get(_cost_key(entry))
+        if measured:
+            return int(measured), "measured at its last load"
+        size = _artifact_bytes(manifest)
+        if size:
+            return size, f"the size of its model files ({_mib(size)})"
+        return None
+
+    def _make_room(self, entry: ModelEntry) -> None:
+        """Under a budget: unload idle models, least recently used first, until `entry` fits;
+        raise InsufficientMemoryError with the numbers when it cannot."""
+        budget = self.memory_budget
+        if budget is None:
+            return
+        estimate = self._estimate(entry)
+        need, how = estimate if estimate else (0, "unknown")
+        with self._lock:
+            while True:
+                used = resident_bytes()
+                if used + need <= budget:
+                    return
+                idle = [e for e in self.entries.values() if e is not entry and e.served is not None
+                        and not e.unloading and e.pending is None and not e.served.outstanding
+                        and e.served.state != ModelState.LOADING]
+                if not idle:
+                    busy = sorted(e.name for e in self.entries.values() if e is not entry and e.served is not None)
+                    raise InsufficientMemoryError(
+                        f"model {entry.name!r} needs about {_mib(need)} ({how}); the server holds {_mib(used)} of "
+                        f"its {_mib(budget)} memory budget and no idle model is left to unload"
+                        + (f" (loaded and busy: {', '.join(busy)})" if busy else ""))
+                victim = min(idle, key=lambda e: e.served.last_used)
+                log.info("model %s: unloading (least recently used) to make room for %s under the %s budget",
+                         victim.name, entry.name, _mib(budget))
+                self.unload(victim.name, wait=True)
+
+    # -- unload and drain -------------------------------------------------------------------
+
+    def unload(self, name: str, cancel_streams: bool = False, wait: bool = True,
+               why: str = "unloaded") -> None:
+        """Take `name` out of service and drain it (see `_retire`). Raises ModelNotFoundError."""
+        entry = self.entries.get(name)
+        if entry is None:
+            raise ModelNotFoundError(f"no model named {name[:128]!r} in the repository; known: {sorted(self.entries)}")
+        loader = entry.loader
+        if loader is not None:  # a load under way finishes first, then is unloaded
+            try:
+                loader.wait(600.0)
+            except OutriderError:
+                pass
+        with entry.lock:
+            served, pending = entry.served, entry.pending
+            if served is None and pending is None:
+                return  # not loaded: nothing to do (Triton answers success too)
+            entry.unloading = True
+            entry.pending = None
+            if self.server.models.get(name) is served:
+                del self.server.models[name]
+            log.info("model %s: unloading version %d (%s)", name, entry.version, why)
+        def retire() -> None:
+            try:
+                if pending is not None:
+                    self._stop_quietly(pending)
+                if served is not None:
+                    self._retire(served, cancel_streams, why)
+            finally:
+                with entry.lock:
+                    if entry.served is served:
+                        entry.served = None
+                    entry.unloading = False
+                release_memory()
+                log.info("model %s: unloaded; resident %s", name, _mib(resident_bytes()))
+
+        if wait:
+            retire()
+        else:
+            thread = threading.Thread(target=retire, name=f"outrider-unload-{name}", daemon=True)
+            self._retiring.append(thread)
+            thread.start()
+
+    def _retire(self, served: ServedModel, cancel_streams: bool, why: str) -> None:
+        """Answer what `served` took, then stop it: queued and running requests finish (a stream
+        is cancelled with the reason when `cancel_streams`), bounded by the drain timeout; what is
+        left goes to the version now serving the name, else is answered `unavailable`."""
+        name = served.name
+        if cancel_streams:
+            for request in list(served.outstanding):
+                if request.kind == "generate":
+                    self.server.cancel(request, f"model {name!r} was {why} (unload with cancel)")
+        end = time.monotonic() + self.server.drain_timeout
+        while served.outstanding and time.monotonic() < end:
+            time.sleep(0.005)
+        successor = self.server.models.get(name)
+        for request in served.stop():  # still queued: taken by nobody yet
+            if request.done:
+                continue
+            if successor is not None and successor is not served:
+                try:
+                    successor.submit(request)
+                    continue
+                except OutriderError as exc:
+                    request.fail(exc)
+                    continue
+            request.fail(UnavailableError(f"model {name!r} was {why} before this request ran"))
+        for request in list(served.outstanding):
+            request.fail(UnavailableError(f"model {name!r} was {why} before this request finished "
+                                          f"(drain timeout {self.server.drain_timeout:g}s)"))
+        served.join(timeout=30.0)
+
+    def _stop_quietly(self, served: ServedModel) -> None:
+        for request in served.stop():
+            request.fail(UnavailableError(f"model {served.name!r} version {served.version} was stopped"))
+        served.join(timeout=30.0)
+
+    def stop_all(self) -> list[ServedModel]:
+        """At shutdown: the reloads still loading, stopped; the unloads under way, joined."""
+        stopped = []
+        for entry in self.entries.values():
+            if entry.pending is not None:
+                pending, entry.pending = entry.pending, None
+                self._stop_quietly(pending)
+                stopped.append(pending)
+        for thread in self._retiring:
+            thread.join(timeout=self.server.drain_timeout + 30.0)
+        return stopped
+
+    # -- reload -------------------------------------------------------------------------------
+
+    def reload(self, entry: ModelEntry, manifest: Manifest) -> None:
+        """Load `manifest` as the next version of a loaded `entry`, beside the serving one (on a
+        thread of its own: building may import a framework)."""
+        with entry.lock:
+            previous, entry.pending = entry.pending, None
+        if previous is not None:  # a reload overtaken by a newer change
+            self._stop_quietly(previous)
+        try:
+            served = self.build(entry, manifest)
+        except OutriderError as exc:
+            entry.reason = f"reload failed, version {entry.version} still serving: {exc.message}"
+            log.error("model %s: %s", entry.name, entry.reason)
+            return
+        served.required = False
+        with entry.lock:
+            if entry.served is None or entry.unloading:
+                return  # unloaded meanwhile: nothing to replace
+            served.version = max(entry.version, entry.served.version) + 1
+            entry.pending, entry.reason = served, ""
+        log.info("model %s: loading version %d beside version %d", entry.name, served.version, entry.version)
+        served.start()
+
+    def _advance_reload(self, entry: ModelEntry) -> None:
+        """A reload's new version: switch the name to it once ready; drop it if it failed."""
+        pending = entry.pending
+        if pending is None:
+            return
+        if pending.state == ModelState.FAILED:
+            with entry.lock:
+                if entry.pending is not pending:
+                    return
+                entry.pending = None
+                entry.reason = f"reload to version {pending.version} failed, version {entry.version} still serving: {pending.reason}"
+            log.error("model %s: %s", entry.name, entry.reason)
+            threading.Thread(target=self._stop_quietly, args=(pending,), daemon=True).start()
+            return
+        if not pending.ready:
+            return
+        with entry.lock:
+            if entry.pending is not pending:
+                return
+            old = entry.served
+            pending.accept_while_loading = bool(entry.manifest and entry.manifest.load_on_demand)
+            pending.required = old.required if old is not None else False
+            entry.served, entry.pending, entry.version = pending, None, pending.version
+            self.server.models[entry.name] = pending
+        log.info("model %s: version %d serving; version %s draining", entry.name, pending.version,
+                 old.version if old else "-")
+        if old is not None:
+            thread = threading.Thread(target=self._retire, args=(old, False, "replaced by a new version"),
+                                      name=f"outrider-drain-{entry.name}", daemon=True)
+            self._retiring.append(thread)
+            thread.start()
+
+    # -- the supervisor's tick -----------------------------------------------------------------
+
+    def tick(self, now: float) -> None:
+        """Reload switches, measured load costs, idle unloads, and the watch scan (every
+        WATCH_INTERVAL_S). Runs on the server's supervisor thread."""
+        self._retiring = [t for t in self._retiring if t.is_alive()]
+        for entry in list(self.entries.values()):
+            self._advance_reload(entry)
+            served = entry.served
+            if served is None or entry.unloading:
+                continue
+            if not entry.measured and served.ready:
+                entry.measured = True
+                self._record_cost(entry)
+            idle_s = entry.manifest.idle_unload_s if entry.manifest is not None else 0
+            if (idle_s and served.ready and not served.outstanding and entry.pending is None
+                    and now - served.last_used >= idle_s):
+                log.info("model %s: no request for %.0fs: unloading", entry.name, now - served.last_used)
+                self.unload(entry.name, wait=False, why=f"idle for {idle_s:g}s")
+        if self.watch and self.directory is not None and now >= self._next_scan:
+            self._next_scan = now + WATCH_INTERVAL_S
+            self.scan()
+
+    def _record_cost(self, entry: ModelEntry) -> None:
+        """Store what the load just measured (RSS growth from its start to ready) for the next
+        budget decision; concurrent loads each see the other's growth, so it errs high."""
+        grown = resident_bytes() - entry.rss_before_load
+        if grown <= 0:
+            return
+        costs = _load_costs()
+        costs[_cost_key(entry)] = grown
+        _store_load_costs(costs)
+        log.debug("model %s: resident cost measured at %s", entry.name, _mib(grown))
+
+    def scan(self) -> None:
+        """Compare the directory with the entries: a new file adds a model (available), a changed
+        one reloads a loaded model (or replaces an unloaded entry), a removed one unloads."""
+        assert self.directory is not None
+        try:
+            files = {p: _fingerprint(p, None) for p in self._manifest_files()}
+        except OSError as exc:
+            log.error("--models %s: cannot be read: %s", self.directory, exc)
+            return
+        by_path = {e.path: e for e in self.entries.values() if e.path is not None}
+        for path, raw in files.items():
+            entry = by_path.get(path)
+            if entry is not None and _raw_part(entry.fingerprint) == raw and not _artifact_changed(entry):
+                continue
+            fresh = self._read(path)
+            if entry is None:
+                if fresh.name in self.entries:
+                    log.error("%s: model %r is already defined by %s; ignored", path, fresh.name,
+                              self.entries[fresh.name].path)
+                    continue
+                log.info("model %s: new in the repository (%s)", fresh.name, path.name)
+                self._add(fresh)
+                continue
+            entry.fingerprint = fresh.fingerprint
+            if fresh.manifest is None:
+                entry.reason = (f"{fresh.reason}; version {entry.version} still serving" if entry.served
+                                else fresh.reason)
+                log.error("model %s: changed file does not validate: %s", entry.name, entry.reason)
+                continue
+            if fresh.name != entry.name:
+                log.error("%s: the file now names model %r, was %r; renaming is an unload and a new "
+                          "file", path, fresh.name, entry.name)
+                entry.reason = f"{path.name} now names {fresh.name!r}; not reloaded"
+                continue
+            if entry.served is not None and not entry.unloading:
+                entry.manifest = fresh.manifest
+                threading.Thread(target=self.reload, args=(entry, fresh.manifest), name=f"outrider-reload-{entry.name}",
+                                 daemon=True).start()
+            else:
+                entry.manifest, entry.reason = fresh.manifest, ""
+        for path, entry in by_path.items():
+            if self.directory in path.parents and path not in files:
+                log.info("model %s: its file %s is gone: unloading and removing it", entry.name, path.name)
+                self.unload(entry.name, wait=False, why="removed from the repository")
+                with self._lock:
+                    self.entries.pop(entry.name, None)
+
+
+def _raw_part(fingerprint: str) -> str:
+    return fingerprint.split("+", 1)[0]
+
+
+def _fingerprint(path: Optional[Path], manifest: Optional[Manifest]) -> str:
+    """The manifest file's bytes hash, then (for a manifest) its model file's size and mtime."""
+    raw = ""
+    if path is not None:
+        try:
+            raw = hashlib.blake2b(path.read_bytes(), digest_size=16).hexdigest()
+        except OSError:
+            raw = "unreadable"
+    if manifest is None:
+        return raw
+    return raw + "+" + _artifact_stamp(manifest)
+
+
+def _model_path(manifest: Manifest) -> Optional[Path]:
+    if manifest.model is None:
+        return None
+    base = Path(manifest.source_file).parent if manifest.source_file else Path.cwd()
+    try:
+        return manifest.model.resolve(base)
+    except ManifestError:
+        return None
+
+
+def _artifact_stamp(manifest: Manifest) -> str:
+    path = _model_path(manifest)
+    if path is None or not path.is_file():
+        return ""  # a package directory is versioned by pip, not watched file by file
+    try:
+        st = path.stat()
+    except OSError:
+        return ""
+    return f"{st.st_size}:{st.st_mtime_ns}"
+
+
+def _artifact_changed(entry: ModelEntry) -> bool:
+    if entry.manifest is None:
+        return False
+    return entry.fingerprint.split("+", 1)[-1] != _artifact_stamp(entry.manifest)
+
+
+def _artifact_bytes(manifest: Manifest) -> int:
+    path = _model_path(manifest)
+    if path is None:
+        return 0
+    try:
+        if path.is_file():
+            return path.stat().st_size
+        if path.is_dir():
+            return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and p.suffix != ".py")
+    except OSError:
+        return 0
+    return 0
+
+
+def _cost_key(entry: ModelEntry) -> str:
+    manifest = entry.manifest
+    assert manifest is not None
+    where = str(_model_path(manifest) or "")
+    return f"{entry.name}:{hashlib.blake2b((where + _artifact_stamp(manifest) + manifest.model_dump_json()).encode(), digest_size=8).hexdigest()}"
+
+
+_COSTS_LOCK = threading.Lock()
+
+
+def _load_costs() -> dict[str, int]:
+    try:
+        data = json.loads((cache_root() / LOAD_COSTS_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: int(v) for k, v in data.items() if isinstance(v, (int, float))} if isinstance(data, dict) else {}
+
+
+def _store_load_costs(costs: dict[str, int]) -> None:
+    root = cache_root()
+    with _COSTS_LOCK:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            tmp = root / f".{LOAD_COSTS_FILE}.{os.getpid()}"
+            tmp.write_text(json.dumps(dict(list(costs.items())[-512:]), indent=1))
+            os.replace(tmp, root / LOAD_COSTS_FILE)
+        except OSError as exc:  # a read-only cache: the next estimate comes from the file size
+            log.debug("load costs not stored: %s", exc)
+
+
+class PendingLoad:
+    """A load whose model is not built yet (room is being made, the backend chosen and checked):
+    requests to it wait here and move to the model's queue once it exists; if the load fails
+    they are answered with its error. `submit` never blocks (called on I/O threads)."""
+
+    def __init__(self, repository: ModelRepository, entry: ModelEntry, on_demand: bool) -> None:
+        self.repository, self.entry, self.on_demand = repository, entry, on_demand
+        manifest = entry.manifest
+        assert manifest is not None
+        self.name, self.manifest = entry.name, manifest
+        # Known before the build from the backend classes named (None: the candidates differ).
+        names = [manifest.backend] if isinstance(manifest.backend, str) else list(manifest.backend)
+        kinds = {getattr(repository.registry.backends.get(n), "generates", None) for n in names}
+        self.generates: Optional[bool] = kinds.pop() if len(kinds) == 1 else None
+        self.served: Optional[ServedModel] = None
+        self.error: Optional[OutriderError] = None
+        self._waiting: list[Any] = []
+        self._closed = False
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._limit = manifest.scheduling.max_queue_size
+
+    def start(self) -> None:
+        threading.Thread(target=self._run, name=f"outrider-load-{self.name}", daemon=True).start()
+
+    def submit(self, request: Any) -> None:
+        with self._lock:
+            if not self._closed:
+                if len(self._waiting) >= self._limit:
+                    from ..errors import OverloadedError
+
+                    raise OverloadedError(f"model {self.name!r} is loading and {len(self._waiting)} requests wait "
+                                          f"for it (scheduling.max_queue_size)")
+                self._waiting.append(request)
+                return
+        self._hand_over(request)
+
+    def _hand_over(self, request: Any) -> None:
+        if request.done:
+            return
+        if self.error is not None:
+            request.fail(self.error)
+            return
+        served = self.served
+        assert served is not None
+        if (request.kind == "generate") != served.generates:
+            from ..errors import BadRequestError
+
+            request.fail(BadRequestError(f"model {self.name!r} " + (
+                "generates text; send generate" if served.generates else "does not generate text; use infer")))
+            return
+        if request.deadline is None and served.manifest.scheduling.timeout_ms:
+            request.deadline = request.received + served.manifest.scheduling.timeout_ms / 1000
+        try:
+            served.submit(request)
+        except OutriderError as exc:
+            request.fail(exc)
+
+    def wait(self, timeout: float) -> ServedModel:
+        if not self._done.wait(timeout):
+            raise ModelNotReadyError(f"model {self.name!r} is still loading after {timeout:g}s")
+        if self.error is not None:
+            raise self.error
+        assert self.served is not None
+        return self.served
+
+    def _run(self) -> None:
+        try:
+            self.served = self.repository._finish_load(self)
+        except OutriderError as exc:
+            self.error = exc
+            log.error("model %s: load failed: %s", self.name, exc.message)
+        except Exception as exc:  # a bug must not leave its requests waiting for ever
+            log.exception("model %s: load failed", self.name)
+            from ..errors import InternalError
+
+            self.error = InternalError(f"loading model {self.name!r}: {type(exc).__name__}: {exc}")
+            self.entry.reason = f"load failed: {self.error.message}"
+        finally:
+            with self.entry.lock:
+                if self.entry.loader is self:
+                    self.entry.loader = None
+            with self._lock:
+                self._closed = True
+                waiting, self._waiting = self._waiting, []
+            for request in waiting:
+                self._hand_over(request)
+            self._done.set()
