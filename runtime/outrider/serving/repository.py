@@ -740,6 +740,7 @@ class PendingLoad:
             self.served = self.repository._finish_load(self)
         except OutriderError as exc:
             self.error = exc
+            self.entry.reason = f"load failed: {exc.message}"
             log.error("model %s: load failed: %s", self.name, exc.message)
         except Exception as exc:  # a bug must not leave its requests waiting for ever
             log.exception("model %s: load failed", self.name)
