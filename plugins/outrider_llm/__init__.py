@@ -125,9 +125,19 @@ class LlmBackend(GeneratingBackend):
         from .loading import artifact_tokenizer, model_from_artifact
 
         kernel = self._kernel()
+        source = self._source
+        tokenizer: list = []
+
+        def tokenize(text: str) -> Any:
+            # Built on the first call: a start whose gate verdict is cached never tokenizes
+            # (reading SmolLM2's tokenizer.json costs ~0.1 s).
+            if not tokenizer:
+                tokenizer.append(artifact_tokenizer(source))
+            return tokenizer[0].encode(text)
+
         return {
             "build_model": lambda artifact: model_from_artifact(artifact, device=self.device, kernel=kernel)[0],
-            "tokenize": artifact_tokenizer(self._source).encode,
+            "tokenize": tokenize,
             "kernel_key": lambda mode: kernel_key(mode, kernel, self.device),
         }
 

@@ -33,13 +33,15 @@ def _add_client_options(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from . import timeline
     from .manifest import load_manifest
     from .plugins import create_registry
     from .protocol import Limits
     from .server import Server
+    from .serving.repository import parse_bytes
     from .transport import CurveServerKeys
 
-    from .serving.repository import parse_bytes
+    timeline.mark("core imported")
 
     if not args.manifests and not args.models:
         raise OutriderError("name the manifests to serve, or a directory of them with --models DIR", code="usage")
@@ -55,7 +57,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise OutriderError(f"--memory-budget: {exc}", code="usage") from None
     registry = create_registry(modules=args.plugin)
+    timeline.mark("plugins registered")
     manifests = [load_manifest(path, args.set, registry.check_section) for path in args.manifests]
+    timeline.mark("manifests validated")
     curve = None
     if args.curve_secret_key or args.curve_allow or args.curve_allow_any:
         if args.curve_allow == "*":
@@ -85,6 +89,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     drain_timeout=args.drain_timeout, metrics_port=args.metrics_port, fronts=fronts,
                     models_dir=args.models, load=load, watch=args.watch, memory_budget=budget,
                     overrides=args.set)
+    timeline.mark("models built (backends chosen)")
     return server.serve_forever()
 
 
@@ -418,6 +423,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[list[str]] = None) -> int:
     """Entry point of the `outrider` command."""
+    from . import timeline
+
+    timeline.mark("interpreter started, cli imported")
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else getattr(logging, os.environ.get("OUTRIDER_LOG_LEVEL", "INFO").upper(), logging.INFO),

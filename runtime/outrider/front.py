@@ -7,7 +7,6 @@ deadlines, cancellation and metrics with ZeroMQ clients; it never calls a backen
 
 from __future__ import annotations
 
-import asyncio
 import threading
 from typing import Any, Callable, ClassVar, Mapping, Optional, Protocol, Sequence
 
@@ -80,7 +79,9 @@ class AsyncCall:
     on the loop's thread. Create it on the loop's thread.
     """
 
-    def __init__(self, loop: Optional[asyncio.AbstractEventLoop] = None) -> None:
+    def __init__(self, loop: Optional["asyncio.AbstractEventLoop"] = None) -> None:
+        import asyncio  # here: a server without an asyncio front never pays its import (~18 ms)
+
         self.loop = loop or asyncio.get_running_loop()
         self.items: asyncio.Queue[tuple[str, dict, Optional[dict]]] = asyncio.Queue()
         self.request: Any = None

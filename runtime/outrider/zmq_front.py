@@ -19,13 +19,13 @@ import errno
 import logging
 import os
 import select
+import struct
 import threading
 import time
 from collections import deque
 from typing import Any, Callable, Optional, Protocol
 
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from .errors import InternalError, OutriderError, ProtocolError, TooLargeError
 from .front import Submitter
@@ -237,7 +237,7 @@ class ZmqFront:
         events = []
         while self._monitor.getsockopt(_EVENTS) & _POLLIN:  # no exception raised per look
             try:
-                events.append(recv_monitor_message(self._monitor, zmq.NOBLOCK))
+                events.append(_monitor_event(self._monitor.recv_multipart(zmq.NOBLOCK)))
             except zmq.Again:
                 break
         for index, event in enumerate(events):
@@ -435,6 +435,13 @@ class ZmqFront:
         if status == errno.EHOSTUNREACH and not final:
             # A stream whose client left: stop generating for nobody and free its slot.
             self.server.cancel(request)
+
+
+def _monitor_event(frames: list[bytes]) -> dict[str, int]:
+    """A socket monitor message: the event (uint16) and its value (uint32), native byte order, as
+    zmq.utils.monitor.parse_monitor_message reads them (importing that module imports asyncio)."""
+    event, value = struct.unpack("=hi", frames[0][:6])
+    return {"event": event, "value": value}
 
 
 def _model_name(header: dict) -> str:

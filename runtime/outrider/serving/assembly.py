@@ -14,7 +14,6 @@ from ..errors import ManifestError
 from ..manifest import Manifest
 from ..plugins import PluginRegistry
 from ..stats import ModelStats
-from ..worker.proxy import WorkerBackend
 from .scheduler import Scheduler
 from .served_model import ServedModel
 
@@ -45,6 +44,7 @@ def build_model(manifest: Manifest, registry: PluginRegistry, stats: Optional[Mo
         scheduler = choice.backend.make_scheduler(manifest)
     factory: Optional[Callable[[str, int], Backend]] = None
     if manifest.scheduling.instance_kind == "process":  # each instance behind a worker process
+        from ..worker.proxy import WorkerBackend  # here: thread instances never pay its import
         factory = lambda device, index: WorkerBackend(manifest, device, registry.modules, index=index)  # noqa: E731
     return ServedModel(
         manifest,

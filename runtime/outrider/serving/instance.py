@@ -14,6 +14,7 @@ import time
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional, Protocol
 
+from .. import timeline
 from ..backend import Backend
 from ..devices import inventory, is_out_of_memory, out_of_memory_reason
 from ..errors import ExecutionError, InstanceCrashed, InternalError, OutriderError, UnavailableError
@@ -149,10 +150,13 @@ class Instance(threading.Thread):
             self.backend = backend  # visible early so the supervisor can kill a worker process
             t0 = time.perf_counter()
             backend.prepare_artifact()  # the manifest's artifact transforms (export, quantize, ...)
+            timeline.mark(f"{model.name}: artifact ready")
             backend.load()
             t1 = time.perf_counter()
+            timeline.mark(f"{model.name}: loaded")
             backend.warmup()
             t2 = time.perf_counter()
+            timeline.mark(f"{model.name}: warmed up")
         except Exception as exc:
             if is_out_of_memory(exc):  # say so plainly: the fix is fewer instances or a smaller batch
                 self._fail(f"load or warmup failed: {out_of_memory_reason(self.device, exc, inventory())}")

@@ -16,7 +16,6 @@ Ollama's load on first request and keep-alive, ModelMesh's memory budget).
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import hashlib
 import json
@@ -83,6 +82,8 @@ def resident_bytes() -> int:
 def release_memory() -> None:
     """Collect garbage and hand freed heap pages back to the OS (glibc keeps them otherwise, and
     the RSS after an unload would stay at its peak)."""
+    import ctypes
+
     gc.collect()
     try:
         ctypes.CDLL(None).malloc_trim(0)
