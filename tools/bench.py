@@ -2,7 +2,8 @@
 """Benchmarks that compare side by side, in one run, and print a table.
 
   python tools/bench.py overhead    echo model vs a raw pyzmq DEALER<->ROUTER echo (same payload)
-  python tools/bench.py coldstart   process start -> ready, for a manifest (cached artifacts);
+  python tools/bench.py coldstart   process start -> ready for echo, minilm, minilm-int8 and smollm2-int8
+                                    (or each --manifest), median of --runs, with the phase breakdown;
                                     --http HOST:PORT waits for HTTP GET /v2/health/ready instead
   python tools/bench.py batching    minilm with dynamic batching vs without, and ORT offline;
                                     --clients 1,2,4,8,16,32 sets the curve, --plot [DIR] draws it
@@ -159,45 +160,61 @@ def bench_overhead(n: int) -> None:
               f"{ours[0] / raw[0]:>10.2f}x{ours[1] / raw[1]:>10.2f}x")
 
 
-def bench_coldstart(manifest: str, runs: int, http: str | None = None) -> None:
-    """Process start to ready: ZeroMQ `health` ready, or with `http` GET /v2/health/ready 200."""
+COLDSTART_MANIFESTS = ("echo", "minilm", "minilm-int8", "smollm2-int8")
+MINILM = str(ROOT / "manifests/minilm.yaml")
+
+
+def _phases(log: str) -> dict[str, float]:
+    """The server's `start phases` debug line (outrider.timeline) as {phase: s since process start}."""
+    for line in log.splitlines():
+        if "start phases (s since process start): " in line:
+            out = {}
+            for part in line.split("start phases (s since process start): ", 1)[1].split("; "):
+                name, _, at = part.rpartition(" ")
+                out[name] = float(at)
+            return out
+    return {}
+
+
+def _one_start(manifest: str, address: str, args: list[str], http: str | None, timeout: float = 600) -> tuple[float, dict]:
+    t0 = time.monotonic()
+    proc = _start_server([manifest], address, {"OUTRIDER_LOG_LEVEL": "DEBUG"}, args=args)
+    try:
+        seen = (_wait_http_ready(http, timeout) if http else _wait_ready(address, timeout)) - t0
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=60)
+    return seen, _phases(err.decode(errors="replace"))
+
+
+def bench_coldstart(manifests: list[str], runs: int, http: str | None = None) -> None:
+    """Process start to ready (ZeroMQ `health` ready, or with `http` GET /v2/health/ready 200),
+    median of `runs` starts from a warm artifact cache, with the server's own phase breakdown."""
     tmp = tempfile.mkdtemp(prefix="outrider-bench-")
     address = f"ipc://{tmp}/cold.sock"
     args = ["--http", http] if http else []
-    plugins = {"OUTRIDER_PLUGINS": "echo,http"} if http else {"OUTRIDER_PLUGINS": "echo"}
-
-    def ready() -> float:
-        return _wait_http_ready(http) if http else _wait_ready(address)
-
-    # First start fills the artifact cache (ONNX export); not counted.
-    proc = _start_server([manifest], address, args=args)
-    t_first0 = time.monotonic()
-    _wait_ready(address, timeout=600)
-    if http:
-        _wait_http_ready(http)
-    first = time.monotonic() - t_first0
-    proc.terminate()
-    proc.wait(30)
-    times = []
-    for _ in range(runs):
-        t0 = time.monotonic()
-        proc = _start_server([manifest], address, args=args)
-        times.append(ready() - t0)
-        proc.terminate()
-        proc.wait(30)
-    echo = []
-    for _ in range(runs):
-        t0 = time.monotonic()
-        proc = _start_server([str(ROOT / "manifests/echo.yaml")], address, plugins, args=args)
-        echo.append(ready() - t0)
-        proc.terminate()
-        proc.wait(30)
     what = f"GET http://{http}/v2/health/ready 200" if http else "health ready"
-    print(f"\ncold start: process start -> {what} ({runs} runs, seconds)")
-    print(f"{'manifest':<28}{'median':>8}{'min':>8}{'max':>8}")
-    print(f"{Path(manifest).name + ' (first, fills cache)':<28}{first:>8.2f}{first:>8.2f}{first:>8.2f}")
-    print(f"{Path(manifest).name + ' (cached)':<28}{np.median(times):>8.2f}{min(times):>8.2f}{max(times):>8.2f}")
-    print(f"{'echo.yaml (no framework)':<28}{np.median(echo):>8.2f}{min(echo):>8.2f}{max(echo):>8.2f}")
+    rows = []
+    for manifest in manifests:
+        first, _ = _one_start(manifest, address, args, http)  # fills the artifact cache; not counted
+        starts = [_one_start(manifest, address, args, http) for _ in range(runs)]
+        seen = [s for s, _ in starts]
+        names = [n for n in starts[0][1]]
+        median_at = {n: float(np.median([p.get(n, np.nan) for _, p in starts])) for n in names}
+        rows.append((Path(manifest).stem, first, seen, median_at))
+    print(f"\ncold start: process start -> {what}, warm artifact cache, {runs} starts each (seconds)")
+    print(f"| manifest | first start | median | min | max |")
+    print("|---|---|---|---|---|")
+    for name, first, seen, _ in rows:
+        print(f"| {name} | {first:.2f} | {np.median(seen):.2f} | {min(seen):.2f} | {max(seen):.2f} |")
+    print("\nwhere it goes (median of the server's own marks; each phase ends at the time shown, "
+          "the number in brackets is its length):")
+    for name, _, _, at in rows:
+        previous, parts = 0.0, []
+        for phase, t in at.items():
+            parts.append(f"{phase} {t:.3f} [{t - previous:.3f}]")
+            previous = t
+        print(f"- {name}: " + "; ".join(parts))
 
 
 SHORT_SENTENCE = "A man is eating food in the park."
@@ -447,7 +464,8 @@ def main() -> None:
     parser.add_argument("what", choices=["overhead", "coldstart", "batching", "quantize", "bulk", "all"])
     parser.add_argument("-n", type=int, default=3000, help="round trips per row")
     parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--manifest", default=str(ROOT / "manifests/minilm.yaml"))
+    parser.add_argument("--manifest", action="append", default=[],
+                        help="coldstart: manifests to start (default: echo, minilm, minilm-int8, smollm2-int8)")
     parser.add_argument("--seconds", type=float, default=3.0, help="measured seconds per batching row")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a manifest field for every row, e.g. --set instances=2; batching.* "
@@ -465,9 +483,10 @@ def main() -> None:
     if args.what in ("overhead", "all"):
         bench_overhead(args.n)
     if args.what in ("coldstart", "all"):
-        bench_coldstart(args.manifest, args.runs, args.http)
+        bench_coldstart(args.manifest or [str(ROOT / f"manifests/{m}.yaml") for m in COLDSTART_MANIFESTS],
+                        args.runs, args.http)
     if args.what in ("batching", "all"):
-        bench_batching(args.manifest, args.seconds, args.set,
+        bench_batching(args.manifest[0] if args.manifest else MINILM, args.seconds, args.set,
                        [int(c) for c in args.clients.split(",") if c.strip()], args.plot)
     if args.what in ("quantize", "all"):
         sys.path.insert(0, str(ROOT / "tools"))
@@ -480,7 +499,7 @@ def main() -> None:
         sys.path.insert(0, str(ROOT / "tools"))
         import bench_bulk
 
-        bench_bulk.bench_bulk(args.manifest, [1024, 256], rounds=3, sets=args.set)
+        bench_bulk.bench_bulk(args.manifest[0] if args.manifest else MINILM, [1024, 256], rounds=3, sets=args.set)
 
 
 if __name__ == "__main__":

@@ -197,6 +197,10 @@ def client_socket(
     sock.setsockopt(zmq.SNDHWM, CLIENT_HWM)
     sock.setsockopt(zmq.RCVHWM, CLIENT_HWM)
     sock.setsockopt(zmq.LINGER, 0)
+    if address.startswith("ipc://"):
+        # A local socket that is not there yet (a server starting) costs nothing to retry: every
+        # 10 ms instead of libzmq's 100, so a client waiting for a start sees it when it happens.
+        sock.setsockopt(zmq.RECONNECT_IVL, 10)
     if address.startswith("tcp://["):
         sock.setsockopt(zmq.IPV6, 1)
     if curve is not None:
