@@ -32,7 +32,7 @@ from .front import Front
 from .manifest import Manifest
 from .plugins import PluginRegistry
 from .protocol import DEFAULT_LIMITS, Limits, parse_tensors
-from .serving.repository import ModelRepository, PendingLoad
+from .serving.repository import ModelRepository, PendingLoad, bound_malloc_arenas
 from .serving.request import PendingRequest
 from .serving.served_model import ServedModel
 from .transport import DEFAULT_ADDRESS, CurveServerKeys
@@ -73,6 +73,7 @@ class Server:
             raise ManifestError(f"two manifests name the same model: {duplicates}")
         if watch and models_dir is None:
             raise ManifestError("--watch reloads the files of --models DIR: give --models too")
+        bound_malloc_arenas()
         self.registry = registry
         self.address = address
         self.limits = limits
@@ -372,7 +373,7 @@ class Server:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, on_signal)
         self.start()
-        timeline.mark("bound, loads started")
+        timeline.mark("bound and loads started")
         announced = False
         while not self._stop_signalled:
             time.sleep(0.05 if announced else 0.002)  # the start's phases are timed to the ready
