@@ -194,7 +194,7 @@ class OutriderReplica:
 
     def models(self) -> list[dict[str, Any]]:
         """The served models with readiness, inputs and outputs (as `Client.models`)."""
-        return [m.describe() for m in self.server.models.values()]
+        return [m.describe() for m in list(self.server.models.values())]
 
     def replica(self) -> dict[str, Any]:
         """Which replica this is: Serve's replica id, the actor's name and id, node, pid, socket."""

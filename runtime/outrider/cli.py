@@ -114,6 +114,12 @@ def cmd_health(args: argparse.Namespace) -> int:
             if model.get("reason"):
                 line += f" - {model['reason']}"
             print(line)
+        for item in health.get("repository", []):
+            if item["name"] not in health["models"]:  # not loaded: available, failed, unloading
+                line = f"  {item['name']}: {item['state']} (not loaded)"
+                if item.get("reason"):
+                    line += f" - {item['reason']}"
+                print(line)
         for gpu in health.get("devices", []):
             print(f"  {gpu['device']} {gpu['name']}: " + _gpu_line(gpu))
     if args.live:  # the loop answered: alive, whatever its models are doing
@@ -425,7 +431,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     """Entry point of the `outrider` command."""
     from . import timeline
 
-    timeline.mark("interpreter started, cli imported")
+    timeline.mark("interpreter started and cli imported")
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else getattr(logging, os.environ.get("OUTRIDER_LOG_LEVEL", "INFO").upper(), logging.INFO),

@@ -302,7 +302,8 @@ class ZmqFront:
         self._reply_now(route, {"id": request_id, "ok": True, **self.server.health()})
 
     def _on_models(self, route: bytes, request_id: Any, header: dict, tensors: list) -> None:
-        self._reply_now(route, {"id": request_id, "ok": True, "models": [m.describe() for m in self.server.models.values()]})
+        self._reply_now(route, {"id": request_id, "ok": True,
+                                "models": [m.describe() for m in list(self.server.models.values())]})
 
     def _on_repository(self, route: bytes, request_id: Any, header: dict, tensors: list) -> None:
         ready = header.get("ready", False)
