@@ -377,3 +377,36 @@ def test_http_repository_extension(server_factory, tmp_path):
         metrics = http.get("/metrics").text
         assert 'outrider_model_state{model="b",state="available"} 1.0' in metrics
         assert 'outrider_model_state{model="a",state="ready"} 1.0' in metrics
+
+
+def test_http_requests_load_an_on_demand_model(server_factory, tmp_path):
+    pytest.importorskip("uvicorn")
+    import httpx
+
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "minilm.yaml").write_text((MANIFESTS / "minilm.yaml").read_text() + "\nload_on_demand: true\n")
+    _echo(models, "lazy", "load_on_demand: true\n")
+    port = free_port()
+    server = server_factory([], ["outrider_echo", "outrider_http", "outrider_onnxruntime", "outrider_text",
+                                 "outrider_batching"],
+                            args=["--models", str(models), "--http", f"127.0.0.1:{port}"])
+    base = f"http://127.0.0.1:{port}"
+    end = time.monotonic() + 30
+    while True:
+        try:
+            httpx.get(base + "/v2/health/live", timeout=1)
+            break
+        except httpx.HTTPError:
+            assert time.monotonic() < end, server.log()
+            time.sleep(0.1)
+    with httpx.Client(base_url=base, timeout=120) as http:
+        assert {m["id"] for m in http.get("/v1/models").json()["data"]} == {"lazy", "minilm"}
+        assert http.get("/v2/models/lazy").status_code == 503, "metadata does not load a model"
+        body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [2], "data": [1.0, 2.0]}]}
+        assert http.post("/v2/models/lazy/infer", json=body).json()["outputs"][0]["data"] == [1.0, 2.0]
+        reply = http.post("/v1/embeddings", json={"model": "minilm", "input": ["loaded by this request"]})
+        assert reply.status_code == 200, reply.text
+        assert len(reply.json()["data"][0]["embedding"]) == 384 and reply.json()["usage"]["prompt_tokens"] > 0
+    with server.client() as client:
+        assert {i["name"]: i["state"] for i in client.repository()} == {"lazy": "ready", "minilm": "ready"}

@@ -711,6 +711,10 @@ class PendingLoad:
     def start(self) -> None:
         threading.Thread(target=self._run, name=f"outrider-load-{self.name}", daemon=True).start()
 
+    def make_task(self) -> Any:
+        """The manifest's task (fronts tokenize with it before the model exists), as ServedModel's."""
+        return self.repository.registry.make_task(self.manifest)
+
     def submit(self, request: Any) -> None:
         with self._lock:
             if not self._closed:
