@@ -410,3 +410,23 @@ def test_http_requests_load_an_on_demand_model(server_factory, tmp_path):
         assert len(reply.json()["data"][0]["embedding"]) == 384 and reply.json()["usage"]["prompt_tokens"] > 0
     with server.client() as client:
         assert {i["name"]: i["state"] for i in client.repository()} == {"lazy": "ready", "minilm": "ready"}
+
+
+def test_a_reload_whose_load_fails_leaves_the_old_version_serving(server_factory, tmp_path):
+    models = tmp_path / "models"
+    models.mkdir()
+    path = _echo(models, "m")
+    server = server_factory([], ["outrider_echo", "outrider_test_backends"],
+                            args=["--models", str(models), "--load-all", "--watch"],
+                            env={"OUTRIDER_WATCH_INTERVAL_S": "0.2"})
+    with server.client() as client:
+        path.write_text(f"name: m\nbackend: bad-artifact\n{ECHO.split(chr(10), 1)[1]}")
+        end = time.monotonic() + 20
+        while "reload to version 2 failed" not in _state(client, "m").get("reason", "") and time.monotonic() < end:
+            np.testing.assert_array_equal(client.infer("m", _x(4.0))["x"], _x(4.0)["x"])
+            time.sleep(0.05)
+        item = _state(client, "m")
+        assert item["state"] == "ready" and item["version"] == "1", item
+        assert "version 1 still serving" in item["reason"] and "truncated on purpose" in item["reason"], item
+        np.testing.assert_array_equal(client.infer("m", _x(4.0))["x"], _x(4.0)["x"])
+        assert client.health()["ready"]
