@@ -529,7 +529,8 @@ class ModelRepository:
                 continue
             if not entry.measured and served.ready:
                 entry.measured = True
-                self._record_cost(entry)
+                if self.memory_budget is not None:  # only a budget reads it; a plain start writes nothing
+                    self._record_cost(entry)
             idle_s = entry.manifest.idle_unload_s if entry.manifest is not None else 0
             if (idle_s and served.ready and not served.outstanding and entry.pending is None
                     and now - served.last_used >= idle_s):
