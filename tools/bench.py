@@ -203,7 +203,7 @@ def bench_coldstart(manifests: list[str], runs: int, http: str | None = None) ->
         median_at = {n: float(np.median([p.get(n, np.nan) for _, p in starts])) for n in names}
         rows.append((Path(manifest).stem, first, seen, median_at))
     print(f"\ncold start: process start -> {what}, warm artifact cache, {runs} starts each (seconds)")
-    print(f"| manifest | first start | median | min | max |")
+    print("| manifest | first start | median | min | max |")
     print("|---|---|---|---|---|")
     for name, first, seen, _ in rows:
         print(f"| {name} | {first:.2f} | {np.median(seen):.2f} | {min(seen):.2f} | {max(seen):.2f} |")
