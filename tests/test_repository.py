@@ -367,6 +367,12 @@ def test_http_repository_extension(server_factory, tmp_path):
         assert http.post("/v2/repository/models/b/load").status_code == 200
         assert http.post("/v2/models/b/infer", json=body).json()["outputs"][0]["data"] == [1.0, 2.0]
         assert http.get("/v2/models/b").json()["versions"] == ["1"]
+        http.post("/v2/repository/models/b/unload")
+        http.post("/v2/repository/models/b/load")
+        assert http.get("/v2/models/b").json()["versions"] == ["2"]
+        assert http.post("/v2/models/b/infer", json=body).json()["model_version"] == "2"
+        assert http.post("/v2/models/b/versions/2/infer", json=body).status_code == 200
+        assert http.post("/v2/models/b/versions/1/infer", json=body).status_code == 404
         assert http.post("/v2/repository/models/b/unload", json={"parameters": {"unload_dependents": False}}).status_code == 200
         assert http.post("/v2/models/b/infer", json=body).status_code == 503
         missing = http.post("/v2/repository/models/zzz/load")

@@ -30,7 +30,7 @@ from .json_worker import WORKER_BYTES, JsonWorker
 log = logging.getLogger("outrider.http")
 
 HEADER_LENGTH = "inference-header-content-length"
-MODEL_VERSION = "1"  # a served model has one version
+MODEL_VERSION = "1"  # a model's first version; each reload is the next (serving/repository.py)
 MAX_TIMEOUT_US = 10**13  # about 116 days: past any deadline a request may mean
 
 
@@ -101,7 +101,7 @@ def routes(dispatch: Dispatcher) -> list[Route]:
             if not header.get("ok"):
                 failure = header.get("error") or {}
                 return JSONResponse({"error": failure.get("message", "")}, status_code=status_of(failure.get("code", "")))
-            return infer_response(model.name, document, outputs or {})
+            return infer_response(model.name, document, outputs or {}, str(getattr(model, "version", MODEL_VERSION)))
         except ClientGone:
             return Response(status_code=499)
         except OutriderError as exc:
@@ -256,7 +256,7 @@ def _flatten(data: Any) -> list:
     return out
 
 
-def infer_response(model: str, document: dict, outputs: dict[str, np.ndarray]) -> Response:
+def infer_response(model: str, document: dict, outputs: dict[str, np.ndarray], version: str = MODEL_VERSION) -> Response:
     """The OIP response: JSON data, or binary data after the JSON header where asked for."""
     parameters = document.get("parameters") if isinstance(document.get("parameters"), dict) else {}
     binary_default = bool(parameters.get("binary_data_output", False))
@@ -285,7 +285,7 @@ def infer_response(model: str, document: dict, outputs: dict[str, np.ndarray]) -
         else:
             entry["data"] = _json_data(name, array, datatype)
         described.append(entry)
-    reply: dict[str, Any] = {"model_name": model, "model_version": MODEL_VERSION, "outputs": described}
+    reply: dict[str, Any] = {"model_name": model, "model_version": version, "outputs": described}
     if "id" in document:
         reply["id"] = document["id"]
     head = json.dumps(reply, separators=(",", ":")).encode()
