@@ -52,7 +52,7 @@ def phases() -> list[tuple[str, float]]:
 
 
 def report(what: str = "ready") -> None:
-    """Log the phases once (debug level), as `start phases: a 0.123, b 0.456, ... ready 0.789`."""
+    """Log the phases once (debug level), as `start phases: a 0.123; b 0.456; ... ready 0.789`."""
     global _REPORTED
     mark(what)
     with _LOCK:
@@ -61,4 +61,4 @@ def report(what: str = "ready") -> None:
         _REPORTED = True
         marks = list(_MARKS)
     log.debug("start phases (s since process start): %s",
-              ", ".join(f"{name} {at - PROCESS_START:.3f}" for name, at in marks))
+              "; ".join(f"{name} {at - PROCESS_START:.3f}" for name, at in marks))
