@@ -345,17 +345,10 @@ def test_http_repository_extension(server_factory, tmp_path):
     _echo(models, "a")
     _echo(models, "b")
     port = free_port()
-    server = server_factory([], ["outrider_echo", "outrider_http"],
-                            args=["--models", str(models), "--load", "a", "--http", f"127.0.0.1:{port}"])
+    server_factory([], ["outrider_echo", "outrider_http"],
+                   args=["--models", str(models), "--load", "a", "--http", f"127.0.0.1:{port}"])
+    # Ready means every front listens (Server.ready): server_factory's wait covers the HTTP port.
     base = f"http://127.0.0.1:{port}"
-    end = time.monotonic() + 30
-    while True:
-        try:
-            httpx.get(base + "/v2/health/live", timeout=1)
-            break
-        except httpx.HTTPError:
-            assert time.monotonic() < end, server.log()
-            time.sleep(0.1)
     with httpx.Client(base_url=base, timeout=30) as http:
         index = http.post("/v2/repository/index").json()
         assert index == [{"name": "a", "version": "1", "state": "READY", "outrider_state": "ready", "reason": ""},
@@ -397,15 +390,8 @@ def test_http_requests_load_an_on_demand_model(server_factory, tmp_path):
     server = server_factory([], ["outrider_echo", "outrider_http", "outrider_onnxruntime", "outrider_text",
                                  "outrider_batching"],
                             args=["--models", str(models), "--http", f"127.0.0.1:{port}"])
+    # Ready means every front listens (Server.ready): server_factory's wait covers the HTTP port.
     base = f"http://127.0.0.1:{port}"
-    end = time.monotonic() + 30
-    while True:
-        try:
-            httpx.get(base + "/v2/health/live", timeout=1)
-            break
-        except httpx.HTTPError:
-            assert time.monotonic() < end, server.log()
-            time.sleep(0.1)
     with httpx.Client(base_url=base, timeout=120) as http:
         assert {m["id"] for m in http.get("/v1/models").json()["data"]} == {"lazy", "minilm"}
         assert http.get("/v2/models/lazy").status_code == 503, "metadata does not load a model"

@@ -111,6 +111,7 @@ class Server:
         # Set by a signal handler, read by serve_forever's loop: a plain attribute, never a lock
         # (a handler runs on the main thread, possibly inside a wait on the same Event).
         self._stop_signalled = False
+        self._started = False
         # Ids of requests from other fronts (their `client` keys keep them apart from ZeroMQ's).
         self._front_ids = itertools.count(1)
 
@@ -136,6 +137,7 @@ class Server:
             model.start()
         self._supervisor = threading.Thread(target=self._supervise, name="outrider-supervisor", daemon=True)
         self._supervisor.start()
+        self._started = True  # every front listens: a server with no model to wait for is ready now
 
     def _supervise(self) -> None:
         """Replace dead or hung instances, and the repository's reloads and idle unloads; off the
@@ -155,9 +157,10 @@ class Server:
 
     @property
     def ready(self) -> bool:
-        """Not draining, and every model loaded at start is ready (a model loaded later, by
-        model control or on demand, never makes a serving server unready)."""
-        return not self.draining and all(m.ready for m in list(self.models.values()) if m.required)
+        """Started (every front listening), not draining, and every model loaded at start is ready
+        (a model loaded later, by model control or on demand, never makes a serving server unready)."""
+        return (self._started and not self.draining
+                and all(m.ready for m in list(self.models.values()) if m.required))
 
     def wait_ready(self, timeout: float) -> bool:
         end = time.monotonic() + timeout
@@ -189,8 +192,6 @@ class Server:
                                      + (f" ({entry.reason})" if entry.reason else "")
                                      + "; load it first (outrider load, or POST /v2/repository/models/NAME/load)")
         raise ModelNotFoundError(f"no model named {name[:128]!r}; served here: {sorted(self.models)}")
-
-    _model = find_model
 
     def submit(
         self,
@@ -236,7 +237,7 @@ class Server:
         # Everything here is O(number of tensors): shapes and frame lengths are checked against
         # the protocol and the model's limits; the buffers are decoded by the instance that runs
         # the request (PendingRequest.decode), never on this thread.
-        model = self._model(model_name)
+        model = self.find_model(model_name)
         generates = model.generates  # None: a model loading on demand whose backend decides (checked then)
         if kind == "infer" and generates:
             raise BadRequestError(f"model {model.name!r} generates text; send generate")
@@ -303,7 +304,7 @@ class Server:
         required = [models[name] for name, m in loaded if m.required]
         if self.draining:
             status = "draining"
-        elif all(m["ready"] for m in required):
+        elif self._started and all(m["ready"] for m in required):
             status = "ready"
         elif any(m["state"] == "failed" for m in required):
             status = "failed"
