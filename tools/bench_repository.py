@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import subprocess
 import sys
@@ -49,8 +50,6 @@ def _rss_mb(pid: int) -> float:
 
 def _serve(tmp: Path, directory: Path, extra: list[str], env: dict | None = None) -> tuple[subprocess.Popen, str]:
     address = f"ipc://{tmp}/repo-{time.monotonic_ns()}.sock"
-    import os
-
     proc = subprocess.Popen([sys.executable, "-m", "outrider.cli", "serve", "--models", str(directory), "--bind", address,
                              *extra], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(tmp / "server.log", "ab"),
                             env={**os.environ, **(env or {})})

@@ -43,17 +43,21 @@ def routes(dispatch: Dispatcher) -> list[Route]:
         code, message = error_code(exc)
         return JSONResponse({"error": message}, status_code=status_of(code))
 
-    async def parameters(request: Request, allowed: set[str]) -> dict[str, Any]:
+    async def document(request: Request) -> dict[str, Any]:
+        """The request's JSON object; an empty body is an empty one."""
         body = await read_body(request, MAX_BODY)
         if not body.strip():
             return {}
         try:
-            document = json.loads(body)
+            found = json.loads(body)
         except (ValueError, RecursionError) as exc:
             raise BadRequestError(f"the request body is not valid JSON: {exc}") from None
-        if not isinstance(document, dict):
+        if not isinstance(found, dict):
             raise BadRequestError("the request body must be a JSON object")
-        given = document.get("parameters", {})
+        return found
+
+    async def parameters(request: Request, allowed: set[str]) -> dict[str, Any]:
+        given = (await document(request)).get("parameters", {})
         if not isinstance(given, dict):
             raise BadRequestError("'parameters' must be a JSON object")
         unknown = sorted(k for k in given if k not in allowed)
@@ -70,15 +74,9 @@ def routes(dispatch: Dispatcher) -> list[Route]:
 
     async def index(request: Request) -> Response:
         try:
-            body = await read_body(request, MAX_BODY)
-            document = json.loads(body) if body.strip() else {}
-            if not isinstance(document, dict):
-                raise BadRequestError("the request body must be a JSON object")
-            ready = document.get("ready", False)
+            ready = (await document(request)).get("ready", False)
             if not isinstance(ready, bool):
                 raise BadRequestError("'ready' must be true or false")
-        except ValueError as exc:
-            return error(BadRequestError(f"the request body is not valid JSON: {exc}"))
         except OutriderError as exc:
             return error(exc)
         items = []

@@ -317,7 +317,7 @@ class ZmqFront:
         if isinstance(wait_s, bool) or not isinstance(wait_s, (int, float)) or not (0 < wait_s <= MAX_LOAD_WAIT_S):
             raise ProtocolError(f"'timeout_s' must be a number of seconds in (0, {MAX_LOAD_WAIT_S:g}]")
         repository = self.server.repository
-        self._control(route, request_id, lambda: repository.load(name, wait_s=float(wait_s)) and None,
+        self._control(route, request_id, lambda: repository.load(name, wait_s=float(wait_s)),
                       lambda: {"model": name, "state": repository.entries[name].state,
                                "version": str(repository.entries[name].version)})
 
@@ -330,7 +330,7 @@ class ZmqFront:
         self._control(route, request_id, lambda: repository.unload(name, cancel_streams=cancel),
                       lambda: {"model": name, "state": repository.entries[name].state})
 
-    def _control(self, route: bytes, request_id: Any, act: Callable[[], None], result: Callable[[], dict]) -> None:
+    def _control(self, route: bytes, request_id: Any, act: Callable[[], Any], result: Callable[[], dict]) -> None:
         """Run a model-control action on a thread of its own (it loads or drains: seconds) and
         reply when it is done; at most _CONTROL_THREADS at once."""
         if not self._control_slots.acquire(blocking=False):

@@ -125,10 +125,12 @@ class ModelEntry:
     version: int = 0
     unloading: bool = False
     reason: str = ""  # why the last load or reload failed, or why the file does not validate
-    #: time.monotonic() of the load start (its resident cost is measured once it is ready)
-    load_started: float = 0.0
+    #: RSS at the load's start; its resident cost is measured once it is ready (`measured`)
     rss_before_load: int = 0
     measured: bool = True
+    #: (fingerprint, estimate) of `ModelRepository._estimate`: health asks for it on every call,
+    #: and finding it reads the cost file and walks the model's directory
+    estimate_memo: Optional[tuple[str, Optional[tuple[int, str]]]] = None
     #: a load under way before its ServedModel exists (making room, building)
     loader: Optional["PendingLoad"] = None
     #: guards the fields above; held only to decide, never while loading or draining
@@ -254,7 +256,7 @@ class ModelRepository:
         """Record a model the server built and starts itself (the ones loaded at start)."""
         entry = self.entries[name]
         entry.served, entry.version, entry.reason = served, served.version, ""
-        entry.rss_before_load, entry.load_started, entry.measured = resident_bytes(), time.monotonic(), False
+        entry.rss_before_load, entry.measured = resident_bytes(), False
 
     def load(self, name: str, wait_s: Optional[float] = None) -> Optional[ServedModel]:
         """Load `name` (nothing to do when it is loaded or loading) and, with `wait_s`, wait until
@@ -311,7 +313,7 @@ class ModelRepository:
         served.required = False
         served.accept_while_loading = entry.manifest.load_on_demand
         with entry.lock:
-            entry.rss_before_load, entry.load_started, entry.measured = rss, time.monotonic(), False
+            entry.rss_before_load, entry.measured = rss, False
             entry.served, entry.version, entry.reason = served, served.version, ""
             self.server.models[entry.name] = served
         log.info("model %s: loading version %d%s", entry.name, served.version, " (on demand)" if load.on_demand else "")
@@ -335,13 +337,19 @@ class ModelRepository:
         manifest = entry.manifest
         if manifest is None:
             return None
+        memo = entry.estimate_memo
+        if memo is not None and memo[0] == entry.fingerprint:
+            return memo[1]
+        estimate: Optional[tuple[int, str]] = None
         measured = _load_costs().get(_cost_key(entry))
         if measured:
-            return int(measured), "measured at its last load"
-        size = _artifact_bytes(manifest)
-        if size:
-            return size, f"the size of its model files ({_mib(size)})"
-        return None
+            estimate = int(measured), "measured at its last load"
+        else:
+            size = _artifact_bytes(manifest)
+            if size:
+                estimate = size, f"the size of its model files ({_mib(size)})"
+        entry.estimate_memo = (entry.fingerprint, estimate)
+        return estimate
 
     def _make_room(self, entry: ModelEntry) -> None:
         """Under a budget: unload idle models, least recently used first, until `entry` fits;
@@ -549,6 +557,7 @@ class ModelRepository:
         costs = _load_costs()
         costs[_cost_key(entry)] = grown
         _store_load_costs(costs)
+        entry.estimate_memo = (entry.fingerprint, (grown, "measured at its last load"))
         log.debug("model %s: resident cost measured at %s", entry.name, _mib(grown))
 
     def scan(self) -> None:
