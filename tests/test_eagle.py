@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -19,6 +20,7 @@ from outrider.manifest import validate_manifest  # noqa: E402
 from outrider.serving.request import PendingRequest  # noqa: E402
 from outrider.plugins import create_registry  # noqa: E402
 from outrider.generation.contract import Chunk  # noqa: E402
+from outrider.generation.sampling import SamplingParams, new_generator, target_distribution  # noqa: E402
 from outrider_speculative.eagle import (  # noqa: E402
     DEFAULT_WEIGHTS,
     EagleDrafter,
@@ -192,7 +194,6 @@ def test_root_children_are_the_heads_top_tokens(tiny, tiny_head):
 
 
 def test_sampling_requests_draw_children_from_the_heads_tempered_q(tiny, tiny_head):
-    from outrider.generation.sampling import SamplingParams, target_distribution
 
     model, _ = tiny
     drafter: EagleDrafter = make_eagle_drafter(model, {"weights": str(tiny_head), "prob_threshold": 0.0, "max_children": 3})
@@ -201,15 +202,15 @@ def test_sampling_requests_draw_children_from_the_heads_tempered_q(tiny, tiny_he
     params = SamplingParams(temperature=4.0, top_k=5, top_p=0.99)
 
     def view(seed: int) -> View:
-        return View(base.token_ids, base.last_hidden, params, torch.Generator().manual_seed(seed))
+        return View(base.token_ids, base.last_hidden, params, new_generator(seed))
 
     tree = drafter.propose(view(0), 8)
     check_tree(tree)
     (root,) = tree.sampled[-1]
     _, logits = drafter.compiled(base.last_hidden[None], model.embed(torch.tensor([5])))
-    expected = torch.zeros(VOCAB)
-    expected[drafter.draft_vocab] = target_distribution(logits[0], 4.0, 5, 0.99)
-    assert torch.equal(root.q, expected), "q is the head's distribution through the request's T, top-k, top-p"
+    expected = np.zeros(VOCAB, dtype=np.float32)
+    expected[drafter.draft_vocab.numpy()] = target_distribution(logits[0], 4.0, 5, 0.99)
+    assert np.array_equal(root.q, expected), "q is the head's distribution through the request's T, top-k, top-p"
     assert int((expected > 0).sum()) >= 3, "q too peaked for this test to draw several children"
     assert not root.replacement and len(set(root.draws)) == len(root.draws) == 3
     assert all(root.q[t] > 0 for t in root.draws)
@@ -221,7 +222,7 @@ def test_sampling_requests_draw_children_from_the_heads_tempered_q(tiny, tiny_he
     assert drafter.propose(view(0), 8).sampled[-1][0].draws == root.draws
     assert len({tuple(drafter.propose(view(seed), 8).sampled[-1][0].draws) for seed in range(12)}) > 1
     # Greedy requests, and `sample: false`, keep the deterministic top-k tree.
-    greedy = drafter.propose(View(base.token_ids, base.last_hidden, SamplingParams(), torch.Generator()), 8)
+    greedy = drafter.propose(View(base.token_ids, base.last_hidden, SamplingParams(), new_generator()), 8)
     assert not greedy.sampled and greedy.tokens == drafter.propose(base, 8).tokens
     fixed = make_eagle_drafter(model, {"weights": str(tiny_head), "prob_threshold": 0.0, "max_children": 3, "sample": False})
     assert not fixed.propose(view(0), 8).sampled

@@ -17,6 +17,7 @@ import subprocess
 import sys
 from typing import Any, Callable
 
+import numpy as np
 import pytest
 import torch
 
@@ -24,7 +25,8 @@ from outrider.errors import ManifestError
 from outrider.manifest import Manifest
 from outrider.plugins import create_registry
 from outrider.generation.contract import DraftTree
-from outrider.generation.sampling import SamplingParams, greedy_token, sample_token, target_distribution
+from outrider.generation.sampling import (SamplingParams, draw, greedy_token, new_generator, sample_token,
+                                          target_distribution)
 from outrider_speculative.config import SpeculativeConfig
 from outrider_speculative.drafters import NgramDrafter, NgramIndex
 from outrider_speculative.strategy import BudgetController, SpeculativeStrategy
@@ -79,7 +81,7 @@ def _check_topological(tree: DraftTree) -> None:
 
 def _exact(params: SamplingParams, count: int = 3) -> dict[tuple[int, ...], float]:
     """P(first `count` tokens) under the target, from the prompt's last token."""
-    rows = target_distribution(TABLE, params.temperature, params.top_k, params.top_p).double()
+    rows = target_distribution(TABLE, params.temperature, params.top_k, params.top_p).astype(np.float64)
     out = {}
     for seq in itertools.product(range(V), repeat=count):
         prob, prev = 1.0, PROMPT[-1]
@@ -118,14 +120,14 @@ def _chi_square_limit(df: int, z: float = 4.5) -> float:
 
 
 Propose = Callable[[Seq], DraftTree]
-Verify = Callable[[DraftTree, torch.Tensor, Any, torch.Generator], Verdict]
+Verify = Callable[[DraftTree, Any, Any, np.random.Generator], Verdict]
 
 
 def _first_tokens(propose: Propose, check: Verify, params: SamplingParams, samples: int, seed: int,
                   after: Callable[[Seq, DraftTree, Verdict], None] | None = None,
                   count: int = 3) -> collections.Counter:
     """Run the engine's loop `samples` times; count the first `count` generated tokens."""
-    gen = torch.Generator().manual_seed(seed)
+    gen = new_generator(seed)
     counts: collections.Counter = collections.Counter()
     for _ in range(samples):
         seq = Seq(PROMPT)
@@ -149,7 +151,7 @@ class SampledDrafter:
     name = "sampled"
 
     def __init__(self, seed: int = 7, width: int = 3, fanout: int = 2) -> None:
-        self.gen = torch.Generator().manual_seed(seed)
+        self.gen = new_generator(seed)
         self.width = width
         self.fanout = fanout
 
@@ -208,35 +210,35 @@ def _assert_detected(counts: collections.Counter, params: SamplingParams) -> Non
 
 
 def _wrong_verify(mode: str) -> Verify:
-    def check(tree: DraftTree, logits: torch.Tensor, params: Any, gen: torch.Generator) -> Verdict:
+    def check(tree: DraftTree, logits: Any, params: Any, gen: np.random.Generator) -> Verdict:
         children, groups = children_of(tree), sampled_groups(tree)
         verdict = Verdict(draft_tokens=len(tree))
         node = -1
         while True:
-            p = target_distribution(logits[node + 1], params.temperature, params.top_k, params.top_p).double()
+            p = target_distribution(logits[node + 1], params.temperature, params.top_k, params.top_p).astype(np.float64)
             kids, chosen = children[node], None
             if mode == "always_accept":  # take the drafter's first guess, whatever the target says
                 chosen = kids[0] if kids else None
             elif mode == "no_residual":  # test every candidate against the original p
-                chosen = next((c for c in kids if float(torch.rand((), generator=gen)) < p[tree.tokens[c]]), None)
+                chosen = next((c for c in kids if gen.random() < p[tree.tokens[c]]), None)
             elif mode == "q_over_p":  # the ratio upside down
                 node_of = {tree.tokens[c]: c for c in kids}
                 for group in groups.get(node, []):
-                    q = group.q.double() / group.q.double().sum()
+                    q = group.q.astype(np.float64) / group.q.sum()
                     for token in group.draws:
-                        if float(torch.rand((), generator=gen)) * p[token] < q[token]:
+                        if gen.random() * p[token] < q[token]:
                             chosen = node_of[token]
                             break
-                        p = (p - q).clamp_min(0)
+                        p = np.maximum(p - q, 0)
                         p = p / p.sum()
                         if not group.replacement:
-                            q = q.clone()
+                            q = q.copy()
                             q[token] = 0
                             q = q / q.sum()
                     if chosen is not None:
                         break
             if chosen is None:
-                verdict.bonus = int(torch.multinomial(p, 1, generator=gen))
+                verdict.bonus = draw(p, gen)
                 return verdict
             verdict.accepted.append(chosen)
             verdict.tokens.append(tree.tokens[chosen])
@@ -290,8 +292,8 @@ def test_an_empty_tree_draws_exactly_what_plain_sampling_draws():
     params = SamplingParams(temperature=0.7, top_k=3, top_p=0.9)
     for seed in range(50):
         logits = torch.randn(1, 32, generator=torch.Generator().manual_seed(seed))
-        a = verify(SpecTree(), logits, params, torch.Generator().manual_seed(seed))
-        b = sample_token(logits[0], params, torch.Generator().manual_seed(seed))
+        a = verify(SpecTree(), logits, params, new_generator(seed))
+        b = sample_token(logits[0], params, new_generator(seed))
         assert (a.accepted, a.bonus) == ([], b)
 
 
@@ -311,7 +313,7 @@ def test_a_tree_without_its_q_is_still_verified_losslessly():
 def test_knowing_q_accepts_more_than_treating_draws_as_deterministic():
     params = SamplingParams(temperature=1.0)
     drafter = SampledDrafter(seed=43, width=1, fanout=1)
-    gen = torch.Generator().manual_seed(44)
+    gen = new_generator(44)
     with_q = without_q = 0
     for _ in range(3000):
         tree = drafter.propose(Seq(PROMPT), 16)
@@ -326,7 +328,7 @@ def test_an_accepted_draw_whose_node_was_pruned_ends_the_step():
     logits[0, 3] = 10.0  # the target all but insists on token 3
     tree = SpecTree(tokens=[5], parents=[-1], probs=[0.5])
     tree.sampled = {-1: [SampledChildren(q=torch.ones(8), draws=[3, 5])]}  # token 3 drawn, its node pruned
-    verdict = verify(tree, logits, {"temperature": 1.0}, torch.Generator().manual_seed(0))
+    verdict = verify(tree, logits, {"temperature": 1.0}, new_generator(0))
     assert (verdict.accepted, verdict.bonus, verdict.keep()) == ([], 3, [0])
 
 
@@ -519,7 +521,7 @@ def test_build_dynamic_tree_hands_back_state_and_can_expand_in_batches():
 def test_build_dynamic_tree_records_sampled_expansions_under_the_expanded_node():
     # Each node draws 3 children from Q_TABLE (its row = its token); with a threshold some draws
     # get no node, and must still be in their group, in draw order.
-    gen = torch.Generator().manual_seed(3)
+    gen = new_generator(3)
     made: dict[int, SampledChildren] = {}
 
     def expand(node):
@@ -583,7 +585,7 @@ def test_merge_trees_unites_shared_prefixes_and_keeps_the_higher_probability():
     a = DraftTree([5, 6, 7], [-1, 0, 1], [0.9, 0.8, 0.3])
     b = SpecTree([5, 6, 8, 9], [-1, 0, 1, -1], [0.7, 0.85, 0.4, 0.2])
     q = torch.full((10,), 0.1)
-    b.sampled = {1: [sample_children(q, 1, torch.Generator().manual_seed(0))]}
+    b.sampled = {1: [sample_children(q, 1, new_generator(0))]}
     merged = merge_trees(a, b)
     _check_topological(merged)
     assert merged.tokens == [5, 6, 7, 8, 9]

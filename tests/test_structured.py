@@ -16,6 +16,7 @@ and off.
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -107,7 +108,7 @@ def test_sampled_logprobs_are_the_target_distribution_of_what_was_drawn(tiny):
                 probs = target_distribution(row, 1.0, 6, 1.0)
                 token = entry["token_id"]
                 assert probs[token] > 0, "a token outside the target's support was drawn"
-                assert abs(entry["logprob"] - float(torch.log(probs[token]))) < 1e-5
+                assert abs(entry["logprob"] - math.log(float(probs[token]))) < 1e-5
                 assert len(entry["top"]) == 3 and entry["top"][0]["logprob"] >= entry["top"][-1]["logprob"]
                 assert entry["token"] == tokenizer.decode([token])
                 generated.append(token)
@@ -232,13 +233,18 @@ def smol_int8(tmp_path_factory):
 def test_smollm2_json_schema_outputs_all_validate_and_speculation_changes_nothing(smol_int8):
     jsonschema = pytest.importorskip("jsonschema")
     constraint = {"json_schema": PERSON}
+    # The schema bounds an answer: 160 characters of strings, each at most 4 byte-level tokens, and
+    # ~40 tokens of keys and punctuation. A model that repeats itself inside a string (SmolLM2 does
+    # on one question where the kernels' rounding tips a near-tie, e.g. torch's AVX2 norms) is still
+    # forced to close it, so every answer ends by the schema, never by max_tokens.
+    max_tokens = 160 * 4 + 64
     accepted, steps = 0, [0, 0]
     with smol_int8.client(timeout=300) as client:
         for question in QUESTIONS:
             messages = [{"role": "user", "content": question + " Answer in JSON."}]
-            plain = client.generate("smollm2-int8", messages=messages, max_tokens=160, constraint=constraint,
+            plain = client.generate("smollm2-int8", messages=messages, max_tokens=max_tokens, constraint=constraint,
                                     speculative=False, logprobs=True)
-            spec = client.generate("smollm2-int8", messages=messages, max_tokens=160, constraint=constraint,
+            spec = client.generate("smollm2-int8", messages=messages, max_tokens=max_tokens, constraint=constraint,
                                    logprobs=True)
             assert spec.token_ids == plain.token_ids, question
             assert plain.finish_reason == "stop", (question, plain.text)

@@ -29,8 +29,9 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import asdict, dataclass
-from typing import Callable, List, Optional
+from typing import Any, Callable, List, Optional
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -764,8 +765,12 @@ class LlamaModel(torch.nn.Module):
         Beyond the contract: `only_last=True` returns logits for each chunk's last token only,
         [len(chunks), vocab]; `logit_rows` (indices into the fed tokens) returns logits for those
         rows only, in that order (a prefill needs one row, a tree all of its rows). Hidden states
-        always cover every token.
+        always cover every token. Chunks and `logit_rows` may hold numpy arrays (the engine's) or
+        tensors (tools and tests driving the model directly).
         """
+        chunks = [_torch_chunk(c) for c in chunks]
+        if logit_rows is not None:
+            logit_rows = torch.as_tensor(logit_rows, dtype=torch.long)
         runner = self.graph_runner
         if runner is not None and runner.cache is cache:
             out = runner.forward(chunks, only_last=only_last, logit_rows=logit_rows)
@@ -991,6 +996,17 @@ class LlamaModel(torch.nn.Module):
         # [count, 1 (kv heads), group * width, span]: query rows are (group member, chunk index).
         b.mask = mask.repeat(1, group, 1).unsqueeze(1)
         return b
+
+
+def _torch_chunk(chunk: Chunk) -> Chunk:
+    """`chunk` with tensors (torch.from_numpy shares the engine's arrays: no copy)."""
+    def tensor(value: Any, dtype: torch.dtype) -> Any:
+        return torch.from_numpy(value).to(dtype) if isinstance(value, np.ndarray) else value
+
+    if not any(isinstance(v, np.ndarray) for v in (chunk.tokens, chunk.positions, chunk.tree_mask)):
+        return chunk
+    return Chunk(chunk.slot, tensor(chunk.tokens, torch.long), tensor(chunk.positions, torch.long),
+                 tensor(chunk.tree_mask, torch.bool))
 
 
 def _quant_modes(sd: dict[str, torch.Tensor]) -> list[str]:

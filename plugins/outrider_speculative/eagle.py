@@ -49,17 +49,18 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from outrider.errors import ManifestError
 
 from outrider.generation.contract import SampledChildren
-from outrider.generation.sampling import is_greedy, target_distribution
+from outrider.generation.sampling import host_array, is_greedy, target_distribution
 from outrider.generation.verify import sampling_knobs
 
 from .config import OptionError, read_bool, read_float, read_int
-from .tree import SampledExpansion, SpecTree, build_dynamic_tree
+from .tree import SampledExpansion, SpecTree, build_dynamic_tree, draw_distinct
 
 log = logging.getLogger("outrider.speculative")
 
@@ -299,6 +300,7 @@ class EagleDrafter:
         self.device = torch.device(getattr(model, "device", "cpu"))
         # Indexed by top-k/multinomial results, which come back on the model's device.
         self.draft_vocab = loaded.draft_vocab.to(self.device)
+        self._draft_ids = loaded.draft_vocab.cpu().numpy().astype(np.int64)  # what sampled draws index (host)
         self.max_depth = max_depth
         self.max_children = max_children
         self.prob_threshold = prob_threshold
@@ -323,23 +325,22 @@ class EagleDrafter:
         return features, top.values, self.draft_vocab[top.indices]
 
     def sample_children(self, logits: torch.Tensor, features: torch.Tensor, k: int, temperature: float,
-                        top_k: int, top_p: float, generator: Optional[torch.Generator]) -> list:
+                        top_k: int, top_p: float, generator: np.random.Generator) -> list:
         """Per node, up to k children drawn without replacement from q = the head's tempered, truncated distribution."""
         # The same function the target's p comes from, on the draft vocabulary: q then tracks p
         # (same temperature, same cuts), which is what makes min(1, p/q) accept often.
-        q = target_distribution(logits, temperature, top_k, top_p)
+        logits = host_array(logits)
         vocab = self.model.vocab_size
         out: list = []
-        for i in range(q.shape[0]):
-            row = q[i]
-            count = min(k, int((row > 0).sum()))
-            if count == 0:  # no usable q (non-finite head output): no children, nothing drawn
+        for i in range(logits.shape[0]):
+            row = target_distribution(logits[i], temperature, top_k, top_p)
+            drawn = draw_distinct(row, k, generator)
+            if not drawn:  # no usable q: no children, nothing drawn
                 out.append([])
                 continue
-            drawn = torch.multinomial(row, count, replacement=False, generator=generator).tolist()
-            full = torch.zeros(vocab, dtype=row.dtype, device=row.device)
-            full[self.draft_vocab] = row  # the exact weights the draws came from, in vocabulary ids
-            tokens = self.draft_vocab[drawn].tolist()
+            full = np.zeros(vocab, dtype=np.float32)
+            full[self._draft_ids] = row  # the exact weights the draws came from, in vocabulary ids
+            tokens = self._draft_ids[drawn].tolist()
             group = SampledChildren(q=full, draws=tokens, replacement=False)
             out.append(SampledExpansion(group, [(t, float(row[d]), features[i]) for t, d in zip(tokens, drawn)]))
         return out

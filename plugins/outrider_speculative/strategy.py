@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Hashable, Optional
 
-import torch
+import numpy as np
 
 from outrider.errors import ManifestError
 from outrider.generation.contract import DraftTree
@@ -232,7 +232,7 @@ class SpeculativeStrategy:
         return tree
 
     def verify(
-        self, tree: DraftTree, logits: torch.Tensor, params: Any, generator: Optional[torch.Generator],
+        self, tree: DraftTree, logits: np.ndarray, params: Any, generator: np.random.Generator,
         adjust: Any = None,
     ) -> Verdict:
         """The lossless verdict on `tree` (verify.verify, rows adjusted by the request's rules), counted in `stats`."""

@@ -25,9 +25,10 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional, Sequence
 
-import torch
+import numpy as np
 
 from outrider.generation.contract import DraftTree, SampledChildren, SpecTree, children_of, sampled_groups
+from outrider.generation.sampling import draw, host_array
 
 
 def check_tree(tree: DraftTree) -> None:
@@ -235,13 +236,24 @@ def build_dynamic_tree(
     return tree
 
 
-def sample_children(
-    q: torch.Tensor, count: int, generator: Optional[torch.Generator], replacement: bool = False
-) -> SampledChildren:
+def draw_distinct(weights: np.ndarray, count: int, generator: np.random.Generator) -> list[int]:
+    """`count` indices drawn one after another from `weights` (renormalized), each draw's index
+    removed before the next: the draws, in order, that a group without replacement records."""
+    weights = np.asarray(weights, dtype=np.float64).clip(min=0)  # a copy: draws zero it
+    draws: list[int] = []
+    for _ in range(min(count, int(np.count_nonzero(weights)))):
+        token = draw(weights, generator)
+        draws.append(token)
+        weights[token] = 0.0
+    return draws
+
+
+def sample_children(q: Any, count: int, generator: np.random.Generator, replacement: bool = False) -> SampledChildren:
     """Draw `count` candidates from q (with or without replacement) and record how, for the verifier."""
-    weights = q.detach().double().clamp_min(0)
-    if generator is not None:  # draw where the generator lives (the request's: the model's device)
-        weights = weights.to(generator.device)
-    count = min(count, int((weights > 0).sum())) if not replacement else count
-    draws = torch.multinomial(weights, count, replacement=replacement, generator=generator).tolist() if count else []
-    return SampledChildren(q=q, draws=[int(t) for t in draws], replacement=replacement)
+    q = host_array(q)
+    if replacement:
+        weights = np.asarray(q, dtype=np.float64).clip(min=0)
+        draws = [draw(weights, generator) for _ in range(count)]
+    else:
+        draws = draw_distinct(q, count, generator)
+    return SampledChildren(q=q, draws=draws, replacement=replacement)

@@ -121,17 +121,17 @@ class HFLlama:
             cache.fed[chunk.slot] = fed
             n, m = len(committed), len(fed)
             ids = torch.tensor([committed + fed])
-            positions = torch.cat([torch.arange(n), chunk.positions.long()])[None]
+            positions = torch.cat([torch.arange(n), torch.as_tensor(chunk.positions).long()])[None]
             allowed = torch.zeros(n + m, n + m, dtype=torch.bool)
             allowed[:n, :n] = torch.ones(n, n, dtype=torch.bool).tril()
             allowed[n:, :n] = True
-            tree = chunk.tree_mask if chunk.tree_mask is not None else torch.ones(m, m, dtype=torch.bool).tril()
+            tree = torch.as_tensor(chunk.tree_mask) if chunk.tree_mask is not None else torch.ones(m, m, dtype=torch.bool).tril()
             allowed[n:, n:] = tree
             mask = torch.zeros(1, 1, n + m, n + m).masked_fill_(~allowed, torch.finfo(torch.float32).min)
             out = self.hf.model(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=False)
             hidden_rows.append(out.last_hidden_state[0, n:])  # after the final norm
         hidden = torch.cat(hidden_rows)
-        rows = hidden if logit_rows is None else hidden.index_select(0, logit_rows)
+        rows = hidden if logit_rows is None else hidden.index_select(0, torch.as_tensor(logit_rows))
         return ForwardOutput(logits=self.hf.lm_head(rows).float(), hidden=hidden)
 
     @torch.no_grad()

@@ -1,4 +1,4 @@
-"""The backend-neutral generation contract and engine (imports torch; `import outrider` does not).
+"""The backend-neutral generation contract and engine, on numpy (no torch: a model may use it).
 
 - `contract`  what a generating model implements (`CausalLM`, slot `KVCache`, `Chunk`), what a
               drafter reads and returns (`SequenceView`, `DraftTree`, `SpecTree`), and what a

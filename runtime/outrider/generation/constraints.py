@@ -18,11 +18,11 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Optional
 
-import torch
+import numpy as np
 
 from outrider.errors import BadRequestError, ExecutionError
 
-from .sampling import is_greedy, target_distribution
+from .sampling import host_array, is_greedy, target_distribution
 
 MAX_LOGIT_BIAS = 1024  # entries
 MAX_TOP_LOGPROBS = 20  # as OpenAI's
@@ -59,10 +59,10 @@ class TokenRules:
                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                  grammar: Any = None, eos_ids: frozenset[int] = frozenset()) -> None:
         self.vocab_size = vocab_size
-        self.bias: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        self.bias: Optional[tuple[np.ndarray, np.ndarray]] = None
         if logit_bias:
-            ids = torch.tensor(sorted(logit_bias), dtype=torch.long)
-            self.bias = ids, torch.tensor([logit_bias[int(i)] for i in ids], dtype=torch.float32)
+            ids = np.array(sorted(logit_bias), dtype=np.int64)
+            self.bias = ids, np.array([logit_bias[int(i)] for i in ids], dtype=np.float32)
         self.presence, self.frequency = float(presence_penalty), float(frequency_penalty)
         self.grammar = grammar  # grammar.GrammarState, or None
         self.eos_ids = eos_ids
@@ -72,32 +72,32 @@ class TokenRules:
     def active(self) -> bool:
         return bool(self.bias is not None or self.presence or self.frequency or self.grammar is not None)
 
-    def apply(self, row: torch.Tensor, path: list[int], argmax_only: bool = False) -> torch.Tensor:
+    def apply(self, row: np.ndarray, path: list[int], argmax_only: bool = False) -> np.ndarray:
         """`row` (fp32 [vocab], not modified) as the request's target sees it after `path`.
 
         With `argmax_only` (greedy, no logprobs asked), a row whose argmax is the target's: the
         grammar's mask (~100-250 µs for a 49k vocabulary) is computed only when the unmasked
         argmax is a token the grammar refuses. Exact: if the best token is allowed, masking the
         others cannot change the first maximum."""
-        out = row.float().clone()
+        out = np.array(host_array(row), dtype=np.float32)  # a copy
         if self.bias is not None:
             ids, values = self.bias
-            out[ids.to(out.device)] += values.to(out.device)
+            out[ids] += values
         if self.presence or self.frequency:
             counts = dict(self.counts)
             for token in path:
                 counts[token] = counts.get(token, 0) + 1
             if counts:
-                ids = torch.tensor(list(counts), dtype=torch.long, device=out.device)
-                n = torch.tensor(list(counts.values()), dtype=torch.float32, device=out.device)
-                out[ids] -= self.frequency * n + self.presence
+                ids = np.fromiter(counts, dtype=np.int64, count=len(counts))
+                n = np.fromiter(counts.values(), dtype=np.float32, count=len(counts))
+                out[ids] -= np.float32(self.frequency) * n + np.float32(self.presence)
         if self.grammar is not None and not any(t in self.eos_ids for t in path):
-            if argmax_only and self.grammar.accepts(path, int(torch.argmax(out))):
+            if argmax_only and self.grammar.accepts(path, int(np.argmax(out))):
                 return out
             allowed = self.grammar.allowed(path)  # bool [tokenizer vocab]
             width = min(out.shape[-1], allowed.shape[-1])
-            out[:width].masked_fill_(~allowed[:width].to(out.device), float("-inf"))
-            out[width:] = float("-inf")  # ids past the tokenizer's vocabulary (padded heads) never fit
+            out[:width][~allowed[:width]] = -np.inf
+            out[width:] = -np.inf  # ids past the tokenizer's vocabulary (padded heads) never fit
         return out
 
     def forced_tokens(self, limit: int) -> list[int]:
@@ -121,22 +121,27 @@ class TokenRules:
         return self.grammar is not None and self.grammar.finished
 
 
-def token_logprobs(row: torch.Tensor, token: int, params: Any, top: int,
+def token_logprobs(row: np.ndarray, token: int, params: Any, top: int,
                    decode: Callable[[list[int]], str]) -> dict[str, Any]:
     """{"token_id", "token", "logprob", "top": [{"token_id", "token", "logprob"}, ...]} of `token`
     under the distribution it was drawn from (`row` already adjusted by the request's rules)."""
+    row = host_array(row)
     if is_greedy(params.temperature):
-        logprobs = torch.log_softmax(row.float(), dim=-1)
+        shifted = row - row.max()
+        logprobs = shifted - np.log(np.exp(shifted).sum())
     else:
-        logprobs = torch.log(target_distribution(row, params.temperature, params.top_k, params.top_p))
+        with np.errstate(divide="ignore"):
+            logprobs = np.log(target_distribution(row, params.temperature, params.top_k, params.top_p))
 
     def one(i: int, value: float) -> dict[str, Any]:
         return {"token_id": i, "token": decode([i]), "logprob": _finite(value)}
 
     entry = one(int(token), float(logprobs[token]))
     if top:
-        values, ids = torch.topk(logprobs, min(top, logprobs.shape[-1]))
-        entry["top"] = [one(int(i), float(v)) for i, v in zip(ids, values) if v > float("-inf")]
+        k = min(top, logprobs.shape[-1])
+        ids = np.argpartition(-logprobs, k - 1)[:k]
+        ids = ids[np.lexsort((ids, -logprobs[ids]))]  # best first; ties by id
+        entry["top"] = [one(int(i), float(logprobs[i])) for i in ids if logprobs[i] > -np.inf]
     return entry
 
 

@@ -14,6 +14,10 @@ Conventions (read these first):
 - Logits and hidden states come back for every fed token, in chunk order (logits only for
   `logit_rows` when given: the engine asks for a prefill's last token and every row of a tree).
 - `hidden` is the last layer's output after the final norm: what a draft head reads.
+- Arrays: what the engine hands a model (tokens, positions, masks, logit rows) is numpy; a model
+  returns logits as numpy or as a torch tensor on any device (the engine reads them on the host,
+  `sampling.host_array`), and hidden states as whatever its drafters read. This package imports
+  no torch, so a model without it (the CPU GGUF path) serves without torch loaded.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol
 
-import torch
+import numpy as np
 
 
 @dataclass
@@ -29,17 +33,17 @@ class Chunk:
     """Tokens of one sequence fed to one forward pass."""
 
     slot: int
-    tokens: torch.Tensor  # int64 [n]
-    positions: torch.Tensor  # int64 [n], absolute positions (RoPE)
+    tokens: np.ndarray  # int64 [n]
+    positions: np.ndarray  # int64 [n], absolute positions (RoPE)
     # bool [n, n]: mask[i, j] = token i may attend to fed token j (itself included).
     # None means causal (prefill, or a plain chain). Every token also sees all committed tokens.
-    tree_mask: Optional[torch.Tensor] = None
+    tree_mask: Optional[np.ndarray] = None
 
 
 @dataclass
 class ForwardOutput:
-    logits: torch.Tensor  # float32 [total_tokens, vocab], chunks concatenated in order
-    hidden: torch.Tensor  # float32 [total_tokens, hidden_size], last layer after the final norm
+    logits: Any  # float32 [total_tokens, vocab], chunks concatenated in order (numpy or torch)
+    hidden: Any  # float32 [total_tokens, hidden_size], last layer after the final norm
 
 
 class KVCache(Protocol):
@@ -51,8 +55,8 @@ class KVCache(Protocol):
     def reset(self, slot: int) -> None: ...  # may hand memory back once no slot is in use
     # For the prefix cache (an engine given prefix_cache_bytes uses these): a copy of committed
     # positions start..end-1, and committing such a copy right after the committed ones.
-    def read(self, slot: int, start: int, end: int) -> torch.Tensor: ...
-    def write(self, slot: int, start: int, kv: torch.Tensor) -> None: ...
+    def read(self, slot: int, start: int, end: int) -> Any: ...
+    def write(self, slot: int, start: int, kv: Any) -> None: ...
 
 
 class CausalLM(Protocol):
@@ -65,18 +69,19 @@ class CausalLM(Protocol):
 
     vocab_size: int
     hidden_size: int
-    dtype: torch.dtype  # the compute dtype of its matmuls (float32, bfloat16, ...)
+    dtype: Any  # the compute dtype of its matmuls (float32, bfloat16, ...)
 
     def new_cache(self, num_slots: int, max_length: int) -> KVCache: ...
     def forward(self, cache: KVCache, chunks: list[Chunk],
-                logit_rows: Optional[torch.Tensor] = None) -> ForwardOutput: ...
-    def embed(self, tokens: torch.Tensor) -> torch.Tensor: ...  # int64 [n] -> float32 [n, hidden]
-    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor: ...  # [n, hidden] -> float32 [n, vocab]
-    def lm_head_rows(self, tokens: torch.Tensor) -> torch.Tensor: ...  # the head's rows for `tokens`, fp32 [k, hidden]
+                logit_rows: Optional[np.ndarray] = None) -> ForwardOutput: ...
+    # The drafters' interface (a torch model takes and returns torch tensors here):
+    def embed(self, tokens: Any) -> Any: ...  # int64 [n] -> float32 [n, hidden]
+    def lm_head(self, hidden: Any) -> Any: ...  # [n, hidden] -> float32 [n, vocab]
+    def lm_head_rows(self, tokens: Any) -> Any: ...  # the head's rows for `tokens`, fp32 [k, hidden]
     # y = x @ W.T in the model's compute format (or `dtype`), any float input, output in that dtype.
     # A drafter may pass `quantize="int4"` (speed over exactness: drafts are verified anyway); a
     # model without a fast kernel for it ignores it, and one that lacks the keyword is not asked.
-    def make_linear(self, weight: torch.Tensor, dtype: Optional[torch.dtype] = None) -> Callable[[torch.Tensor], torch.Tensor]: ...
+    def make_linear(self, weight: Any, dtype: Any = None) -> Callable[[Any], Any]: ...
     def fingerprint(self) -> str: ...
 
 
@@ -103,10 +108,10 @@ class DraftTree:
             out.append(1 if parent < 0 else out[parent] + 1)
         return out
 
-    def mask(self) -> torch.Tensor:
+    def mask(self) -> np.ndarray:
         """bool [1+n, 1+n] tree mask over [pending, nodes...] (row attends to column)."""
         n = len(self.tokens)
-        mask = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+        mask = np.zeros((n + 1, n + 1), dtype=bool)
         mask[:, 0] = True
         for i, parent in enumerate(self.parents):
             row = i + 1
@@ -130,7 +135,7 @@ class SequenceView(Protocol):
 
     token_ids: list[int]  # prompt + generated so far, including the pending token (last)
     prompt_length: int
-    last_hidden: Optional[torch.Tensor]  # [hidden] target's last-layer hidden state at the last committed position
+    last_hidden: Any  # [hidden] target's last-layer hidden state at the last committed position
 
 
 class DecodeStrategy(Protocol):
@@ -157,7 +162,7 @@ class DecodeStrategy(Protocol):
     def batch_budget(self, n_active: int) -> int: ...
     def propose(self, seq: SequenceView, budget: int) -> DraftTree: ...
     def limit_depth(self, tree: DraftTree, max_depth: int) -> DraftTree: ...
-    def verify(self, tree: DraftTree, logits: torch.Tensor, params: Any, generator: Optional[torch.Generator],
+    def verify(self, tree: DraftTree, logits: np.ndarray, params: Any, generator: np.random.Generator,
                adjust: Any = None) -> Any: ...  # adjust: verify.Adjust, the request's rules per row
     def record(self, seq: SequenceView, draft_tokens: int, accepted_tokens: int) -> None: ...
     def extend(self, seq: SequenceView, new_tokens: list[int]) -> None: ...
@@ -168,7 +173,7 @@ class DecodeStrategy(Protocol):
 class SampledChildren:
     """Candidates drawn at random from a draft distribution q for one parent node."""
 
-    q: torch.Tensor  # [vocab] the draft distribution (need not be normalized)
+    q: np.ndarray  # [vocab] the draft distribution (need not be normalized)
     draws: list[int]  # tokens in the order drawn
     replacement: bool = False  # False: each draw came from q with the earlier draws removed
 

@@ -20,7 +20,7 @@ import time
 from collections import deque
 from typing import Any, Optional
 
-import torch
+import numpy as np
 
 from outrider.errors import BadRequestError, ExecutionError, OutriderError
 from outrider.serving.queue import RequestQueue
@@ -30,7 +30,7 @@ from outrider.serving.scheduler import InstanceHandle, Scheduler
 from .constraints import TokenRules, check_grammar_state, parse_logit_bias, token_logprobs
 from .contract import Chunk, DraftTree, children_of, sampled_groups
 from .prefix_cache import BLOCK_TOKENS, PrefixCache, block_keys
-from .sampling import SamplingParams, parse_prompt, parse_sampling, sample_token
+from .sampling import SamplingParams, host_array, new_generator, parse_prompt, parse_sampling, sample_token
 from .text import IncrementalText
 
 log = logging.getLogger("outrider.llm")
@@ -42,8 +42,7 @@ class Sequence:
     """One generation in flight. Also the `SequenceView` drafters read."""
 
     def __init__(self, request: Optional[PendingRequest], slot: int, prompt_ids: list[int],
-                 params: SamplingParams, text: IncrementalText, speculate: bool,
-                 device: "torch.device | str" = "cpu") -> None:
+                 params: SamplingParams, text: IncrementalText, speculate: bool) -> None:
         self.request = request
         self.slot = slot
         self.token_ids: list[int] = list(prompt_ids)  # prompt + generated (+ the pending token)
@@ -52,13 +51,11 @@ class Sequence:
         self.params = params
         self.text = text
         self.speculate = speculate
-        # On the model's device: the probabilities it samples from live there (a CPU generator
-        # cannot drive torch.multinomial over CUDA tensors).
-        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)))
-        self.generator = torch.Generator(device=device).manual_seed(seed)
+        # Sampling runs on the host (numpy) whatever computed the logits: one generator per request.
+        self.generator = new_generator(params.seed)
         self.prefilled = False
         self.released = False
-        self.last_hidden: Optional[torch.Tensor] = None
+        self.last_hidden: Any = None  # the model's hidden-state row (numpy or torch), for draft heads
         self.finish_reason: Optional[str] = None
         self.started = time.monotonic()
         self.first_token_seconds: Optional[float] = None
@@ -104,7 +101,6 @@ class GenerationEngine:
         self.max_sequences = max_sequences
         self.max_length = max_length
         self.cache = model.new_cache(max_sequences, max_length)
-        self.device = torch.device(getattr(model, "device", "cpu"))  # where sequences' generators live
         self.free_slots = list(range(max_sequences - 1, -1, -1))
         self.active: list[Sequence] = []
         self.waiting: deque[PendingRequest] = deque()
@@ -172,7 +168,7 @@ class GenerationEngine:
         seq: Optional[Sequence] = None
         try:
             seq = Sequence(request, slot, prompt_ids, params, IncrementalText(self.tokenizer.decode, params.stop),
-                           speculate, self.device)
+                           speculate)
             seq.rules = rules
             if self.stats is not None:
                 self.stats.sequences(+1)  # given back in _release, whatever happens next
@@ -214,7 +210,7 @@ class GenerationEngine:
         try:
             params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=0)
             seq = Sequence(None, self.free_slots.pop(), prompt_ids, params,
-                           IncrementalText(self.tokenizer.decode, []), self.strategy is not None, self.device)
+                           IncrementalText(self.tokenizer.decode, []), self.strategy is not None)
             self.cache.reset(seq.slot)
             if seq.speculate:
                 self.strategy.start(seq)
@@ -272,7 +268,7 @@ class GenerationEngine:
             rows.extend([offset + n - 1] if tree is None else range(offset, offset + n))
             offset += n
         try:
-            out = self.model.forward(self.cache, [chunk for _, chunk, _ in planned], logit_rows=torch.tensor(rows))
+            out = self.model.forward(self.cache, [chunk for _, chunk, _ in planned], logit_rows=np.array(rows, dtype=np.int64))
         except Exception as exc:  # shared by every sequence of the step: none can be singled out
             error = exc if isinstance(exc, OutriderError) else ExecutionError(
                 f"the forward pass shared by {len(planned)} sequence(s) failed: {type(exc).__name__}: {exc}")
@@ -283,7 +279,7 @@ class GenerationEngine:
             n = len(chunk.tokens)
             width = 1 if tree is None else n
             hidden = out.hidden[offset:offset + n]
-            logits = out.logits[row:row + width]
+            logits = host_array(out.logits[row:row + width])
             offset += n
             row += width
             try:
@@ -302,7 +298,8 @@ class GenerationEngine:
             if self.prefix_cache is not None and seq.request is not None and length == 0:
                 self._reuse_prefix(seq)
                 length = self.cache.length(seq.slot)
-            return Chunk(seq.slot, torch.tensor(seq.token_ids[length:]), torch.arange(length, n)), None
+            return Chunk(seq.slot, np.array(seq.token_ids[length:], dtype=np.int64),
+                         np.arange(length, n, dtype=np.int64)), None
         tree = DraftTree()
         remaining = seq.params.max_tokens - len(seq.generated)
         room = min(self.max_length - length - 1, remaining - 1)
@@ -319,15 +316,15 @@ class GenerationEngine:
                 tree = self.strategy.limit_depth(tree, room)
                 if seq.rules is not None and seq.rules.grammar is not None and len(tree):
                     tree = _grammatical(tree, seq.rules)
-        tokens = torch.tensor([seq.token_ids[-1], *tree.tokens])
-        positions = length + torch.tensor([0, *tree.depths()], dtype=torch.long)
+        tokens = np.array([seq.token_ids[-1], *tree.tokens], dtype=np.int64)
+        positions = length + np.array([0, *tree.depths()], dtype=np.int64)
         return Chunk(seq.slot, tokens, positions, tree.mask() if len(tree) else None), tree
 
-    def _advance(self, seq: Sequence, chunk: Chunk, tree: Optional[DraftTree], hidden: torch.Tensor,
-                 logits: torch.Tensor) -> None:
+    def _advance(self, seq: Sequence, chunk: Chunk, tree: Optional[DraftTree], hidden: Any,
+                 logits: np.ndarray) -> None:
         """Keep what the target accepts of `seq`'s fed tokens and emit its new tokens."""
         seq.steps += 1
-        rows: list[torch.Tensor] = []  # the adjusted rows the emitted tokens are drawn from, in order
+        rows: list[np.ndarray] = []  # the adjusted rows the emitted tokens are drawn from, in order
         adjust = _adjuster(seq, rows)
         if tree is None:
             self.cache.commit(seq.slot, list(range(len(chunk.tokens))))
@@ -359,7 +356,7 @@ class GenerationEngine:
                 self.strategy.record(seq, len(tree), len(accepted))
         self._emit(seq, [tree.tokens[i] for i in accepted] + [bonus], rows)
 
-    def _emit(self, seq: Sequence, tokens: list[int], rows: Optional[list[torch.Tensor]] = None) -> None:
+    def _emit(self, seq: Sequence, tokens: list[int], rows: Optional[list[np.ndarray]] = None) -> None:
         new: list[int] = []
         logprobs: list[dict] = []
         for index, token in enumerate(tokens):
@@ -516,7 +513,7 @@ class GenerationEngine:
                 log.exception("resetting KV cache slot %d failed", slot)
 
 
-def _adjuster(seq: Sequence, rows: list[torch.Tensor]) -> Any:
+def _adjuster(seq: Sequence, rows: list[np.ndarray]) -> Any:
     """verify.Adjust for `seq` (its rules, each row it returns recorded in `rows` for the
     log-probabilities), or None when the request sets no rules and asks for no logprobs."""
     rules = seq.rules
@@ -524,7 +521,7 @@ def _adjuster(seq: Sequence, rows: list[torch.Tensor]) -> Any:
         return None
     argmax_only = seq.params.greedy and not seq.params.logprobs  # all greedy reads of a row is its argmax
 
-    def adjust(row: torch.Tensor, path: list[int]) -> torch.Tensor:
+    def adjust(row: np.ndarray, path: list[int]) -> np.ndarray:
         out = rules.apply(row, path, argmax_only) if rules is not None else row
         rows.append(out)
         return out

@@ -23,7 +23,6 @@ from collections import OrderedDict
 from typing import Any, Optional
 
 import numpy as np
-import torch
 
 from outrider.errors import BadRequestError
 
@@ -155,12 +154,12 @@ class GrammarState:
                                  f"{self.matcher.get_error()}")
             self.tentative.append(token)
 
-    def allowed(self, path: list[int]) -> torch.Tensor:
+    def allowed(self, path: list[int]) -> np.ndarray:
         """bool [vocab]: the tokens the constraint allows after `path`."""
         self._sync(path)
         bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
         self.masks_computed += 1
-        return torch.from_numpy(np.unpackbits(bits, bitorder="little")[:self.vocab_size].astype(bool))
+        return np.unpackbits(bits, bitorder="little")[:self.vocab_size].astype(bool)
 
     def accepts(self, path: list[int], token: int) -> bool:
         """Whether the constraint allows `token` after `path` (without computing a whole mask)."""

@@ -24,10 +24,9 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
-import torch
 
 BLOCK_TOKENS = 32
 
@@ -35,7 +34,7 @@ BLOCK_TOKENS = 32
 @dataclass
 class Block:
     key: bytes
-    kv: torch.Tensor  # the cache's read(): K/V of BLOCK_TOKENS positions
+    kv: Any  # the cache's read(): K/V of BLOCK_TOKENS positions
 
     @property
     def nbytes(self) -> int:
@@ -74,7 +73,7 @@ class PrefixCache:
             self.blocks.move_to_end(block.key)
         return found
 
-    def insert(self, tokens: list[int], read: Callable[[int, int], torch.Tensor]) -> int:
+    def insert(self, tokens: list[int], read: Callable[[int, int], Any]) -> int:
         """Store the full blocks of `tokens` (committed K/V, `read(start, end)` copies it) not yet
         cached; returns how many were added."""
         if self.budget_bytes <= 0:

@@ -2,6 +2,10 @@
 
 Plain sampling and speculative verification both draw from `target_distribution`, so the
 speculative accept rule reproduces exactly the distribution plain decoding samples from.
+
+NumPy only: the engine samples on the host whatever computed the logits (a torch model on CPU or
+CUDA, or the torch-free CPU model), so serving a GGUF needs no torch. Every draw comes from the
+request's own `numpy.random.Generator` (`new_generator`): a seed gives the same tokens every run.
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-import torch
+import numpy as np
 
 from outrider.errors import BadRequestError
 
@@ -139,48 +143,77 @@ def parse_prompt(params: dict) -> tuple[Optional[str], Optional[list[dict]]]:
     return None, [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
-def target_distribution(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+def new_generator(seed: Optional[int] = None) -> np.random.Generator:
+    """A request's generator: PCG64 from its seed, or from fresh OS entropy without one."""
+    return np.random.Generator(np.random.PCG64(seed))
+
+
+def host_array(values: Any) -> np.ndarray:
+    """fp32 numpy view (or copy) of a model's output: numpy as it is, a torch tensor from any device."""
+    if isinstance(values, np.ndarray):
+        return values if values.dtype == np.float32 else values.astype(np.float32)
+    return values.detach().float().cpu().numpy()  # duck-typed: this module never imports torch
+
+
+def target_distribution(logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0) -> np.ndarray:
     """Probabilities the target samples from at T > 0: softmax(logits / T), then top-k, then top-p.
 
     Ties at the top-k or top-p boundary are all kept, so the set does not depend on sort order.
     The logits are scaled in fp32 by at least SAMPLING_EPS (softmax subtracts the maximum), so
     finite logits always give a distribution; non-finite ones (a broken forward) raise
-    ValueError, which fails that sequence alone, rather than NaN reaching torch.multinomial.
+    ValueError, which fails that sequence alone, rather than NaN reaching a draw. Rows of a
+    2-D input are taken one by one.
     """
-    probs = torch.softmax(logits.float() / max(float(temperature), SAMPLING_EPS), dim=-1)
-    if not bool(torch.isfinite(probs.sum())):
+    logits = host_array(logits)
+    if logits.ndim > 1:
+        return np.stack([target_distribution(row, temperature, top_k, top_p) for row in logits])
+    scaled = logits / np.float32(max(float(temperature), SAMPLING_EPS))
+    with np.errstate(over="ignore", invalid="ignore"):
+        probs = np.exp(scaled - scaled.max())
+        total = probs.sum()
+    if not np.isfinite(total) or not total > 0:
         raise ValueError("the model's logits are not finite (inf or NaN): cannot sample from them")
+    probs /= total
     vocab = probs.shape[-1]
     if top_k and top_k < vocab:
-        kth = torch.topk(probs, top_k).values[..., -1:]
-        probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
+        kth = np.partition(probs, vocab - top_k)[vocab - top_k]
+        probs = np.where(probs >= kth, probs, np.float32(0))
     if top_p < 1.0:
-        total = probs.sum(dim=-1, keepdim=True)
-        # Sorting all 49k entries costs ~3 ms a row; grow a top-k until it holds top_p of the mass.
+        total = probs.sum()
+        # Sorting all 49k entries costs ~2 ms a row; grow a top-k until it holds top_p of the mass.
         k = min(64, vocab)
         while True:
-            values = torch.topk(probs, k).values
-            cumulative = torch.cumsum(values, dim=-1)
-            if k == vocab or bool((cumulative[..., -1:] >= top_p * total).all()):
+            values = np.sort(np.partition(probs, vocab - k)[vocab - k:])[::-1]
+            cumulative = np.cumsum(values)
+            if k == vocab or cumulative[-1] >= top_p * total:
                 break
             k = min(vocab, k * 4)
         # The smallest prefix whose mass reaches top_p: the last kept value is the threshold.
-        reach = (cumulative - values) < top_p * total
-        threshold = torch.where(reach, values, torch.full_like(values, float("inf"))).min(dim=-1, keepdim=True).values
-        probs = torch.where(probs >= threshold, probs, torch.zeros_like(probs))
-    return probs / probs.sum(dim=-1, keepdim=True)
+        threshold = values[(cumulative - values) < top_p * total].min()
+        probs = np.where(probs >= threshold, probs, np.float32(0))
+    return probs / probs.sum()
 
 
-def greedy_token(logits: torch.Tensor) -> int:
+def draw(probs: np.ndarray, generator: Optional[np.random.Generator]) -> int:
+    """One index from (unnormalized, non-negative) probabilities: the inverse CDF at one uniform
+    (from `generator`; None: fresh OS entropy)."""
+    generator = generator if generator is not None else new_generator()
+    cumulative = np.cumsum(probs, dtype=np.float64)
+    total = cumulative[-1]
+    if not total > 0:
+        raise ValueError("cannot draw from a distribution with no mass")
+    index = int(np.searchsorted(cumulative, generator.random() * total, side="right"))
+    # The last entry with mass (a uniform's rounding can reach past it; zeros are never drawn).
+    return min(index, int(np.flatnonzero(probs)[-1]))
+
+
+def greedy_token(logits: np.ndarray) -> int:
     """The greedy choice; the first maximum wins (the same rule speculative verification uses)."""
-    return int(torch.argmax(logits))
+    return int(np.argmax(host_array(logits)))
 
 
-def sample_token(logits: torch.Tensor, params: SamplingParams, generator: Optional[torch.Generator]) -> int:
+def sample_token(logits: np.ndarray, params: SamplingParams, generator: np.random.Generator) -> int:
     """One token from the target alone (no speculation)."""
     if params.greedy:
         return greedy_token(logits)
-    probs = target_distribution(logits, params.temperature, params.top_k, params.top_p)
-    if generator is not None:  # draw where the generator lives (a no-op when both are on one device)
-        probs = probs.to(generator.device)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return draw(target_distribution(logits, params.temperature, params.top_k, params.top_p), generator)

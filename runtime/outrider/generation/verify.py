@@ -6,8 +6,8 @@ sampling knobs and its generator. Output: a `Verdict` (accepted path, root first
 token the target samples after it).
 
 Both paths use the target as plain decoding defines it (`outrider.generation.sampling`): greedy is
-`torch.argmax` (first maximal index, documented for CPU and CUDA; `greedy_token` is the same
-call), and sampling draws from `target_distribution` (temperature, top_k, top_p, renormalized).
+`numpy.argmax` (the first maximal index; `greedy_token` is the same call), and sampling draws
+from `target_distribution` (temperature, top_k, top_p, renormalized) with `sampling.draw`.
 Losslessness is relative to that one function, so it must stay the only definition.
 
 Greedy (temperature 0): from the root, descend into the child whose token is the argmax of the
@@ -62,10 +62,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import numpy as np
-import torch
 
 from .contract import DraftTree
-from .sampling import is_greedy, target_distribution  # the one definition plain sampling uses too
+from .sampling import draw, host_array, is_greedy, new_generator, target_distribution  # the definitions plain sampling uses too
 
 from .contract import children_of, sampled_groups
 
@@ -80,17 +79,14 @@ def sampling_knobs(params: Any) -> tuple[float, int, float]:
     return float(get("temperature", 0.0)), int(get("top_k", 0)), float(get("top_p", 1.0))
 
 
-def uniform(generator: Optional[torch.Generator]) -> float:
-    """One U[0, 1) draw from the request's generator."""
-    device = generator.device if generator is not None else None  # a CUDA generator draws on CUDA
-    return float(torch.rand((), generator=generator, dtype=torch.float64, device=device))
+def uniform(generator: Optional[np.random.Generator]) -> float:
+    """One U[0, 1) draw from the request's generator (None: fresh OS entropy)."""
+    return float((generator if generator is not None else new_generator()).random())
 
 
-def sample_from(probs: torch.Tensor | np.ndarray, generator: Optional[torch.Generator]) -> int:
-    """One token from (unnormalized) probabilities, drawn as plain sampling draws (torch.multinomial)."""
-    probs = torch.from_numpy(probs) if isinstance(probs, np.ndarray) else probs
-    return int(torch.multinomial(probs.to(generator.device if generator is not None else "cpu"), 1,
-                                 generator=generator))
+def sample_from(probs: np.ndarray, generator: np.random.Generator) -> int:
+    """One token from (unnormalized) probabilities, drawn as plain sampling draws (`sampling.draw`)."""
+    return draw(probs, generator)
 
 
 @dataclass
@@ -120,17 +116,18 @@ class Verdict:
 #: Row logits as the request's rules make them (constraints.TokenRules.apply): `adjust(row, path)`,
 #: `path` = the tokens emitted before this row in this step. Called once per row reached, in order,
 #: so call j gives the row emitted token j is drawn from.
-Adjust = Callable[[torch.Tensor, list[int]], torch.Tensor]
+Adjust = Callable[[np.ndarray, list[int]], np.ndarray]
 
 
-def verify(tree: DraftTree, logits: torch.Tensor, params: Any, generator: Optional[torch.Generator],
+def verify(tree: DraftTree, logits: np.ndarray, params: Any, generator: np.random.Generator,
            adjust: Optional[Adjust] = None) -> Verdict:
     """Greedy verification at temperature 0, lossless speculative sampling otherwise.
 
     With `adjust`, each row reached is first adjusted for the path that reaches it (a grammar's
     mask, logit_bias, penalties): the target distribution is the adjusted one, as plain decoding
     samples from `adjust(row, [])`, so the rule stays lossless under the same rules."""
-    if logits.dim() != 2 or logits.shape[0] != len(tree) + 1:
+    logits = host_array(logits)
+    if logits.ndim != 2 or logits.shape[0] != len(tree) + 1:
         raise ValueError(f"verify: expected logits of shape [1 + {len(tree)}, vocab], got {tuple(logits.shape)}")
     temperature, top_k, top_p = sampling_knobs(params)
     if is_greedy(temperature):  # the same threshold plain decoding uses
@@ -138,15 +135,15 @@ def verify(tree: DraftTree, logits: torch.Tensor, params: Any, generator: Option
     return verify_sampling(tree, logits, temperature, top_k, top_p, generator, adjust)
 
 
-def verify_greedy(tree: DraftTree, logits: torch.Tensor, adjust: Optional[Adjust] = None) -> Verdict:
+def verify_greedy(tree: DraftTree, logits: np.ndarray, adjust: Optional[Adjust] = None) -> Verdict:
     """Follow the argmax through the tree; the bonus is the argmax of the last row reached."""
     # Without rules, every row's argmax at once (the same function as sampling.greedy_token).
-    best = torch.argmax(logits, dim=-1).tolist() if adjust is None else None
+    best = np.argmax(logits, axis=-1).tolist() if adjust is None else None
     children = children_of(tree)
     verdict = Verdict(draft_tokens=len(tree))
     node = -1
     while True:
-        want = best[node + 1] if best is not None else int(torch.argmax(adjust(logits[node + 1], list(verdict.tokens))))
+        want = best[node + 1] if best is not None else int(np.argmax(adjust(logits[node + 1], list(verdict.tokens))))
         nxt = next((c for c in children[node] if tree.tokens[c] == want), None)
         if nxt is None:
             verdict.bonus = int(want)
@@ -163,11 +160,11 @@ def _normalized(x: np.ndarray) -> Optional[np.ndarray]:
 
 def verify_sampling(
     tree: DraftTree,
-    logits: torch.Tensor,
+    logits: np.ndarray,
     temperature: float,
     top_k: int,
     top_p: float,
-    generator: Optional[torch.Generator],
+    generator: np.random.Generator,
     adjust: Optional[Adjust] = None,
 ) -> Verdict:
     """Multi-candidate speculative sampling over the tree (see the module docstring)."""
@@ -182,14 +179,14 @@ def verify_sampling(
         if not kids and node not in groups:  # a leaf: exactly plain sampling's draw
             verdict.bonus = sample_from(target, generator)
             return verdict
-        p = target.double().cpu().numpy().copy()
+        p = target.astype(np.float64)
         child_of_token: dict[int, int] = {}
         for c in kids:
             child_of_token.setdefault(int(tree.tokens[c]), c)
         chosen: Optional[int] = None  # accepted token
         tried: set[int] = set()
         for group in groups.get(node, []):
-            q = group.q.detach().double().cpu().numpy().clip(min=0)
+            q = np.asarray(group.q, dtype=np.float64).clip(min=0)
             q = _normalized(q)
             for token in group.draws:
                 if q is None or q[token] <= 0:
