@@ -13,46 +13,58 @@ position past `max_length`, where the padded rows of a graph step write their K/
 Layout [layers, 2 (K, V), slots, kv_heads, capacity, head_dim], as the forward expects: one copy
 per chunk and layer writes K and V together, and a layer's K (or V) over a range of slots is one
 strided view, so attention can run over several slots at once without copying.
+
+`SlotKVCache` holds torch tensors (the torch model's); `NumpySlotKVCache` the same layout in a
+numpy array (the torch-free CPU model's, native_model.py). This module imports no torch itself.
 """
 
 from __future__ import annotations
 
-import torch
+from typing import Any
+
+import numpy as np
 
 # Capacity grows in steps of this many positions (and at least doubles), so a long generation
 # reallocates a handful of times, not every few tokens.
 GROWTH_STEP = 256
 
 
-class SlotKVCache:
-    """K/V for up to `num_slots` sequences of up to `max_length` tokens, grown on demand.
+class NumpySlotKVCache:
+    """K/V for up to `num_slots` sequences of up to `max_length` tokens, grown on demand, in fp32
+    numpy (`SlotKVCache` below is the same on torch tensors).
 
     A forward writes its fed tokens tentatively at length .. length+n-1; `commit` keeps some.
     """
 
-    def __init__(self, config, num_slots: int, max_length: int, dtype: torch.dtype, device: torch.device,
-                 static: bool = False) -> None:
+    def __init__(self, config: Any, num_slots: int, max_length: int, static: bool = False) -> None:
         if num_slots < 1 or max_length < 1:
             raise ValueError(f"need num_slots >= 1 and max_length >= 1, got {num_slots}, {max_length}")
         self.num_slots = num_slots
         self.max_length = max_length
         self.static = static
         self._shape = (config.num_layers, 2, config.num_kv_heads, config.head_dim)
-        self._dtype, self._device = dtype, torch.device(device)
         # Static: all slots, max_length + 1 positions (the last one is the padded rows' scratch).
         self.kv = self._empty(num_slots, max_length + 1) if static else self._empty(0, 0)
         self._lengths = [0] * num_slots
         self._fed = [0] * num_slots  # tokens written tentatively by the last forward, not yet committed
         self._live: set[int] = set()  # slots holding a sequence (reserved since their last reset)
 
-    def _empty(self, slots: int, capacity: int) -> torch.Tensor:
+    # What the storage differs in (numpy here, torch in SlotKVCache):
+    def _empty(self, slots: int, capacity: int) -> Any:
         layers, two, heads, dim = self._shape
-        return torch.zeros(layers, two, slots, heads, capacity, dim, dtype=self._dtype, device=self._device)
+        return np.zeros((layers, two, slots, heads, capacity, dim), dtype=np.float32)
+
+    def _positions(self, slot: int, index: list[int]) -> Any:
+        """A copy of `slot`'s K/V at positions `index`: [layers, 2, kv_heads, n, head_dim]."""
+        return self.kv[:, :, slot][:, :, :, index]
+
+    def _stored(self, kv: Any) -> Any:
+        return np.asarray(kv, dtype=np.float32)
 
     @property
     def nbytes(self) -> int:
-        """Memory held by the K/V tensors now."""
-        return self.kv.numel() * self.kv.element_size()
+        """Memory held by the K/V arrays now."""
+        return int(self.kv.nbytes)
 
     @property
     def capacity(self) -> int:
@@ -96,22 +108,20 @@ class SlotKVCache:
             )
         start = self._lengths[slot]
         if keep != list(range(len(keep))):
-            index = torch.tensor(keep, dtype=torch.long, device=self.kv.device) + start
-            # index_select copies first, so overlapping source and destination are safe.
-            kv = self.kv[:, :, slot]  # [layers, 2, kv_heads, capacity, head_dim]
-            kv[:, :, :, start : start + len(keep)] = kv.index_select(3, index)
+            # The gather copies first, so overlapping source and destination are safe.
+            self.kv[:, :, slot, :, start : start + len(keep)] = self._positions(slot, [start + i for i in keep])
         self._lengths[slot] = start + len(keep)
         self._fed[slot] = 0
 
-    def read(self, slot: int, start: int, end: int) -> torch.Tensor:
+    def read(self, slot: int, start: int, end: int) -> Any:
         """A copy of `slot`'s committed K/V at positions start .. end-1: [layers, 2, kv_heads, n, head_dim]
         (what the prefix cache keeps)."""
         if not 0 <= start <= end <= self._lengths[slot]:
             raise ValueError(f"read(slot={slot}): positions {start}..{end} are not all committed "
                              f"({self._lengths[slot]})")
-        return self.kv[:, :, slot, :, start:end].clone()
+        return self._positions(slot, list(range(start, end)))
 
-    def write(self, slot: int, start: int, kv: torch.Tensor) -> None:
+    def write(self, slot: int, start: int, kv: Any) -> None:
         """Commit `kv` (as `read` returns it) at positions start .. in `slot`, right after its
         committed tokens (a cached prefix, copied in before the rest is prefilled)."""
         if start != self._lengths[slot] or self._fed[slot]:
@@ -119,7 +129,7 @@ class SlotKVCache:
                              f"got {start}")
         n = kv.shape[3]
         self.reserve(slot, start + n)
-        self.kv[:, :, slot, :, start:start + n] = kv.to(self.kv.device, self.kv.dtype)
+        self.kv[:, :, slot, :, start:start + n] = self._stored(kv)
         self._lengths[slot] = start + n
 
     def reset(self, slot: int) -> None:
@@ -127,5 +137,36 @@ class SlotKVCache:
         self._lengths[slot] = 0
         self._fed[slot] = 0
         self._live.discard(slot)
-        if not self._live and self.kv.numel() and not self.static:
+        if not self._live and self.kv.shape[2] and not self.static:
             self.kv = self._empty(0, 0)
+
+
+class SlotKVCache(NumpySlotKVCache):
+    """The same cache on torch tensors of `dtype` on `device` (the torch model's; static on CUDA)."""
+
+    def __init__(self, config: Any, num_slots: int, max_length: int, dtype: Any, device: Any,
+                 static: bool = False) -> None:
+        import torch
+
+        self._dtype, self._device = dtype, torch.device(device)
+        super().__init__(config, num_slots, max_length, static)
+
+    def _empty(self, slots: int, capacity: int) -> Any:
+        import torch
+
+        layers, two, heads, dim = self._shape
+        return torch.zeros(layers, two, slots, heads, capacity, dim, dtype=self._dtype, device=self._device)
+
+    def _positions(self, slot: int, index: list[int]) -> Any:
+        import torch
+
+        return self.kv[:, :, slot].index_select(3, torch.tensor(index, dtype=torch.long, device=self.kv.device))
+
+    def _stored(self, kv: Any) -> Any:
+        import torch
+
+        return torch.as_tensor(kv).to(self.kv.device, self.kv.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
