@@ -36,8 +36,10 @@
 
 namespace outrider_native {
 
+// Row r of y at y + r * y_stride (y_stride >= out): a part of a wider output fills its column
+// slice (c_api.cpp's parts side by side). Declared in c_api.cpp beside its use.
 void a8_matmul(const float* x, int64_t rows, int64_t in, int64_t group, const uint8_t* w, const void* d,
-               const void* m, int64_t out, int bits, float* y) {
+               const void* m, int64_t out, int bits, float* y, int64_t y_stride) {
   if (rows == 0) return;
   const KernelSet& ks = active_kernels();
   const int64_t groups = in / group;
@@ -55,8 +57,13 @@ void a8_matmul(const float* x, int64_t rows, int64_t in, int64_t group, const ui
   const float* up = sum.data();
   const int32_t* ip = isum.data();
   parallel_for(out / kTile, [&](int64_t begin, int64_t end) {
-    ks.matmul_tiles(xq, sp, up, ip, rows, in, group, w, d, m, out, bits, begin, end, y, out);
+    ks.matmul_tiles(xq, sp, up, ip, rows, in, group, w, d, m, out, bits, begin, end, y, y_stride);
   });
+}
+
+void a8_matmul(const float* x, int64_t rows, int64_t in, int64_t group, const uint8_t* w, const void* d,
+               const void* m, int64_t out, int bits, float* y) {
+  a8_matmul(x, rows, in, group, w, d, m, out, bits, y, out);
 }
 
 const char* check_chunks(const int64_t* ch, int64_t count, int64_t total, int64_t slots, int64_t capacity,
@@ -125,10 +132,9 @@ void attend(const float* qkv, int64_t total, const KvLayer& kv, const int64_t* c
   });
 }
 
-namespace {
-
 // RoPE in place on the first `heads` heads of each row: p' = p * cos + rotate_half(p) * sin
-// (sin carries the sign of rotate_half's first half). Plain C++: the same on every path.
+// (sin carries the sign of rotate_half's first half). Plain C++: the same on every path. Shared
+// with c_api.cpp's llama_layers (declared there).
 void rope_rows(float* qkv, const float* cos, const float* sin, int64_t rows, int64_t heads, int64_t d,
                int64_t width) {
   const int64_t half = d / 2;
@@ -145,8 +151,6 @@ void rope_rows(float* qkv, const float* cos, const float* sin, int64_t rows, int
     }
   }
 }
-
-}  // namespace
 
 void w4a8_layers(float* x, int64_t rows, int64_t hidden, const float* cos, const float* sin, const KvLayer* kv,
                  const LayerWeights* layers, int64_t num_layers, const int64_t* chunks, int64_t chunk_count,
