@@ -119,8 +119,9 @@ def random_blocks(kind: str, rows: int, cols: int, seed: int, powers_of_two: boo
 
 
 def one_token_logits(model, tokens) -> "object":
-    """The logits of `tokens` fed to `model` (an outrider LlamaModel) one token at a time, each
-    committed: what a prefill of them must equal bit for bit on the native paths."""
+    """The logits of `tokens` fed to `model` (an outrider LlamaModel, or the torch-free NativeLlama:
+    numpy out) one token at a time, each committed: what a prefill of them must equal bit for bit on
+    the native paths."""
     import torch
 
     from outrider.generation.contract import Chunk
@@ -130,7 +131,7 @@ def one_token_logits(model, tokens) -> "object":
     for i, token in enumerate(tokens):
         steps.append(model.forward(cache, [Chunk(0, torch.tensor([int(token)]), torch.tensor([i]))]).logits)
         cache.commit(0, [0])
-    return torch.cat(steps)
+    return np.concatenate(steps) if isinstance(steps[0], np.ndarray) else torch.cat(steps)
 
 
 def _permute(weights: np.ndarray, heads: int) -> np.ndarray:

@@ -13,7 +13,12 @@ ones too, which run dequantized there), `cuda_graphs` (default true: decode and 
 CUDA replay captured graphs, see `cuda_graphs.py`), `weights` (file | float, default file: a quantized
 GGUF without a `quantize:` section is served in its own block types on the native kernels; float
 dequantizes it to `dtype`), `prefix_cache_mb` (default 64; 0 = off: K/V of prompt prefixes kept
-for later requests that start with the same tokens, see outrider.generation.prefix_cache).
+for later requests that start with the same tokens, see outrider.generation.prefix_cache),
+`runtime` (auto | native | torch, default auto: on a CPU, a GGUF served in its own block types
+runs on the native kernels' C ABI without torch in the process (native_model.py: ~260 MB and ~1 s
+less than torch's import), unless the model needs the torch model (an EAGLE draft head, a
+`quantize:` section, a float or dense matrix, CUDA); `native` insists and fails saying why it cannot;
+`torch` always uses the torch model).
 
 On CUDA a sticky CUDA error (the context is unusable) makes `health()` unhealthy for good, and
 running out of GPU memory during warmup fails the load with that reason.
@@ -65,6 +70,9 @@ class LlmOptions(BaseModel):
     #: Automatic prefix caching (outrider.generation.prefix_cache): K/V of prompt prefixes kept, up
     #: to this many MiB, for later requests that start with the same tokens; 0 turns it off.
     prefix_cache_mb: int = Field(64, ge=0, le=1 << 20)
+    #: Which model computes (see the module docstring): "auto" the torch-free native one where it
+    #: covers the model, "native" only that one, "torch" the torch one.
+    runtime: Literal["auto", "native", "torch"] = "auto"
 
 
 class LlmBackend(GeneratingBackend):
@@ -94,29 +102,67 @@ class LlmBackend(GeneratingBackend):
     def source_artifact(self) -> Any:
         """The GGUF, converted once into the artifact cache: in its own block types (a quantized
         file served as it is), or as float weights (`weights: float`, and what `quantize:` starts
-        from). Also sets the process's torch threads, before any transform computes."""
-        import torch
-
-        from .loading import load_native_artifact, load_weights_artifact
+        from). Also sets the process's compute threads, before any transform computes."""
+        from .artifact import load_native_artifact, load_weights_artifact
 
         options = self.options
         on_cuda = self.device.startswith("cuda")
         self.cuda_health = CudaHealth(self.device) if on_cuda else None
-        if on_cuda and not torch.cuda.is_available():
-            from outrider.errors import ManifestError
+        if on_cuda:
+            import torch
 
-            raise ManifestError(f"{self.manifest.source_file or self.manifest.name}: field 'device': {self.device} "
-                                f"was asked for, but torch {torch.__version__} sees no CUDA GPU")
-        # CUDA work needs no intra-op threads; on CPU the first torch model of the process sets them.
-        self.threads = None if on_cuda else set_torch_threads(options.threads or _physical_cores(),
-                                                              f"model {self.manifest.name!r}")
+            if not torch.cuda.is_available():
+                from outrider.errors import ManifestError
+
+                raise ManifestError(f"{self.manifest.source_file or self.manifest.name}: field 'device': "
+                                    f"{self.device} was asked for, but torch {torch.__version__} sees no CUDA GPU")
+        self.runtime, self._runtime_reason = self._choose_runtime(options, on_cuda)
+        # CUDA work needs no intra-op threads; on CPU the first model of the process sets them.
+        self.threads = None if on_cuda else self._set_threads(options.threads or _physical_cores())
         self._loading_since = time.perf_counter()
-        self.serves_file_blocks = self._serves_file_blocks(options, on_cuda)
+        self.serves_file_blocks = self.runtime == "native" or self._serves_file_blocks(options, on_cuda)
         path = self.manifest.model_path()
-        # A first start converts in a child process: the conversion's heap leaves with it.
+        # A first start converts in a child process: the conversion's heap (and its torch) leaves with it.
         load = load_native_artifact if self.serves_file_blocks else load_weights_artifact
         self._source = load(path, in_child=True)
         return self._source
+
+    def _choose_runtime(self, options: LlmOptions, on_cuda: bool) -> tuple[str, str]:
+        """("native" | "torch", why): the model that serves (`options.runtime`, see the module
+        docstring). Whether the native model covers the file's weights is known once the artifact
+        is read: `load` falls back to torch then (under auto)."""
+        if options.runtime == "torch":
+            return "torch", "options.runtime: torch"
+        speculative = getattr(self.accelerators, "configs", {}).get("speculative")
+        if on_cuda:
+            why = f"device {self.device}"
+        elif options.weights != "file":
+            why = f"options.weights: {options.weights}"
+        elif self.accelerators.artifact_transforms:
+            why = "a quantize: section (its kernels are the torch model's)"
+        elif speculative is not None and "eagle" in getattr(speculative, "drafters", ()):
+            why = "the eagle draft head (a torch module reading the model's torch interface)"
+        else:
+            from . import native_c
+
+            loaded, reason = native_c.library()
+            if loaded:
+                return "native", ""
+            why = f"the native kernels' C library: {reason}"
+        if options.runtime == "native":
+            from outrider.errors import ManifestError
+
+            raise ManifestError(f"{self.manifest.source_file or self.manifest.name}: options.runtime: native "
+                                f"cannot serve this model: {why}")
+        return "torch", why
+
+    def _set_threads(self, threads: int) -> int:
+        if self.runtime == "native":
+            from . import native_c
+
+            native_c.set_threads(threads)
+            return threads
+        return set_torch_threads(threads, f"model {self.manifest.name!r}")
 
     def gate_helpers(self) -> dict[str, Any]:
         """A quantization's quality gate builds the float and the quantized model through these
@@ -144,27 +190,37 @@ class LlmBackend(GeneratingBackend):
     def load(self) -> None:
         from outrider.generation.engine import GenerationEngine
 
-        from .loading import model_from_artifact, read_artifact_meta
+        from .artifact import read_artifact_meta
 
         if self.artifact is None:  # used outside the core (a test, a tool): prepare as the core would
             self.prepare_artifact()
         options = self.options
         on_cuda = self.device.startswith("cuda")
-        threads = self.threads
         self.block_types: dict[str, int] = {}
         if self.serves_file_blocks:
-            # A quantized GGUF without `quantize:`: its own block types on the native kernels.
             self.block_types = read_artifact_meta(self.artifact).get("block_types", {})
-            self.model, self.tokenizer = model_from_artifact(self.artifact, dtype=options.dtype, device=self.device)
-        else:
-            # A quantized artifact says in which dtype it computes on CPU; `options.dtype` is for float
-            # weights, and on CUDA for quantized ones too (they are dequantized to dense there).
-            dtype = None if self.accelerators.artifact_transforms and not on_cuda else options.dtype
-            self.model, self.tokenizer = model_from_artifact(self.artifact, dtype=dtype, device=self.device,
-                                                             kernel=self._kernel())
+        self.model = None
+        if self.runtime == "native":
+            self.model, self.tokenizer = self._native_model(options)
+        if self.model is None:
+            from .loading import model_from_artifact
+
+            if self.serves_file_blocks:
+                # A quantized GGUF without `quantize:`: its own block types on the native kernels.
+                self.model, self.tokenizer = model_from_artifact(self.artifact, dtype=options.dtype,
+                                                                 device=self.device)
+            else:
+                # A quantized artifact says in which dtype it computes on CPU; `options.dtype` is for
+                # float weights, and on CUDA for quantized ones too (they are dequantized to dense there).
+                dtype = None if self.accelerators.artifact_transforms and not on_cuda else options.dtype
+                self.model, self.tokenizer = model_from_artifact(self.artifact, dtype=dtype, device=self.device,
+                                                                 kernel=self._kernel())
         started = self._loading_since
-        log.info("model %s: weights ready in %.2fs (%s)", self.manifest.name, time.perf_counter() - started,
-                 f"{threads} threads" if threads else f"{self.device}, {self.model.dtype}")
+        threads = self.threads
+        log.info("model %s: weights ready in %.2fs (%s; %s)", self.manifest.name, time.perf_counter() - started,
+                 f"{threads} threads" if threads else f"{self.device}, {self.model.dtype}",
+                 "torch-free native runtime" if self.runtime == "native"
+                 else f"torch runtime: {self._runtime_reason}")
         strategy = getattr(self.accelerators, "decode_strategy", None)
         if strategy is not None:
             strategy = strategy.for_instance()  # drafter state is per engine, not per model
@@ -177,6 +233,23 @@ class LlmBackend(GeneratingBackend):
             self.engine.strategy.attach(self.model, self.tokenizer)
         if on_cuda and options.cuda_graphs:
             self.model.use_cuda_graphs(self.engine.cache)
+
+    def _native_model(self, options: LlmOptions) -> tuple[Any, Any]:
+        """(NativeLlama, tokenizer), or (None, None) where it does not cover the artifact under
+        `runtime: auto` (the torch model serves then, and the log says why)."""
+        from .native_model import NativeLlama
+
+        try:
+            return NativeLlama.from_artifact(self.artifact)
+        except ValueError as exc:
+            if options.runtime == "native":
+                from outrider.errors import ManifestError
+
+                raise ManifestError(f"{self.manifest.source_file or self.manifest.name}: options.runtime: native "
+                                    f"cannot serve this model: {exc}") from None
+            self.runtime, self._runtime_reason = "torch", str(exc)
+            self.threads = set_torch_threads(self.threads or _physical_cores(), f"model {self.manifest.name!r}")
+            return None, None
 
     def _max_length(self, asked: int) -> int:
         """The context a sequence may use: `max_length`, capped at the model's sliding window (the
@@ -216,7 +289,7 @@ class LlmBackend(GeneratingBackend):
             ids = self.tokenizer.encode(prompt)[: self.engine.max_length - tokens - 1]  # a short context fits too
             for _ in range(max(1, self.manifest.warmup.iterations)):
                 self.engine.warm_up(ids, max_tokens=tokens)
-            from .model import release_free_memory
+            from .heap import release_free_memory
 
             # Loading and drafter set-up leave freed temporaries in the heap, which tune_malloc
             # keeps: hand them back before the model reports ready (idle RSS on the edge).
@@ -239,7 +312,8 @@ class LlmBackend(GeneratingBackend):
         last requests freed back to the OS, so that an idle server's RSS is its model's."""
         if not self.device.startswith("cpu"):
             return
-        release_cpu_threads()
+        if getattr(self, "runtime", "torch") == "torch":
+            release_cpu_threads()
         engine = self.engine
         if engine is None:
             return
@@ -247,7 +321,7 @@ class LlmBackend(GeneratingBackend):
         if engine.steps != getattr(self, "_idle_steps", None):  # it worked since: a new idle spell
             self._idle_steps, self._idle_since, self._memory_released = engine.steps, now, False
         elif not self._memory_released and now - self._idle_since >= RELEASE_MEMORY_AFTER_S:
-            from .model import release_free_memory
+            from .heap import release_free_memory
 
             release_free_memory()
             self._memory_released = True
@@ -263,6 +337,7 @@ class LlmBackend(GeneratingBackend):
                "waiting": len(engine.waiting), "free_slots": len(engine.free_slots)}
         if getattr(self, "block_types", None):
             out["weights"] = {"served_as": "the file's own blocks", "block_types": self.block_types}
+        out["runtime"] = getattr(self, "runtime", "torch")
         if cuda is not None:
             out["dtype"] = str(self.model.dtype).replace("torch.", "")
             runner = getattr(self.model, "graph_runner", None)

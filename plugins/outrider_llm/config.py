@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Optional
 
+import numpy as np
+
 
 @dataclass
 class LlamaConfig:
@@ -42,3 +44,26 @@ class LlamaConfig:
         """Inverse of `to_dict`; ignores unknown keys."""
         known = {f for f in cls.__dataclass_fields__}
         return cls(**{k: v for k, v in data.items() if k in known})
+
+
+
+def rope_tables(config: LlamaConfig, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(cos, sin_signed) fp32 [size, head_dim] for positions 0 .. size-1, the one definition both
+    models read (so the torch model and the torch-free one agree bit for bit).
+
+    transformers' LlamaRotaryEmbedding (inv_freq, the outer product with positions, cat, cos and sin)
+    computed in fp64 and rounded once to fp32: libraries' fp32 pow, sin and cos differ in their last
+    bits (torch's and numpy's did), fp64 rounded to fp32 is the same value from either.
+    sin_signed = [-sin_lo, sin_hi]: rotate_half(x) * sin == swap_halves(x) * sin_signed."""
+    d = config.head_dim
+    inv_freq = 1.0 / (float(config.rope_theta) ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    if config.rope_freq_factors:  # Llama 3's rope scaling, as the GGUF's rope_freqs tensor gives it
+        inv_freq = inv_freq / np.asarray(config.rope_freq_factors, dtype=np.float64)
+    if config.rope_scaling_factor != 1.0:  # linear scaling: every position divided by the factor
+        inv_freq = inv_freq / float(config.rope_scaling_factor)
+    freqs = np.arange(size, dtype=np.float64)[:, None] * inv_freq[None, :]
+    emb = np.concatenate([freqs, freqs], axis=-1)
+    half = d // 2
+    sin = np.sin(emb)
+    sin_signed = np.concatenate([-sin[:, :half], sin[:, half:]], axis=-1)
+    return np.cos(emb).astype(np.float32), sin_signed.astype(np.float32)

@@ -28,7 +28,7 @@ KINDS = ("native", "float")
 
 def convert_in_child(kind: str, gguf: Path, directory: Path) -> dict:
     """Run `convert(kind, gguf, directory)` in a child Python; its figures, or its error raised here."""
-    from .loading import GGUFError
+    from .artifact import GGUFError  # not .loading: this process may serve without torch
 
     import outrider
 

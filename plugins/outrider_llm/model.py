@@ -36,7 +36,8 @@ import torch.nn.functional as F
 
 from outrider.generation.contract import Chunk, ForwardOutput
 
-from .config import LlamaConfig
+from .config import LlamaConfig, rope_tables
+from .heap import release_free_memory, tune_malloc  # noqa: F401  (re-exported: their old home)
 
 from .kv_cache import SlotKVCache
 
@@ -90,43 +91,6 @@ def resolve_dtype(dtype: "str | torch.dtype | None", device: "str | torch.device
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
     raise ValueError(f"dtype must be 'fp32', 'bf16', 'fp16' or 'auto', not {dtype!r}")
-
-
-def tune_malloc() -> bool:
-    """Keep freed memory in glibc's heap instead of unmapping it (process-wide; Linux/glibc only).
-
-    By default glibc serves blocks over 128 KiB with mmap and gives them back on free, so every
-    multi-MB temporary pays fresh page faults: on the KVM dev machine a 3.5 MB clone took 8 ms
-    instead of 0.7 ms, and packing SmolLM2's weights 0.9-2 s instead of 0.18 s. Returns whether
-    it applied. Resident memory then stays at its peak, which suits a long-lived server.
-    """
-    global _MALLOC_TUNED
-    if _MALLOC_TUNED:
-        return True
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6")
-        m_trim_threshold, m_mmap_threshold = -1, -3
-        ok = libc.mallopt(m_mmap_threshold, 32 << 20) == 1  # 32 MiB: glibc's maximum
-        ok = libc.mallopt(m_trim_threshold, 1 << 30) == 1 and ok
-    except (OSError, AttributeError):
-        return False
-    _MALLOC_TUNED = ok
-    return ok
-
-
-_MALLOC_TUNED = False
-
-
-def release_free_memory() -> None:
-    """Hand freed heap memory back to the OS now (after `tune_malloc`, glibc no longer does it itself)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def _w8a8_head(table: torch.Tensor, exact: Optional[Int8BlockTable]) -> "W8A8Linear":
@@ -613,22 +577,9 @@ class LlamaModel(torch.nn.Module):
         return sum(getattr(k, "nbytes", 0) for k in kernels)
 
     def _rope_table(self, size: int) -> None:
-        # Same arithmetic as transformers' LlamaRotaryEmbedding (fp32 outer product, cat, cos/sin).
-        cfg = self.config
-        d = cfg.head_dim
-        dev = self.device
-        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=dev).float() / d))
-        if cfg.rope_freq_factors:  # Llama 3's rope scaling, as the GGUF's rope_freqs tensor gives it
-            inv_freq = inv_freq / torch.tensor(cfg.rope_freq_factors, dtype=torch.float32, device=dev)
-        if cfg.rope_scaling_factor != 1.0:  # linear scaling: every position divided by the factor
-            inv_freq = inv_freq / cfg.rope_scaling_factor
-        freqs = torch.arange(size, dtype=torch.float32, device=dev)[:, None] * inv_freq[None, :]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        half = d // 2
-        sin = emb.sin()
-        # rotate_half(x) * sin == swap_halves(x) * [-sin_lo, sin_hi]: one flip instead of a cat.
-        self._cos = emb.cos()
-        self._sin_signed = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
+        cos, sin_signed = rope_tables(self.config, size)  # shared with the torch-free model
+        self._cos = torch.from_numpy(cos).to(self.device)
+        self._sin_signed = torch.from_numpy(sin_signed).to(self.device)
 
     # ---- CausalLM ------------------------------------------------------------------------
 

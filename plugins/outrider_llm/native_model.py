@@ -1,0 +1,400 @@
+"""A Llama-family decoder on outrider's native CPU kernels through their C ABI, without torch.
+
+What it is for: serving a quantized GGUF on a CPU in a process that never imports torch. torch's
+import alone holds ~260 MB and takes ~1 s; this model's process holds the weights (the file's own
+blocks, as the torch model holds them), numpy, tokenizers and the core.
+
+What it runs: every decoder layer of a step is one call of `outrider_llama_layers` (csrc/c_api.cpp:
+RMSNorm, int8 activations, each matrix in its own block type (parts side by side where a file mixes
+them), Qwen2's q/k/v biases, Qwen3's q/k norms, RoPE, attention over exactly the keys each row may
+see, SwiGLU), then the final norm and the LM head on the same kernels. Sampling and speculation are
+the engine's (numpy), so a draft tree's rows get exactly a one-token step's logits here too.
+
+What it covers (`coverage`): the llama (Llama, Mistral, SmolLM2), qwen2, qwen3 and phi3
+architectures as loading.py converts them, with every layer matrix in a native block type (the
+quantized GGUF types; see gguf_blocks.py). A float matrix (an F16/F32 file, or a dense tensor),
+an untied head without blocks, or a draft head that needs the model's torch interface (EAGLE) is
+not covered: the llm backend serves those with the torch model and says why.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+
+from outrider.generation.contract import Chunk, ForwardOutput
+
+from . import native_c
+from .artifact import META_FILE, WEIGHTS_FILE, _artifact_dir, artifact_tokenizer, read_artifact_meta
+from .config import LlamaConfig, rope_tables
+from .gguf_blocks import AffineGroups
+from .heap import tune_malloc
+from .kv_cache import NumpySlotKVCache
+
+log = logging.getLogger("outrider.llm")
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")
+ROPE_ROWS_AT_START = 2048  # positions the RoPE tables hold before a longer sequence grows them
+MATRICES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def coverage(meta: dict, keys: "set[str]") -> str:
+    """Why this model cannot serve an artifact ("" when it can): `meta` its meta.json, `keys` the
+    names in its weights file."""
+    config = meta.get("config", {})
+    arch = config.get("architecture", "llama")
+    if arch not in ARCHITECTURES:
+        return f"architecture {arch!r} (covered: {', '.join(ARCHITECTURES)})"
+    if meta.get("quantize"):
+        return "a quantize: artifact (its kernels are the torch model's)"
+    for i in range(int(config.get("num_layers", 0))):
+        for name in MATRICES:
+            base = f"model.layers.{i}.{name}.weight"
+            if f"{base}.affine.q" not in keys:
+                return f"{base} is not in a native block type (a float or dense matrix)"
+    if "model.embed_tokens.weight.affine.q" not in keys:
+        return "the token embeddings are not in a native block type"
+    if not config.get("tie_word_embeddings", True) and "lm_head.weight.affine.q" not in keys:
+        return "an untied LM head without native blocks"
+    return ""
+
+
+def _unpack_nibbles(packed: np.ndarray) -> np.ndarray:
+    """uint8 [out, in / 2] two 4-bit values a byte (column 2j low, 2j+1 high; weights.pack_int4) -> [out, in]."""
+    out = np.empty((packed.shape[0], packed.shape[1] * 2), dtype=np.uint8)
+    out[:, 0::2] = packed & 15
+    out[:, 1::2] = packed >> 4
+    return out
+
+
+class Weights:
+    """Tensors by name (a state dict in linear.py's layout) as numpy arrays the model may keep."""
+
+    def __init__(self, tensors: dict[str, Any]) -> None:
+        self._tensors = tensors
+        self.keys = set(tensors)
+
+    @classmethod
+    def of_artifact(cls, directory: Path) -> "Weights":
+        """The artifact's weights file, read into memory the process owns (not views into the file's
+        mmap, which would keep every touched page of it resident)."""
+        from safetensors import safe_open
+
+        out = cls({})
+        out._file = safe_open(str(directory / WEIGHTS_FILE), framework="numpy")
+        out.keys = set(out._file.keys())
+        return out
+
+    def get(self, name: str) -> np.ndarray:
+        if name not in self.keys:
+            raise KeyError(f"missing weight {name!r}")
+        if name in self._tensors:
+            value = self._tensors[name]
+            return np.array(value.numpy() if hasattr(value, "numpy") else value)  # a torch tensor, in tests
+        return np.array(self._file.get_tensor(name))
+
+    def groups(self, name: str) -> AffineGroups:
+        """The affine groups of weight `name` (`linear.affine_state_dict`'s layout), q unpacked."""
+        q, d, m = (self.get(f"{name}.affine.{k}") for k in ("q", "d", "m"))
+        bits = int(self.get(f"{name}.affine.bits").reshape(-1)[0])
+        if bits not in (4, 5, 8) or q.dtype != np.uint8 or d.shape != m.shape or d.ndim != 2:
+            raise ValueError(f"{name}: expected affine q uint8, d and m of one 2-D shape and 4, 5 or 8 bits, got "
+                             f"{q.dtype} {q.shape}, {d.shape}, {m.shape}, {bits} bits")
+        values = _unpack_nibbles(q) if bits == 4 else q
+        if values.shape[0] != d.shape[0] or values.shape[1] % d.shape[1]:
+            raise ValueError(f"{name}: affine d {d.shape} does not fit q {values.shape}")
+        return AffineGroups(bits, values, d, m, values.shape[1] // d.shape[1], True, "")
+
+
+def _scaled(groups: AffineGroups, factor: float) -> AffineGroups:
+    """The weight times `factor`, as linear.QuantTensor.scaled forms it: d and m scaled in fp32, kept
+    in fp16 when the file's were (rounded when `factor` is not a power of two)."""
+    d, m = groups.d.astype(np.float32) * np.float32(factor), groups.m.astype(np.float32) * np.float32(factor)
+    if groups.d.dtype == np.float16 and groups.m.dtype == np.float16:
+        d, m = d.astype(np.float16), m.astype(np.float16)
+    return AffineGroups(groups.bits, groups.q, d, m, groups.group, groups.exact, groups.source)
+
+
+def _five_bit_tiles() -> bool:
+    """Whether 5-bit groups take the 5-bit layout (native.five_bit_tiles' rule, without torch): x86 yes,
+    NEON keeps 8-bit groups; OUTRIDER_NATIVE_W5=0|1 forces either."""
+    import os
+
+    forced = os.environ.get("OUTRIDER_NATIVE_W5", "")
+    if forced in ("0", "1"):
+        return forced == "1"
+    return not native_c.kernels().startswith("neon")
+
+
+def _part(groups: AffineGroups, pad_rows: bool = False) -> native_c.Part:
+    """The kernel layout of `groups`; with `pad_rows`, rows padded with zeros to a whole tile (a
+    head whose vocabulary is not a multiple of 16: its extra logits are cut off)."""
+    if groups.bits == 5 and not _five_bit_tiles():
+        groups = AffineGroups(8, groups.q, groups.d, groups.m, groups.group, groups.exact, groups.source)
+    extra = -groups.q.shape[0] % native_c.TILE if pad_rows else 0
+    if extra:
+        def pad(a: np.ndarray) -> np.ndarray:
+            return np.concatenate([a, np.zeros((extra, a.shape[1]), a.dtype)])
+
+        groups = AffineGroups(groups.bits, pad(groups.q), pad(groups.d), pad(groups.m), groups.group,
+                              groups.exact, groups.source)
+    return native_c.Part.from_affine(groups)
+
+
+class _Rows:
+    """Row lookups (embeddings) dequantized as asked from a part's tiles: no second copy of the table."""
+
+    def __init__(self, part: native_c.Part, rows: int, columns: int) -> None:
+        self.part, self.rows, self.columns = part, rows, columns
+        self.layout = part.bits & 15
+        log2 = (part.bits >> native_c.OFFSET_SHIFT) & 15
+        self.offset = 1 << log2 if log2 else 0  # a symmetric type: m = -offset d
+
+    def __call__(self, ids: np.ndarray) -> np.ndarray:
+        """fp32 [n, columns]: w = q d + m of rows `ids` (as gguf_blocks.AffineGroups.dequantize)."""
+        ids = np.asarray(ids, dtype=np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.rows):
+            raise ValueError(f"token ids must be in 0 .. {self.rows - 1}, got {int(ids.min())} .. {int(ids.max())}")
+        tile, lane = ids // native_c.TILE, ids % native_c.TILE
+        q = _tile_rows(self.part.w, self.layout, tile, lane).astype(np.float32)  # [n, columns]
+        d = self.part.d[tile, :, lane].astype(np.float32)  # [n, groups]
+        m = (-np.float32(self.offset) * d) if self.part.m is None else self.part.m[tile, :, lane].astype(np.float32)
+        group = self.columns // d.shape[1]
+        q = q.reshape(len(ids), d.shape[1], group)
+        return (q * d[..., None] + m[..., None]).reshape(len(ids), self.columns)
+
+
+def _tile_rows(w: np.ndarray, layout: int, tile: np.ndarray, lane: np.ndarray) -> np.ndarray:
+    """uint8 [n, in]: the values of rows (tile, lane) of a weight in the kernels' layout `layout`
+    (csrc/kernels.h; the inverse of native_c's packers, for those rows only)."""
+    n, blocks = len(tile), w.shape[1]
+    at = (tile[:, None, None], np.arange(blocks)[None, :, None], (4 * lane)[:, None, None] + np.arange(4))
+    if layout == 8:  # byte 4i+p of block j: input 4j+p
+        return w[at].reshape(n, blocks * 4)
+    b = w[at]  # [n, block, p]: inputs 8j+p (low nibble) and 8j+4+p (high)
+    q = np.stack([b & 15, b >> 4], axis=2)  # [n, block, half, p]
+    if layout == 5:  # bit L = 4i+p of fifth-bit byte 8 half + L // 8: the value's bit 4
+        lanes = (4 * lane)[:, None] + np.arange(4)  # [n, p]
+        plane = w[tile, :, 64:].reshape(n, blocks, 2, 8)  # [n, block, half, byte]
+        byte = np.take_along_axis(plane, np.broadcast_to((lanes // 8)[:, None, None, :], (n, blocks, 2, 4)), axis=3)
+        q = q | (((byte >> (lanes % 8)[:, None, None, :]) & 1) << 4)
+    return q.reshape(n, blocks * 8)
+
+
+class NativeLlama:
+    """`outrider.generation.contract.CausalLM` on the native kernels' C ABI (see the module docstring)."""
+
+    dtype = "float32"  # what its activations and K/V are; its matrices are the file's blocks
+    device = "cpu"
+
+    def __init__(self, config: LlamaConfig, layers: native_c.LayerStack, final_norm: np.ndarray,
+                 head: native_c.Part, embed: _Rows, fingerprint: str, weight_bytes: int) -> None:
+        self.config = config
+        self.layers = layers
+        self.final_norm = final_norm
+        self.head = head
+        self.embed_rows = embed
+        self.vocab_size = embed.rows if head is embed.part else _rows_of(head, config)
+        self.hidden_size = config.hidden_size
+        self._fingerprint = fingerprint
+        self._weight_bytes = weight_bytes
+        self._rope_table(ROPE_ROWS_AT_START)
+
+    # ---- loading ---------------------------------------------------------------------------
+
+    @classmethod
+    def from_artifact(cls, artifact: Any) -> tuple["NativeLlama", Any]:
+        """(model, ChatTokenizer) from a "llama-gguf-blocks" artifact; ValueError naming what it does
+        not cover (`coverage`)."""
+        loaded, why = native_c.library()
+        if not loaded:
+            raise ValueError(f"the native kernels' C library is not loaded: {why}")
+        # Freed temporaries stay in the heap: without it every step's multi-MB buffers page-faulted
+        # afresh (decode 20 against 120 tok/s on SmolLM2 here).
+        tune_malloc()
+        directory = _artifact_dir(artifact)
+        meta = read_artifact_meta(directory)
+        model = cls.from_weights(LlamaConfig.from_dict(meta["config"]), Weights.of_artifact(directory), meta)
+        return model, artifact_tokenizer(directory)
+
+    @classmethod
+    def from_weights(cls, cfg: LlamaConfig, weights: Weights, meta: Optional[dict] = None) -> "NativeLlama":
+        """The model of `weights` (`Weights`: an artifact's, or a state dict in a test); ValueError
+        naming what it does not cover."""
+        missing = coverage({"config": cfg.to_dict(), **(meta or {})}, weights.keys)
+        if missing:
+            raise ValueError(f"the torch-free CPU model does not cover this model: {missing}")
+        scale = cfg.head_dim ** -0.5
+        layers = []
+        total = 0
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+
+            def part(name: str, factor: float = 1.0) -> native_c.Part:
+                groups = weights.groups(p + name + ".weight")
+                return _part(groups if factor == 1.0 else _scaled(groups, factor))
+
+            # 1/sqrt(head_dim) folded into q (under a q norm, into the norm's weight), as the torch model does.
+            q_scale = 1.0 if cfg.qk_norm else scale
+            layer = native_c.Layer(
+                attn_norm=weights.get(p + "input_layernorm.weight").astype(np.float32),
+                mlp_norm=weights.get(p + "post_attention_layernorm.weight").astype(np.float32),
+                qkv=_fused([part("self_attn.q_proj", q_scale), part("self_attn.k_proj"), part("self_attn.v_proj")]),
+                o=part("self_attn.o_proj"),
+                gate_up=_fused([part("mlp.gate_proj"), part("mlp.up_proj")]),
+                down=part("mlp.down_proj"),
+            )
+            if cfg.qkv_bias:
+                layer.qkv_bias = np.concatenate([
+                    weights.get(p + "self_attn.q_proj.bias").astype(np.float32) * np.float32(scale),
+                    weights.get(p + "self_attn.k_proj.bias").astype(np.float32),
+                    weights.get(p + "self_attn.v_proj.bias").astype(np.float32)])
+            if cfg.qk_norm:
+                layer.q_norm = weights.get(p + "self_attn.q_norm.weight").astype(np.float32) * np.float32(scale)
+                layer.k_norm = weights.get(p + "self_attn.k_norm.weight").astype(np.float32)
+            layers.append(layer)
+        stack = native_c.LayerStack(layers, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+                                    head_dim=cfg.head_dim, eps=cfg.rms_norm_eps)
+        for layer in layers:
+            for parts in (layer.qkv, layer.o, layer.gate_up, layer.down):
+                total += sum(_nbytes(x) for x in _parts_of(parts))
+        embed_groups = weights.groups("model.embed_tokens.weight")
+        fingerprint = _fingerprint(embed_groups)
+        own_head = "lm_head.weight.affine.q" in weights.keys  # an untied head, or a tied one stored apart
+        head = _part(weights.groups("lm_head.weight") if own_head else embed_groups, pad_rows=True)
+        # A tied head without its own blocks is the table: lookups read rows from its tiles (one copy).
+        embed = _Rows(_part(embed_groups) if own_head else head, *embed_groups.shape)
+        total += _nbytes(head) + (0 if embed.part is head else _nbytes(embed.part))
+        del embed_groups
+        return cls(cfg, stack, weights.get("model.norm.weight").astype(np.float32), head, embed, fingerprint, total)
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights the model holds (its packed tiles and tables)."""
+        return self._weight_bytes
+
+    def _rope_table(self, size: int) -> None:
+        self._cos, self._sin_signed = rope_tables(self.config, size)  # the torch model's tables
+
+    # ---- CausalLM ----------------------------------------------------------------------------
+
+    def new_cache(self, num_slots: int, max_length: int) -> NumpySlotKVCache:
+        """A KV cache for `num_slots` sequences of up to `max_length` tokens each, grown as admitted."""
+        return NumpySlotKVCache(self.config, num_slots, max_length)
+
+    def embed(self, tokens: Any) -> np.ndarray:
+        """fp32 [n, hidden] input embeddings of token ids."""
+        return self.embed_rows(np.asarray(tokens, dtype=np.int64).reshape(-1))
+
+    def lm_head(self, hidden: Any) -> np.ndarray:
+        """fp32 [n, vocab] logits of fp32 [n, hidden] (after the final norm)."""
+        x = np.ascontiguousarray(np.asarray(hidden, dtype=np.float32).reshape(-1, self.hidden_size))
+        logits = self.head.matmul(x)
+        return logits if logits.shape[1] == self.vocab_size else np.ascontiguousarray(logits[:, :self.vocab_size])
+
+    def lm_head_rows(self, tokens: Any) -> np.ndarray:
+        """The head's rows for `tokens`, fp32 [k, hidden]."""
+        return _Rows(self.head, self.vocab_size, self.hidden_size)(np.asarray(tokens, dtype=np.int64).reshape(-1))
+
+    def make_linear(self, weight: Any, dtype: Any = None) -> Any:
+        raise NotImplementedError("the torch-free CPU model has no torch matmuls for a draft head (EAGLE): "
+                                  "serve it with the torch model (options.runtime: torch)")
+
+    def fingerprint(self) -> str:
+        """Identifies the weights (a hash of every 16th embedding row's blocks)."""
+        return self._fingerprint
+
+    def forward(self, cache: NumpySlotKVCache, chunks: list[Chunk],
+                logit_rows: Optional[np.ndarray] = None) -> ForwardOutput:
+        """One pass over every chunk's tokens (contract.py); K/V appended tentatively."""
+        if not chunks:
+            raise ValueError("forward needs at least one chunk")
+        table, seen, start = [], set(), 0
+        for c in chunks:
+            tokens = np.asarray(c.tokens, dtype=np.int64)
+            positions = np.asarray(c.positions, dtype=np.int64)
+            n = tokens.shape[0] if tokens.ndim == 1 else 0
+            if not 0 <= c.slot < cache.num_slots:
+                raise ValueError(f"slot {c.slot} out of range (cache has {cache.num_slots})")
+            if c.slot in seen:
+                raise ValueError(f"slot {c.slot} appears in two chunks of one forward")
+            seen.add(c.slot)
+            if n == 0 or positions.shape != tokens.shape:
+                raise ValueError(f"chunk for slot {c.slot}: tokens and positions must be equal-length 1-D, n >= 1")
+            length = cache.length(c.slot)
+            if length + n > cache.max_length:
+                raise ValueError(f"slot {c.slot}: {length} committed + {n} fed tokens exceed max_length "
+                                 f"{cache.max_length}")
+            cache.reserve(c.slot, length + n)
+            mask = None if c.tree_mask is None else np.asarray(c.tree_mask, dtype=bool)
+            if mask is not None and mask.shape != (n, n):
+                raise ValueError(f"chunk for slot {c.slot}: tree_mask must be [{n}, {n}], got {list(mask.shape)}")
+            table.append((c.slot, start, n, length, tokens, positions, mask))
+            start += n
+        total = start
+        tokens = np.concatenate([t[4] for t in table])
+        positions = np.concatenate([t[5] for t in table])
+        chunk_table = np.array([t[:4] for t in table], dtype=np.int64)
+        visible = None
+        if any(t[6] is not None for t in table):
+            width = max(t[2] for t in table)
+            visible = np.zeros((total, width), dtype=bool)
+            for _, first, n, _, _, _, mask in table:
+                visible[first:first + n, :n] = np.tril(np.ones((n, n), dtype=bool)) if mask is None else mask
+        top = int(positions.max())
+        if top >= self._cos.shape[0]:
+            self._rope_table(max(top + 1, 2 * self._cos.shape[0]))
+        if int(positions.min()) < 0:
+            raise ValueError("positions must be >= 0")
+        cos = np.ascontiguousarray(self._cos[positions])
+        sin = np.ascontiguousarray(self._sin_signed[positions])
+        x = np.ascontiguousarray(self.embed_rows(tokens))
+        self.layers(x, cos, sin, cache.kv, chunk_table, visible)
+        hidden = native_c.rms_norm(x, self.final_norm, self.config.rms_norm_eps)
+        for slot, _, n, *_ in table:
+            cache._fed[slot] = n
+        rows = hidden if logit_rows is None else np.ascontiguousarray(hidden[np.asarray(logit_rows, dtype=np.int64)])
+        return ForwardOutput(logits=self.lm_head(rows), hidden=hidden)
+
+
+def _fused(parts: list[native_c.Part]) -> Any:
+    """Parts of one fused matrix (q|k|v, gate|up): one part where they share a layout and group
+    (concatenated along the outputs, one kernel call), else side by side."""
+    first = parts[0]
+    same = all(p.bits == first.bits and p.group == first.group and p.d.dtype == first.d.dtype
+               and (p.m is None) == (first.m is None) for p in parts)
+    if not same or len(parts) == 1:
+        return parts if len(parts) > 1 else first
+    m = None if first.m is None else np.concatenate([p.m for p in parts])
+    return native_c.Part(np.concatenate([p.w for p in parts]), np.concatenate([p.d for p in parts]), m,
+                         first.bits, first.group)
+
+
+def _rows_of(head: native_c.Part, config: LlamaConfig) -> int:
+    """The vocabulary of an untied head (its tiles may be padded to 16 rows)."""
+    return min(head.out, config.vocab_size) if config.vocab_size else head.out
+
+
+def _parts_of(parts: Any) -> list:
+    return parts if isinstance(parts, list) else [parts]
+
+
+def _nbytes(part: native_c.Part) -> int:
+    return int(part.w.nbytes + part.d.nbytes + (0 if part.m is None else part.m.nbytes))
+
+
+def _fingerprint(groups: AffineGroups) -> str:
+    digest = hashlib.sha256()
+    for array in (groups.q[::16], groups.d[::16], groups.m[::16]):
+        digest.update(np.ascontiguousarray(array).tobytes())
+    return digest.hexdigest()[:16]
+
+
+def read_meta(artifact: Any) -> dict:
+    """meta.json of an artifact directory (for callers deciding between the two models)."""
+    return json.loads((_artifact_dir(artifact) / META_FILE).read_text())

