@@ -136,6 +136,33 @@ def test_each_claimed_architecture_matches_the_torch_model(arch, kind, tmp_path)
     assert (torch_model._fast_layers is not None) == (arch in ("llama", "phi3") and kind == "Q4_0")
 
 
+def test_the_packed_model_is_built_once_then_mapped(tmp_path):
+    """load_tiles: the first load packs and writes the tiles artifact; later loads map it read-only
+    (nothing packed, nothing copied) and compute the same logits bit for bit."""
+    _native_c()
+    from gguf_models import write_tiny_gguf
+    from outrider.artifacts import ArtifactCache
+    from outrider_llm.loading import load_native_artifact
+    from outrider_llm.native_model import TILES_KIND, NativeLlama, load_tiles
+
+    path, _ = write_tiny_gguf(tmp_path, "qwen2", seed=4, matrix_type="Q4_0")
+    cache = ArtifactCache(tmp_path / "cache")
+    blocks = load_native_artifact(path, cache)
+    packed, tokenizer = NativeLlama.from_artifact(blocks)
+    first, _ = load_tiles(blocks, cache)
+    built = list((tmp_path / "cache" / TILES_KIND).iterdir())
+    mapped, tokenizer2 = load_tiles(blocks, cache)
+    assert list((tmp_path / "cache" / TILES_KIND).iterdir()) == built  # not rebuilt
+    w = mapped.layers.layers[0].o.w
+    assert not w.flags.writeable and isinstance(w.base, np.memmap)
+    ids = tokenizer.encode("hello there, the cat sat on the mat")
+    assert tokenizer2.encode("hello there") == tokenizer.encode("hello there")
+    want = packed.forward(packed.new_cache(1, 64), [_chunk(ids)]).logits
+    for model in (first, mapped):
+        assert np.array_equal(model.forward(model.new_cache(1, 64), [_chunk(ids)]).logits, want)
+    assert mapped.fingerprint() == packed.fingerprint() and mapped.vocab_size == packed.vocab_size
+
+
 def test_what_it_does_not_cover_is_named(tmp_path):
     _native_c()
     from gguf_models import write_tiny_gguf

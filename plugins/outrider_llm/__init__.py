@@ -237,10 +237,10 @@ class LlmBackend(GeneratingBackend):
     def _native_model(self, options: LlmOptions) -> tuple[Any, Any]:
         """(NativeLlama, tokenizer), or (None, None) where it does not cover the artifact under
         `runtime: auto` (the torch model serves then, and the log says why)."""
-        from .native_model import NativeLlama
+        from .native_model import load_tiles
 
         try:
-            return NativeLlama.from_artifact(self.artifact)
+            return load_tiles(self.artifact)
         except ValueError as exc:
             if options.runtime == "native":
                 from outrider.errors import ManifestError

@@ -30,7 +30,8 @@ import numpy as np
 from outrider.generation.contract import Chunk, ForwardOutput
 
 from . import native_c
-from .artifact import META_FILE, WEIGHTS_FILE, _artifact_dir, artifact_tokenizer, read_artifact_meta
+from .artifact import (BLOCKS_FORMAT, META_FILE, TOKENIZER_FILE, WEIGHTS_FILE, _artifact_dir, artifact_tokenizer,
+                       read_artifact_meta)
 from .config import LlamaConfig, rope_tables
 from .gguf_blocks import AffineGroups
 from .heap import tune_malloc
@@ -39,6 +40,11 @@ from .kv_cache import NumpySlotKVCache
 log = logging.getLogger("outrider.llm")
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")
+# The packed model, mapped at start: its kernels' tiles as one file (see `load_tiles`).
+TILES_KIND = "llama-native-tiles"
+TILES_FORMAT = 1  # part of that artifact's key: bumped when what `_save_tiles` writes changes
+TILES_FILE, TILES_INDEX = "tiles.bin", "tiles.json"
+ALIGN = 64  # bytes: every array in the tiles file starts on a cache line
 ROPE_ROWS_AT_START = 2048  # positions the RoPE tables hold before a longer sequence grows them
 MATRICES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
             "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -395,6 +401,114 @@ def _fingerprint(groups: AffineGroups) -> str:
     return digest.hexdigest()[:16]
 
 
-def read_meta(artifact: Any) -> dict:
-    """meta.json of an artifact directory (for callers deciding between the two models)."""
-    return json.loads((_artifact_dir(artifact) / META_FILE).read_text())
+# ---- the packed model on disk --------------------------------------------------------------------
+
+
+def load_tiles(blocks: Any, cache: Any = None) -> tuple[NativeLlama, Any]:
+    """(model, tokenizer) of a "llama-gguf-blocks" artifact, from its packed form in the artifact cache
+    ("llama-native-tiles": every array the model computes with, in the kernels' layouts, in one file),
+    built on the first start and mapped read-only after: a warm start packs nothing and copies
+    nothing (the pages come from the page cache, shared by every process serving the file).
+    ValueError naming what the model does not cover, as `NativeLlama.from_artifact`."""
+    from outrider.artifacts import ArtifactCache
+
+    loaded, why = native_c.library()
+    if not loaded:
+        raise ValueError(f"the native kernels' C library is not loaded: {why}")
+    tune_malloc()  # see NativeLlama.from_artifact
+    source = _artifact_dir(blocks)
+    cache = cache or ArtifactCache()
+
+    def build(directory: Path, progress: Any) -> dict:
+        from .heap import release_free_memory
+
+        model, _ = NativeLlama.from_artifact(source)
+        _save_tiles(model, directory)
+        for name in (TOKENIZER_FILE, META_FILE):
+            (directory / name).write_bytes((source / name).read_bytes())
+        del model
+        release_free_memory()  # the packing's temporaries
+        return {"weight_bytes": (directory / TILES_FILE).stat().st_size}
+
+    # The source's meta is checked first: an artifact the model does not cover fails before a build.
+    missing = coverage(read_artifact_meta(source), _weight_names(source))
+    if missing:
+        raise ValueError(f"the torch-free CPU model does not cover this model: {missing}")
+    artifact = cache.get_or_build(
+        TILES_KIND, build, label=f"{source.name} -> native tiles", sources=[source / WEIGHTS_FILE],
+        options={"format": TILES_FORMAT, "blocks": BLOCKS_FORMAT, "five_bit_tiles": _five_bit_tiles()},
+    )
+    return _map_tiles(Path(artifact.path)), artifact_tokenizer(artifact)
+
+
+def _weight_names(directory: Path) -> set[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(directory / WEIGHTS_FILE), framework="numpy") as f:
+        return set(f.keys())
+
+
+def _save_tiles(model: NativeLlama, directory: Path) -> None:
+    """Every array of `model` into TILES_FILE (aligned, raw) and how to put it together into TILES_INDEX."""
+    offset = 0
+    arrays: list[tuple[int, np.ndarray]] = []
+
+    def ref(a: Optional[np.ndarray]) -> Optional[list]:
+        nonlocal offset
+        if a is None:
+            return None
+        a = np.ascontiguousarray(a)
+        offset = -(-offset // ALIGN) * ALIGN
+        arrays.append((offset, a))
+        out = [offset, a.dtype.str, list(a.shape)]
+        offset += a.nbytes
+        return out
+
+    def part(p: native_c.Part) -> dict:
+        return {"w": ref(p.w), "d": ref(p.d), "m": ref(p.m), "bits": int(p.bits), "group": int(p.group)}
+
+    layers = []
+    for layer in model.layers.layers:
+        entry = {name: ref(getattr(layer, name)) for name in ("attn_norm", "mlp_norm", "qkv_bias", "q_norm", "k_norm")}
+        for name in ("qkv", "o", "gate_up", "down"):
+            entry[name] = [part(p) for p in _parts_of(getattr(layer, name))]
+        layers.append(entry)
+    head = part(model.head)
+    embed = "head" if model.embed_rows.part is model.head else part(model.embed_rows.part)
+    index = {"config": model.config.to_dict(), "fingerprint": model.fingerprint(), "weight_bytes": model.weight_bytes(),
+             "layers": layers, "final_norm": ref(model.final_norm), "head": head, "embed": embed,
+             "embed_shape": [model.embed_rows.rows, model.embed_rows.columns]}
+    with open(directory / TILES_FILE, "wb") as f:
+        for at, a in arrays:
+            f.seek(at)
+            f.write(memoryview(a).cast("B"))
+    (directory / TILES_INDEX).write_text(json.dumps(index))
+
+
+def _map_tiles(directory: Path) -> NativeLlama:
+    """The model of a tiles artifact, its arrays read-only views of the mapped file."""
+    index = json.loads((directory / TILES_INDEX).read_text())
+    mapped = np.memmap(directory / TILES_FILE, dtype=np.uint8, mode="r")
+
+    def get(r: Optional[list]) -> Optional[np.ndarray]:
+        if r is None:
+            return None
+        at, dtype, shape = r
+        return np.ndarray(tuple(shape), dtype=np.dtype(dtype), buffer=mapped, offset=at)
+
+    def part(p: dict) -> native_c.Part:
+        return native_c.Part(get(p["w"]), get(p["d"]), get(p["m"]), p["bits"], p["group"])
+
+    def matrix(parts: list) -> Any:
+        return part(parts[0]) if len(parts) == 1 else [part(p) for p in parts]
+
+    cfg = LlamaConfig.from_dict(index["config"])
+    layers = [native_c.Layer(attn_norm=get(e["attn_norm"]), mlp_norm=get(e["mlp_norm"]), qkv=matrix(e["qkv"]),
+                             o=matrix(e["o"]), gate_up=matrix(e["gate_up"]), down=matrix(e["down"]),
+                             qkv_bias=get(e["qkv_bias"]), q_norm=get(e["q_norm"]), k_norm=get(e["k_norm"]))
+              for e in index["layers"]]
+    stack = native_c.LayerStack(layers, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                                eps=cfg.rms_norm_eps)
+    head = part(index["head"])
+    embed = _Rows(head if index["embed"] == "head" else part(index["embed"]), *index["embed_shape"])
+    return NativeLlama(cfg, stack, get(index["final_norm"]), head, embed, index["fingerprint"], index["weight_bytes"])
