@@ -136,6 +136,40 @@ def test_each_claimed_architecture_matches_the_torch_model(arch, kind, tmp_path)
     assert (torch_model._fast_layers is not None) == (arch in ("llama", "phi3") and kind == "Q4_0")
 
 
+def test_the_engine_serves_it_with_prefix_caching_and_speculation():
+    """Through the generation engine: a repeated long prompt reuses its cached prefix K/V (numpy
+    arrays here) and gives the same tokens; n-gram speculation gives plain decoding's tokens."""
+    _native_c()
+    from outrider.generation.engine import GenerationEngine
+    from outrider_llm.loading import random_llama_weights, tiny_llama_config
+    from outrider_llm.native_model import NativeLlama, Weights
+    from test_generate import CharTokenizer, _run, _strategy
+    from test_gguf_blocks import MIXES, _blocks_state_dict
+
+    config = tiny_llama_config(vocab_size=256, hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2)
+    config.intermediate_size = 512
+    quantized, _ = _blocks_state_dict(random_llama_weights(config, seed=7), MIXES["Q8_0"])
+    model = NativeLlama.from_weights(config, Weights(quantized))
+    class Tokenizer(CharTokenizer):  # a model vocabulary (256) wider than the alphabet
+        def decode(self, ids, skip_special_tokens=False):
+            return "".join(self.alphabet[i % len(self.alphabet)] for i in ids)
+
+    tokenizer = Tokenizer(42)
+    prompt = "the cat sat on the mat and the dog sat on the log " * 3  # 150 characters: several blocks
+    engine = GenerationEngine(model, tokenizer, None, max_sequences=2, max_length=256, prefix_cache_bytes=1 << 20)
+    first = _run(engine, [{"prompt": prompt, "max_tokens": 12}]).final[0]
+    again = _run(engine, [{"prompt": prompt, "max_tokens": 12}]).final[0]
+    assert again["token_ids"] == first["token_ids"]
+    assert again["stats"]["cached_tokens"] > 0 and first["stats"]["cached_tokens"] == 0
+    strategy = _strategy({})
+    strategy.attach(model, tokenizer)
+    speculative = GenerationEngine(model, tokenizer, strategy, max_sequences=2, max_length=256)
+    spec = _run(speculative, [{"prompt": prompt, "max_tokens": 24}]).final[0]
+    plain = _run(GenerationEngine(model, tokenizer, None, max_sequences=2, max_length=256),
+                 [{"prompt": prompt, "max_tokens": 24}]).final[0]
+    assert spec["token_ids"] == plain["token_ids"] and spec["stats"]["draft_tokens"] > 0
+
+
 def test_the_packed_model_is_built_once_then_mapped(tmp_path):
     """load_tiles: the first load packs and writes the tiles artifact; later loads map it read-only
     (nothing packed, nothing copied) and compute the same logits bit for bit."""

@@ -360,7 +360,10 @@ class NativeLlama:
         cos = np.ascontiguousarray(self._cos[positions])
         sin = np.ascontiguousarray(self._sin_signed[positions])
         x = np.ascontiguousarray(self.embed_rows(tokens))
-        self.layers(x, cos, sin, cache.kv, chunk_table, visible)
+        kv = getattr(cache, "native_table", None)
+        if kv is None or kv.keep is not cache.kv:  # the cache grew: its arrays moved
+            kv = cache.native_table = native_c.KvCaches(cache.kv, self.config.num_kv_heads)
+        self.layers(x, cos, sin, kv, chunk_table, visible)
         hidden = native_c.rms_norm(x, self.final_norm, self.config.rms_norm_eps)
         for slot, _, n, *_ in table:
             cache._fed[slot] = n

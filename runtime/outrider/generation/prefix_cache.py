@@ -38,7 +38,7 @@ class Block:
 
     @property
     def nbytes(self) -> int:
-        return self.kv.numel() * self.kv.element_size()
+        return int(self.kv.nbytes)  # numpy and torch alike
 
 
 def block_keys(tokens: list[int], block: int = BLOCK_TOKENS) -> list[bytes]:
