@@ -134,6 +134,7 @@ def test_each_claimed_architecture_matches_the_torch_model(arch, kind, tmp_path)
     # (the torch model's head here is dense fp32: 267 rows do not fill tiles of 16; this one pads them)
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 0.01
     assert (torch_model._fast_layers is not None) == (arch in ("llama", "phi3") and kind == "Q4_0")
+    assert model.fingerprint() == torch_model.fingerprint()  # a draft head trained on one serves the other
 
 
 def test_the_engine_serves_it_with_prefix_caching_and_speculation():

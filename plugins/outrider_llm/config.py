@@ -3,8 +3,10 @@ model and the torch-free CPU model read it)."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import asdict, dataclass
-from typing import Optional
+from typing import Iterable, Optional
 
 import numpy as np
 
@@ -67,3 +69,22 @@ def rope_tables(config: LlamaConfig, size: int) -> tuple[np.ndarray, np.ndarray]
     sin = np.sin(emb)
     sin_signed = np.concatenate([-sin[:, :half], sin[:, half:]], axis=-1)
     return np.cos(emb).astype(np.float32), sin_signed.astype(np.float32)
+
+
+# Every 16th embedding row goes into the weights fingerprint: 7 MB of SmolLM2's 113 MB, ~10 ms to
+# hash, and no two different weight files agree on all of them.
+FINGERPRINT_ROW_STRIDE = 16
+
+
+def weights_fingerprint(config: LlamaConfig, vocab_size: int, hidden_size: int, rows: np.ndarray,
+                        final_norm: np.ndarray, layer_norms: Iterable[np.ndarray]) -> str:
+    """sha256 (hex) of the shape, the embedding rows 0, 16, 32, ... (`rows`, fp32), the final norm and
+    each layer's two norms, in order: what both models' `fingerprint()` return for the same weights
+    (independent of the compute dtype and of weight quantization: a draft head trained on the fp32
+    target serves the others)."""
+    digest = hashlib.sha256()
+    shape = {"vocab_size": vocab_size, "hidden_size": hidden_size, "num_layers": config.num_layers}
+    digest.update(json.dumps(shape, sort_keys=True).encode())
+    for array in (rows, final_norm, *layer_norms):
+        digest.update(np.ascontiguousarray(array, dtype=np.float32).tobytes())
+    return digest.hexdigest()

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from outrider.generation.contract import Chunk, ForwardOutput
 
-from .config import LlamaConfig, rope_tables
+from .config import FINGERPRINT_ROW_STRIDE, LlamaConfig, rope_tables, weights_fingerprint
 from .heap import release_free_memory, tune_malloc  # noqa: F401  (re-exported: their old home)
 
 from .kv_cache import SlotKVCache
@@ -72,9 +72,6 @@ SDPA_MIN_TOKENS = 128
 BATCH_MAX_TOKENS = 64
 CHUNK_FIXED_US, BATCH_FIXED_US = 40.0, 80.0
 BYTES_PER_US, FLOPS_PER_US = 30e3, 1e5  # ~30 GB/s and ~100 GFLOP/s on 2 cores
-# Every 16th embedding row goes into the weights fingerprint: 7 MB of SmolLM2's 113 MB, ~10 ms to
-# hash, and no two different weight files agree on all of them.
-FINGERPRINT_ROW_STRIDE = 16
 
 
 def resolve_dtype(dtype: "str | torch.dtype | None", device: "str | torch.device | None" = None) -> torch.dtype:
@@ -649,21 +646,12 @@ class LlamaModel(torch.nn.Module):
         Independent of the compute dtype and of weight quantization (embeddings and norms stay
         fp32 in every mode), so a draft head trained on the fp32 target also serves the others.
         """
-        import hashlib
-        import json
+        def host(tensor: torch.Tensor) -> np.ndarray:
+            return tensor.detach().to("cpu", torch.float32).contiguous().numpy()
 
-        def raw(tensor: torch.Tensor) -> bytes:
-            return tensor.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
-
-        digest = hashlib.sha256()
-        shape = {"vocab_size": self.vocab_size, "hidden_size": self.hidden_size, "num_layers": self.config.num_layers}
-        digest.update(json.dumps(shape, sort_keys=True).encode())
-        digest.update(raw(self.embed(torch.arange(0, self.vocab_size, FINGERPRINT_ROW_STRIDE))))
-        digest.update(raw(self.final_norm))
-        for layer in self.layers:
-            digest.update(raw(layer.attn_norm))
-            digest.update(raw(layer.mlp_norm))
-        return digest.hexdigest()
+        rows = host(self.embed(torch.arange(0, self.vocab_size, FINGERPRINT_ROW_STRIDE)))
+        norms = [host(w) for layer in self.layers for w in (layer.attn_norm, layer.mlp_norm)]
+        return weights_fingerprint(self.config, self.vocab_size, self.hidden_size, rows, host(self.final_norm), norms)
 
     @torch.no_grad()
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:

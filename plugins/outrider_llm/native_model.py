@@ -19,7 +19,6 @@ not covered: the llm backend serves those with the torch model and says why.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 from pathlib import Path
@@ -32,7 +31,7 @@ from outrider.generation.contract import Chunk, ForwardOutput
 from . import native_c
 from .artifact import (BLOCKS_FORMAT, META_FILE, TOKENIZER_FILE, WEIGHTS_FILE, _artifact_dir, artifact_tokenizer,
                        read_artifact_meta)
-from .config import LlamaConfig, rope_tables
+from .config import FINGERPRINT_ROW_STRIDE, LlamaConfig, rope_tables, weights_fingerprint
 from .gguf_blocks import AffineGroups
 from .heap import tune_malloc
 from .kv_cache import NumpySlotKVCache
@@ -42,7 +41,7 @@ log = logging.getLogger("outrider.llm")
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")
 # The packed model, mapped at start: its kernels' tiles as one file (see `load_tiles`).
 TILES_KIND = "llama-native-tiles"
-TILES_FORMAT = 1  # part of that artifact's key: bumped when what `_save_tiles` writes changes
+TILES_FORMAT = 2  # part of that artifact's key: bumped when what `_save_tiles` writes changes (2: the torch model's fingerprint)
 TILES_FILE, TILES_INDEX = "tiles.bin", "tiles.json"
 ALIGN = 64  # bytes: every array in the tiles file starts on a cache line
 ROPE_ROWS_AT_START = 2048  # positions the RoPE tables hold before a longer sequence grows them
@@ -271,14 +270,14 @@ class NativeLlama:
             for parts in (layer.qkv, layer.o, layer.gate_up, layer.down):
                 total += sum(_nbytes(x) for x in _parts_of(parts))
         embed_groups = weights.groups("model.embed_tokens.weight")
-        fingerprint = _fingerprint(embed_groups)
         own_head = "lm_head.weight.affine.q" in weights.keys  # an untied head, or a tied one stored apart
         head = _part(weights.groups("lm_head.weight") if own_head else embed_groups, pad_rows=True)
         # A tied head without its own blocks is the table: lookups read rows from its tiles (one copy).
         embed = _Rows(_part(embed_groups) if own_head else head, *embed_groups.shape)
         total += _nbytes(head) + (0 if embed.part is head else _nbytes(embed.part))
         del embed_groups
-        return cls(cfg, stack, weights.get("model.norm.weight").astype(np.float32), head, embed, fingerprint, total)
+        final_norm = weights.get("model.norm.weight").astype(np.float32)
+        return cls(cfg, stack, final_norm, head, embed, _fingerprint(cfg, embed, final_norm, layers), total)
 
     def weight_bytes(self) -> int:
         """Bytes of weights the model holds (its packed tiles and tables)."""
@@ -312,7 +311,7 @@ class NativeLlama:
                                   "serve it with the torch model (options.runtime: torch)")
 
     def fingerprint(self) -> str:
-        """Identifies the weights (a hash of every 16th embedding row's blocks)."""
+        """Identifies the weights: the torch model's fingerprint of the same file (config.weights_fingerprint)."""
         return self._fingerprint
 
     def forward(self, cache: NumpySlotKVCache, chunks: list[Chunk],
@@ -397,11 +396,12 @@ def _nbytes(part: native_c.Part) -> int:
     return int(part.w.nbytes + part.d.nbytes + (0 if part.m is None else part.m.nbytes))
 
 
-def _fingerprint(groups: AffineGroups) -> str:
-    digest = hashlib.sha256()
-    for array in (groups.q[::16], groups.d[::16], groups.m[::16]):
-        digest.update(np.ascontiguousarray(array).tobytes())
-    return digest.hexdigest()[:16]
+def _fingerprint(cfg: LlamaConfig, embed: _Rows, final_norm: np.ndarray, layers: list) -> str:
+    """The torch model's `fingerprint()` of the same weights (config.weights_fingerprint), so a draft
+    head trained on either serves both."""
+    rows = embed(np.arange(0, embed.rows, FINGERPRINT_ROW_STRIDE))
+    norms = [w for layer in layers for w in (layer.attn_norm, layer.mlp_norm)]
+    return weights_fingerprint(cfg, embed.rows, cfg.hidden_size, rows, final_norm, norms)
 
 
 # ---- the packed model on disk --------------------------------------------------------------------
