@@ -68,7 +68,7 @@ def _chunk(slot: int, tokens: list[int], start: int, tree: DraftTree | None = No
     if tree is None:
         return Chunk(slot, torch.tensor(tokens), torch.arange(start, start + len(tokens)))
     positions = start + torch.tensor([0, *tree.depths()])
-    return Chunk(slot, torch.tensor(tokens), positions, tree.mask())
+    return Chunk(slot, torch.tensor(tokens), positions, None if tree is None else torch.from_numpy(tree.mask()))
 
 
 def test_plan_lays_chunks_out_slot_major_and_pads_harmlessly():
@@ -89,7 +89,7 @@ def test_plan_lays_chunks_out_slot_major_and_pads_harmlessly():
     assert all(int(write[r]) == 100 for r in padded), "padded rows must write the spare position only"
     assert committed.tolist() == [10, 0, 20, 0]
     vis = layout.visible
-    assert torch.equal(vis[2], torch.cat([torch.cat([tree.mask(), torch.zeros(4, 0, dtype=torch.bool)], 1)]))
+    assert torch.equal(vis[2], torch.cat([torch.cat([torch.from_numpy(tree.mask()), torch.zeros(4, 0, dtype=torch.bool)], 1)]))
     assert vis[0, 0].tolist() == [True, False, False, False]  # a decode token sees itself (and the committed)
     assert vis[0, 1].tolist() == [False, True, False, False]  # a padded row sees its own column only
     # Steps a graph cannot hold: the eager forward runs (and raises for the wrong ones).

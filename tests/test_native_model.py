@@ -236,18 +236,21 @@ def _maps(pid: int) -> str:
 def test_a_plain_gguf_manifest_serves_without_torch_in_the_process(tmp_path, server_factory):
     _native_c()
     _smollm2()
-    manifest = write_manifest(tmp_path, PLAIN.format(name="plain", extra="speculative:\n  drafters: [ngram]\n"),
-                              "plain.yaml")
+    manifest = write_manifest(tmp_path, PLAIN.format(
+        name="plain", extra="speculative:\n  drafters: [ngram, eagle]\n  eagle: {quantize: int4}\n"), "plain.yaml")
     server = server_factory([manifest], ["outrider_llm", "outrider_speculative"])
     with server.client(timeout=120) as client:
         backend = client.health()["models"]["plain"]["instances"][0]["backend"]
         assert backend["runtime"] == "native" and backend["weights"]["block_types"] == {"Q4_1": 210, "Q8_0": 1}
         maps = _maps(server.proc.pid)
         assert "libtorch" not in maps and "_native_c" in maps
+        accepted = 0
         for prompt in ("def is_prime(n):\n", "class Stack:\n"):
             plain = client.generate("plain", prompt=prompt, max_tokens=40, speculative=False)
             spec = client.generate("plain", prompt=prompt, max_tokens=40)
             assert plain.token_ids == spec.token_ids and plain.text.strip(), prompt
+            accepted += spec.stats["accepted_tokens"]
+        assert accepted > 10  # the shipped draft head (it has this model's fingerprint) drafts on numpy
         sampled = [client.generate("plain", prompt="def fib(n):", max_tokens=24, temperature=1.0, seed=7).token_ids
                    for _ in range(2)]
         assert sampled[0] == sampled[1]  # a seed gives the same draws
@@ -258,25 +261,25 @@ def test_a_plain_gguf_manifest_serves_without_torch_in_the_process(tmp_path, ser
 
 
 def test_runtime_choice_says_why_torch_serves(tmp_path, server_factory):
-    """auto falls back to the torch model where the native one cannot serve (an EAGLE head), and
-    `runtime: native` refuses such a manifest naming why."""
+    """auto falls back to the torch model where the native one cannot serve (here `weights: float`),
+    and `runtime: native` refuses such a manifest naming why."""
     _native_c()
     _smollm2()
-    auto = write_manifest(tmp_path, PLAIN.format(name="with-eagle", extra="speculative:\n  drafters: [ngram, eagle]\n"),
-                          "with-eagle.yaml")
+    auto = write_manifest(tmp_path, PLAIN.format(name="float", extra="  weights: float\n"), "float.yaml")
     server = server_factory([auto], ["outrider_llm", "outrider_speculative"])
     with server.client(timeout=120) as client:
-        assert client.health()["models"]["with-eagle"]["instances"][0]["backend"]["runtime"] == "torch"
+        assert client.health()["models"]["float"]["instances"][0]["backend"]["runtime"] == "torch"
+    assert "torch runtime: options.weights: float" in server.log()
     server.stop()
-    native = write_manifest(tmp_path, PLAIN.format(
-        name="native-eagle", extra="  runtime: native\nspeculative:\n  drafters: [eagle]\n"), "native-eagle.yaml")
+    native = write_manifest(tmp_path, PLAIN.format(name="native-float", extra="  weights: float\n  runtime: native\n"),
+                            "native-float.yaml")
     refused = server_factory([native], ["outrider_llm", "outrider_speculative"], wait=False)
     with refused.client(timeout=10) as client:
         for _ in range(600):
-            model = client.health()["models"]["native-eagle"]
+            model = client.health()["models"]["native-float"]
             if model["state"] == "failed":
                 break
             time.sleep(0.1)
     assert model["state"] == "failed", model
-    assert "options.runtime: native cannot serve this model: the eagle draft head" in model["reason"], model
+    assert "options.runtime: native cannot serve this model: options.weights: float" in model["reason"], model
     assert "not retried" in model["reason"], model

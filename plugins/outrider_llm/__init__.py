@@ -16,8 +16,9 @@ dequantizes it to `dtype`), `prefix_cache_mb` (default 64; 0 = off: K/V of promp
 for later requests that start with the same tokens, see outrider.generation.prefix_cache),
 `runtime` (auto | native | torch, default auto: on a CPU, a GGUF served in its own block types
 runs on the native kernels' C ABI without torch in the process (native_model.py: ~260 MB and ~1 s
-less than torch's import), unless the model needs the torch model (an EAGLE draft head, a
-`quantize:` section, a float or dense matrix, CUDA); `native` insists and fails saying why it cannot;
+less than torch's import; an EAGLE draft head drafts on numpy there), unless the model needs the
+torch model (a `quantize:` section, a float or dense matrix, CUDA); `native` insists and fails
+saying why it cannot;
 `torch` always uses the torch model).
 
 On CUDA a sticky CUDA error (the context is unusable) makes `health()` unhealthy for good, and
@@ -133,15 +134,12 @@ class LlmBackend(GeneratingBackend):
         is read: `load` falls back to torch then (under auto)."""
         if options.runtime == "torch":
             return "torch", "options.runtime: torch"
-        speculative = getattr(self.accelerators, "configs", {}).get("speculative")
         if on_cuda:
             why = f"device {self.device}"
         elif options.weights != "file":
             why = f"options.weights: {options.weights}"
         elif self.accelerators.artifact_transforms:
             why = "a quantize: section (its kernels are the torch model's)"
-        elif speculative is not None and "eagle" in getattr(speculative, "drafters", ()):
-            why = "the eagle draft head (a torch module reading the model's torch interface)"
         else:
             from . import native_c
 

@@ -150,7 +150,7 @@ def plan_step(chunks: Sequence[Chunk], lengths: Sequence[int], num_slots: int, m
         committed[s] = length
         visible[s, :n, :] = False
         visible[s, :n, :n] = np.tril(np.ones((n, n), dtype=bool)) if c.tree_mask is None \
-            else c.tree_mask.to("cpu", torch.bool).numpy()
+            else torch.as_tensor(c.tree_mask).to("cpu", torch.bool).numpy()
         layout.rows.extend(range(base, base + n))
         layout.fed.append((s, n))
     return layout

@@ -197,6 +197,7 @@ class NativeLlama:
 
     dtype = "float32"  # what its activations and K/V are; its matrices are the file's blocks
     device = "cpu"
+    array_api = "numpy"  # what it takes and returns (drafters pick their implementation by it)
 
     def __init__(self, config: LlamaConfig, layers: native_c.LayerStack, final_norm: np.ndarray,
                  head: native_c.Part, embed: _Rows, fingerprint: str, weight_bytes: int) -> None:
@@ -306,9 +307,19 @@ class NativeLlama:
         """The head's rows for `tokens`, fp32 [k, hidden]."""
         return _Rows(self.head, self.vocab_size, self.hidden_size)(np.asarray(tokens, dtype=np.int64).reshape(-1))
 
-    def make_linear(self, weight: Any, dtype: Any = None) -> Any:
-        raise NotImplementedError("the torch-free CPU model has no torch matmuls for a draft head (EAGLE): "
-                                  "serve it with the torch model (options.runtime: torch)")
+    def make_linear(self, weight: Any, dtype: Any = None, quantize: Optional[str] = None) -> Any:
+        """y = x @ W.T for fp32 numpy x [n, in] (a draft head's matmuls): with quantize="int4", W in
+        4-bit groups of 32 (min/max per group, as weights.quantize_int4) on the native kernels, where
+        the shape takes tiles of 16 outputs (rows padded) and groups of 32 inputs; else fp32 (numpy)."""
+        w = np.ascontiguousarray(np.asarray(weight, dtype=np.float32))
+        out, inp = w.shape
+        if quantize == "int4" and inp % 32 == 0:
+            part = _part(_int4_groups(w, 32), pad_rows=True)
+            if out == part.out:
+                return part.matmul
+            return lambda x: np.ascontiguousarray(part.matmul(np.ascontiguousarray(x, dtype=np.float32))[:, :out])
+        transposed = np.ascontiguousarray(w.T)
+        return lambda x: np.asarray(x, dtype=np.float32) @ transposed
 
     def fingerprint(self) -> str:
         """Identifies the weights: the torch model's fingerprint of the same file (config.weights_fingerprint)."""
@@ -381,6 +392,18 @@ def _fused(parts: list[native_c.Part]) -> Any:
     m = None if first.m is None else np.concatenate([p.m for p in parts])
     return native_c.Part(np.concatenate([p.w for p in parts]), np.concatenate([p.d for p in parts]), m,
                          first.bits, first.group)
+
+
+def _int4_groups(w: np.ndarray, group: int) -> AffineGroups:
+    """fp32 [out, in] as 4-bit affine groups: per group, w ~ q d + m with m its minimum and d its range / 15
+    (weights.quantize_int4's rounding, without torch)."""
+    out, inp = w.shape
+    g = w.reshape(out, inp // group, group)
+    low, high = g.min(axis=-1), g.max(axis=-1)
+    scale = (high - low) / np.float32(15)
+    scale = np.where(scale > 0, scale, np.float32(1))  # a constant group: q = 0 gives its value
+    q = np.clip(np.rint((g - low[..., None]) / scale[..., None]), 0, 15).astype(np.uint8).reshape(out, inp)
+    return AffineGroups(4, q, scale.astype(np.float32), low.astype(np.float32), group, False, "int4")
 
 
 def _rows_of(head: native_c.Part, config: LlamaConfig) -> int:

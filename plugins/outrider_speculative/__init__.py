@@ -10,6 +10,8 @@ and verifies:
 - `config.py`    the `speculative` section's knobs, validated (no torch import)
 - `drafters.py`  NgramDrafter and its incremental per-sequence index
 - `eagle.py`     DraftHead, its weights file (tied to the target by fingerprint), EagleDrafter
+- `draft_head.py` the head file, the fingerprint check and the tree growth both head drafters
+                 share, and HostEagleDrafter (numpy, for a target without torch)
 - `tree.py`      SpecTree (sampled candidates), prune_tree, merge_trees, build_dynamic_tree
 - `verify.py`    Verdict and the accept rule (greedy; multi-candidate speculative sampling), on
                  the target distribution plain decoding defines (outrider.generation.sampling)
@@ -78,8 +80,12 @@ def make_ngram_drafter(model: Any, options: Optional[Mapping[str, Any]] = None):
 
 
 def make_eagle_drafter(model: Any, options: Optional[Mapping[str, Any]] = None):
-    """Drafter factory: an EagleDrafter over `model` (option `weights`: default the shipped head)."""
-    from .eagle import make_eagle_drafter as make
+    """Drafter factory: an EagleDrafter over `model` (option `weights`: default the shipped head); for
+    a model without torch (`array_api = "numpy"`), the same head drafting on numpy (draft_head.py)."""
+    if getattr(model, "array_api", "torch") == "numpy":
+        from .draft_head import make_host_eagle_drafter as make
+    else:
+        from .eagle import make_eagle_drafter as make
 
     return make(model, options)
 

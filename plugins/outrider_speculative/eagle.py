@@ -44,60 +44,23 @@ from __future__ import annotations
 import json
 import logging
 import os
-import threading
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from outrider.errors import ManifestError
 
-from outrider.generation.contract import SampledChildren
-from outrider.generation.sampling import host_array, is_greedy, target_distribution
-from outrider.generation.verify import sampling_knobs
-
 from .config import OptionError, read_bool, read_float, read_int
-from .tree import SampledExpansion, SpecTree, build_dynamic_tree, draw_distinct
+from .draft_head import (  # noqa: F401  (re-exported: eagle.py was their home)
+    DEFAULT_WEIGHTS, FORMAT, OPTIONS, TRAIN_HINT, WEIGHTS_DIR, HeadConfig, HeadDrafter, check_fingerprint,
+    target_fingerprint,
+)
 
 log = logging.getLogger("outrider.speculative")
-
-FORMAT = "outrider-eagle/1"
-WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
-DEFAULT_WEIGHTS = WEIGHTS_DIR / "smollm2-eagle.safetensors"
-TRAIN_HINT = "python tools/train_draft.py [--gguf FILE] --out PATH (then set speculative.eagle.weights: PATH)"
-# ---- the target's fingerprint -------------------------------------------------------------------
-
-
-def target_fingerprint(model: Any) -> str:
-    """The target's weights fingerprint (`CausalLM.fingerprint`): the trainer and the loader both call this."""
-    return model.fingerprint()
-
-
 # ---- the head -------------------------------------------------------------------------------------
-
-
-@dataclass
-class HeadConfig:
-    """Shape of a draft head; stored in the weights file's metadata."""
-
-    hidden_size: int
-    intermediate_size: int
-    draft_vocab_size: int
-    num_blocks: int = 1
-    rms_norm_eps: float = 1e-5
-
-    def to_json(self) -> str:
-        """The config as a JSON string (safetensors metadata is str -> str)."""
-        return json.dumps(asdict(self), sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str) -> "HeadConfig":
-        """Inverse of `to_json`; ignores unknown keys."""
-        data = json.loads(text)
-        return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
 
 
 class _Block(torch.nn.Module):
@@ -223,18 +186,8 @@ def load_head(path: "str | Path") -> LoadedHead:
 
 def check_target(loaded: LoadedHead, model: Any) -> str:
     """The target's fingerprint; ManifestError when the head was trained for other weights."""
-    actual = target_fingerprint(model)
-    if loaded.fingerprint != actual:
-        trained_for = loaded.metadata.get("target") or "another model"
-        raise ManifestError(
-            f"eagle draft head {str(loaded.path)!r} was trained for other target weights "
-            f"({trained_for}, fingerprint {loaded.fingerprint[:16] or '(none)'}...) than the model being served "
-            f"(fingerprint {actual[:16]}...): its drafts would be rejected. Retrain it for this model with "
-            f"{TRAIN_HINT}, or drop 'eagle' from speculative.drafters"
-        )
-    if loaded.head.config.hidden_size != model.hidden_size or int(loaded.draft_vocab.max()) >= model.vocab_size:
-        raise ManifestError(f"eagle draft head {str(loaded.path)!r} does not fit this model's shape")
-    return actual
+    return check_fingerprint(loaded.path, loaded.metadata, loaded.head.config.hidden_size,
+                             int(loaded.draft_vocab.max()), model)
 
 
 # ---- inference ------------------------------------------------------------------------------------
@@ -285,31 +238,22 @@ def lm_rows_for(model: Any, draft_vocab: torch.Tensor) -> torch.Tensor:
     return model.lm_head_rows(draft_vocab)
 
 
-class EagleDrafter:
-    """Drafts a tree with the trained head (see the module docstring)."""
-
-    name = "eagle"
+class EagleDrafter(HeadDrafter):
+    """Drafts a tree with the trained head (see the module docstring), on the target's torch device."""
 
     def __init__(self, model: Any, loaded: LoadedHead, max_depth: int = 8, max_children: int = 4,
                  prob_threshold: float = 0.05, frontier: int = 8, dtype: Optional[torch.dtype] = None,
                  sample: bool = True, quantize: Optional[str] = None) -> None:
-        self.model = model
-        self.sample = sample  # draw children from q when the request samples (see the module docstring)
+        super().__init__(model, loaded.draft_vocab.cpu().numpy(), max_depth, max_children, prob_threshold, frontier,
+                         sample)
         # `loaded` is not kept: its fp32 module (32 MB for SmolLM2's head) would stay resident,
         # and the compiled head below holds what drafting reads.
         self.device = torch.device(getattr(model, "device", "cpu"))
-        # Indexed by top-k/multinomial results, which come back on the model's device.
+        # Indexed by top-k results, which come back on the model's device.
         self.draft_vocab = loaded.draft_vocab.to(self.device)
-        self._draft_ids = loaded.draft_vocab.cpu().numpy().astype(np.int64)  # what sampled draws index (host)
-        self.max_depth = max_depth
-        self.max_children = max_children
-        self.prob_threshold = prob_threshold
-        self.frontier = frontier
         if dtype is None:
             dtype = getattr(model, "dtype", torch.float32)
         self.compiled = _CompiledHead(loaded.head, lm_rows_for(model, loaded.draft_vocab), model, dtype, quantize)
-        self.calls = 0  # head forwards (expand calls), for benchmarks
-        self._lock = threading.Lock()  # instance threads may share one drafter
 
     def warmup(self) -> None:
         """Run the head once per batch size it will see, so the first request pays no setup."""
@@ -324,59 +268,16 @@ class EagleDrafter:
         top = torch.topk(probs, min(k, probs.shape[-1]), dim=-1)
         return features, top.values, self.draft_vocab[top.indices]
 
-    def sample_children(self, logits: torch.Tensor, features: torch.Tensor, k: int, temperature: float,
-                        top_k: int, top_p: float, generator: np.random.Generator) -> list:
-        """Per node, up to k children drawn without replacement from q = the head's tempered, truncated distribution."""
-        # The same function the target's p comes from, on the draft vocabulary: q then tracks p
-        # (same temperature, same cuts), which is what makes min(1, p/q) accept often.
-        logits = host_array(logits)
-        vocab = self.model.vocab_size
-        out: list = []
-        for i in range(logits.shape[0]):
-            row = target_distribution(logits[i], temperature, top_k, top_p)
-            drawn = draw_distinct(row, k, generator)
-            if not drawn:  # no usable q: no children, nothing drawn
-                out.append([])
-                continue
-            full = np.zeros(vocab, dtype=np.float32)
-            full[self._draft_ids] = row  # the exact weights the draws came from, in vocabulary ids
-            tokens = self._draft_ids[drawn].tolist()
-            group = SampledChildren(q=full, draws=tokens, replacement=False)
-            out.append(SampledExpansion(group, [(t, float(row[d]), features[i]) for t, d in zip(tokens, drawn)]))
-        return out
+    def _run(self, states: list, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.compiled(torch.stack(states), self.model.embed(torch.tensor(tokens)))
 
-    def propose(self, view: Any, budget: int) -> SpecTree:
-        """A best-first tree of at most `budget` nodes after the pending token (sampled children at T > 0)."""
-        hidden = getattr(view, "last_hidden", None)
-        if budget <= 0 or hidden is None or not view.token_ids:
-            return SpecTree()
-        k = self.max_children
-        params = getattr(view, "params", None)
-        temperature, top_k, top_p = sampling_knobs(params if params is not None else {})
-        sampled = self.sample and not is_greedy(temperature)
-        generator = getattr(view, "generator", None)
+    def _top(self, logits: torch.Tensor, k: int) -> tuple[list, list]:
+        probs = torch.softmax(logits, dim=-1)
+        top = torch.topk(probs, min(k, probs.shape[-1]), dim=-1)
+        return top.values.tolist(), self.draft_vocab[top.indices].tolist()
 
-        def expand_fn(nodes: list) -> list:
-            # A node's state is the feature that stands for the hidden state *before* its token:
-            # the target's h_t for the pending token (the root), the parent's f deeper down.
-            states = torch.stack([node.state for node in nodes])
-            tokens = torch.tensor([pending if node.token is None else node.token for node in nodes])
-            self.calls += 1
-            if sampled:
-                features, logits = self.compiled(states, self.model.embed(tokens))
-                return self.sample_children(logits, features, k, temperature, top_k, top_p, generator)
-            features, probs, ids = self.expand(states, tokens, k)
-            probs, ids = probs.tolist(), ids.tolist()
-            return [[(t, p, features[i]) for t, p in zip(ids[i], probs[i])] for i in range(len(nodes))]
-
-        pending = int(view.token_ids[-1])
-        root = hidden.detach().reshape(-1).float()
-        with self._lock:
-            return build_dynamic_tree(expand_fn, budget, self.max_depth, self.prob_threshold, k,
-                                      root_state=root, batched=True, frontier=self.frontier)
-
-
-OPTIONS = ("weights", "max_depth", "max_children", "prob_threshold", "frontier", "dtype", "sample", "quantize")
+    def _root(self, hidden: Any) -> torch.Tensor:
+        return torch.as_tensor(hidden).detach().reshape(-1).float()
 
 
 def make_eagle_drafter(model: Any, options: Optional[Mapping[str, Any]] = None) -> EagleDrafter:
