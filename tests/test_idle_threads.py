@@ -105,10 +105,10 @@ def test_an_llm_instance_hands_freed_heap_back_once_per_idle_spell(monkeypatch):
     import types
 
     import outrider_llm
-    from outrider_llm import model as llm_model
+    from outrider_llm import heap
 
     trims: list[int] = []
-    monkeypatch.setattr(llm_model, "release_free_memory", lambda: trims.append(1))
+    monkeypatch.setattr(heap, "release_free_memory", lambda: trims.append(1))
     monkeypatch.setattr(outrider_llm, "release_cpu_threads", lambda: None)
     clock = [100.0]
     monkeypatch.setattr(outrider_llm.time, "monotonic", lambda: clock[0])
