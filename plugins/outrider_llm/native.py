@@ -267,11 +267,10 @@ def five_bit_tiles() -> bool:
     Q4_K_M, 166 of its matrices Q5_0; `OUTRIDER_NATIVE_W5=0|1 tools/bench_gguf.py --isa avx2
     --types Q4_K_M`, two A/B pairs) w5a8 decoded 143.0 and 138.6 tok/s against 135.3 and 126.2, in
     39 MB less. So w5a8 on x86; NEON keeps 8-bit groups until it is measured on an ARM board.
-    `OUTRIDER_NATIVE_W5=1` / `=0` forces either."""
-    forced = os.environ.get("OUTRIDER_NATIVE_W5", "")
-    if forced in ("0", "1"):
-        return forced == "1"
-    return library()[0] and not kernels().startswith("neon")
+    `OUTRIDER_NATIVE_W5=1` / `=0` forces either (native_c.five_bit_layout: the one rule, both bindings)."""
+    from .native_c import five_bit_layout
+
+    return five_bit_layout(kernels() if library()[0] else "")
 
 
 def pack_w5(q: torch.Tensor) -> torch.Tensor:

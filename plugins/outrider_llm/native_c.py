@@ -203,6 +203,16 @@ def _raise(code: int, err: Any) -> None:
         raise ValueError(err.value.decode(errors="replace"))
 
 
+def five_bit_layout(kernel_set: str) -> bool:
+    """Whether 5-bit weights take the 5-bit layout on `kernel_set` ("" where no kernels loaded: no),
+    or 8-bit groups (the same results bit for bit; native.five_bit_tiles says why): x86 yes, NEON no
+    until measured on a board. OUTRIDER_NATIVE_W5=1 / =0 forces either."""
+    forced = os.environ.get("OUTRIDER_NATIVE_W5", "")
+    if forced in ("0", "1"):
+        return forced == "1"
+    return bool(kernel_set) and not kernel_set.startswith("neon")
+
+
 def bits_flags(bits: int, tables: Any = np.float16, offset: int = 0) -> int:
     """The `bits` code a matmul takes, as the torch ops form it (torch_ops.cpp a8_mm): the layout (4,
     5 or 8), | F32_TABLES where d (and m) are fp32 (`tables`: their dtype, or one of them), |

@@ -127,14 +127,7 @@ def _scaled(groups: AffineGroups, factor: float) -> AffineGroups:
 
 
 def _five_bit_tiles() -> bool:
-    """Whether 5-bit groups take the 5-bit layout (native.five_bit_tiles' rule, without torch): x86 yes,
-    NEON keeps 8-bit groups; OUTRIDER_NATIVE_W5=0|1 forces either."""
-    import os
-
-    forced = os.environ.get("OUTRIDER_NATIVE_W5", "")
-    if forced in ("0", "1"):
-        return forced == "1"
-    return not native_c.kernels().startswith("neon")
+    return native_c.five_bit_layout(native_c.kernels())
 
 
 def _part(groups: AffineGroups, pad_rows: bool = False) -> native_c.Part:
