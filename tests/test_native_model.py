@@ -113,7 +113,8 @@ def test_a_draft_trees_rows_are_one_token_steps_and_commit_keeps_the_accepted_pa
 def test_each_claimed_architecture_matches_the_torch_model(arch, kind, tmp_path):
     """Tiny random GGUFs written as llama.cpp writes them (biases, q/k norms, fused phi3 tensors):
     bit for bit where the torch model runs the fused native stack (4-bit llama-shaped layers), within
-    a fraction of the int8 activations' error where it runs per operation."""
+    a fraction of the int8 activations' error where it runs per operation; and against transformers
+    loading the same file (which dequantizes) within the int8 activations' error, as the torch model."""
     _native_c()
     from gguf_models import write_tiny_gguf
     from outrider.artifacts import ArtifactCache
@@ -135,6 +136,13 @@ def test_each_claimed_architecture_matches_the_torch_model(arch, kind, tmp_path)
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 0.01
     assert (torch_model._fast_layers is not None) == (arch in ("llama", "phi3") and kind == "Q4_0")
     assert model.fingerprint() == torch_model.fingerprint()  # a draft head trained on one serves the other
+    if importlib.util.find_spec("transformers") is not None:
+        from test_gguf_archs import TEXT, _reference
+
+        reference, reference_ids, _ = _reference(path)
+        assert reference_ids == ids and TEXT == "hello there, the cat sat on the mat"
+        reference = reference.numpy()
+        assert np.linalg.norm(got - reference) / np.linalg.norm(reference) < 0.06
 
 
 def test_the_engine_serves_it_with_prefix_caching_and_speculation():
