@@ -305,13 +305,13 @@ class LlmBackend(GeneratingBackend):
 
     def idle(self) -> None:
         """Waiting for work (called every few hundred ms while it lasts): hand this thread's OpenMP
-        team back, so that a busy torch model beside this one keeps libgomp's fast path (see
+        team back (either runtime's: the native C library and torch share one libgomp), so that a
+        busy model beside this one keeps libgomp's fast path (see
         outrider.torch_process); once the spell has lasted RELEASE_MEMORY_AFTER_S, hand the heap the
         last requests freed back to the OS, so that an idle server's RSS is its model's."""
         if not self.device.startswith("cpu"):
             return
-        if getattr(self, "runtime", "torch") == "torch":
-            release_cpu_threads()
+        release_cpu_threads()  # the torch model's team, or the native C library's (the same libgomp)
         engine = self.engine
         if engine is None:
             return
