@@ -269,6 +269,7 @@ class GenerationEngine:
             offset += n
         try:
             out = self.model.forward(self.cache, [chunk for _, chunk, _ in planned], logit_rows=np.array(rows, dtype=np.int64))
+            logits_all = host_array(out.logits)  # one device-to-host copy a step (a CUDA model's logits)
         except Exception as exc:  # shared by every sequence of the step: none can be singled out
             error = exc if isinstance(exc, OutriderError) else ExecutionError(
                 f"the forward pass shared by {len(planned)} sequence(s) failed: {type(exc).__name__}: {exc}")
@@ -279,7 +280,7 @@ class GenerationEngine:
             n = len(chunk.tokens)
             width = 1 if tree is None else n
             hidden = out.hidden[offset:offset + n]
-            logits = host_array(out.logits[row:row + width])
+            logits = logits_all[row:row + width]
             offset += n
             row += width
             try:
