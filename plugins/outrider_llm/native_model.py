@@ -1,8 +1,8 @@
 """A Llama-family decoder on outrider's native CPU kernels through their C ABI, without torch.
 
 What it is for: serving a quantized GGUF on a CPU in a process that never imports torch. torch's
-import alone holds ~260 MB and takes ~1 s; this model's process holds the weights (the file's own
-blocks, as the torch model holds them), numpy, tokenizers and the core.
+import alone holds 220-260 MB and takes 1-2 s; this model's process holds the weights (the file's
+own blocks, as the torch model holds them), numpy, tokenizers and the core.
 
 What it runs: every decoder layer of a step is one call of `outrider_llama_layers` (csrc/c_api.cpp:
 RMSNorm, int8 activations, each matrix in its own block type (parts side by side where a file mixes
@@ -12,9 +12,10 @@ the engine's (numpy), so a draft tree's rows get exactly a one-token step's logi
 
 What it covers (`coverage`): the llama (Llama, Mistral, SmolLM2), qwen2, qwen3 and phi3
 architectures as loading.py converts them, with every layer matrix in a native block type (the
-quantized GGUF types; see gguf_blocks.py). A float matrix (an F16/F32 file, or a dense tensor),
-an untied head without blocks, or a draft head that needs the model's torch interface (EAGLE) is
-not covered: the llm backend serves those with the torch model and says why.
+quantized GGUF types; see gguf_blocks.py). A float matrix (an F16/F32 file, or a dense tensor), an
+untied head without blocks, or a `quantize:` artifact is not covered: the llm backend serves those
+with the torch model and says why. A draft head reads it through `make_linear` (numpy in, numpy
+out: `array_api = "numpy"`), as outrider_speculative/draft_head.py does.
 """
 
 from __future__ import annotations
