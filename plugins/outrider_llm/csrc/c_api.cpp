@@ -37,12 +37,6 @@
 
 namespace outrider_native {
 
-// Defined in ops.cpp beside their other callers (kernels.h declares the torch binding's subset).
-void a8_matmul(const float* x, int64_t rows, int64_t in, int64_t group, const uint8_t* w, const void* d,
-               const void* m, int64_t out, int bits, float* y, int64_t y_stride);
-void rope_rows(float* qkv, const float* cos, const float* sin, int64_t rows, int64_t heads, int64_t d,
-               int64_t width);
-
 namespace {
 
 std::atomic<int> g_threads{0};  // 0: not set, the processors this process may use

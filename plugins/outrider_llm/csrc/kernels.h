@@ -88,6 +88,15 @@ void parallel_for(int64_t n, const std::function<void(int64_t, int64_t)>& fn);
 // y [rows, out] = x [rows, in] (fp32, quantized here per row and group) @ W.T.
 void a8_matmul(const float* x, int64_t rows, int64_t in, int64_t group, const uint8_t* w, const void* d,
                const void* m, int64_t out, int bits, float* y);
+// The same with row r of y at y + r * y_stride (y_stride >= out): a part of a wider output (c_api.cpp's
+// layer stack fills q | k | v and gate | up side by side this way).
+void a8_matmul(const float* x, int64_t rows, int64_t in, int64_t group, const uint8_t* w, const void* d,
+               const void* m, int64_t out, int bits, float* y, int64_t y_stride);
+
+// RoPE in place on the first `heads` heads of each row of qkv (rows of `width` floats):
+// p' = p * cos + rotate_half(p) * sin, sin carrying rotate_half's sign (ops.cpp).
+void rope_rows(float* qkv, const float* cos, const float* sin, int64_t rows, int64_t heads, int64_t d,
+               int64_t width);
 
 // One layer's attention for the chunks of a step (attend.cpp's contract, see ops.cpp).
 struct KvLayer {
