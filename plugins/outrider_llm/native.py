@@ -21,7 +21,6 @@ package is installed (setup.py), never at first request; where that build was im
 
 from __future__ import annotations
 
-import importlib.machinery
 import logging
 import os
 import threading
@@ -60,22 +59,17 @@ def library() -> tuple[bool, str]:
 def _load() -> tuple[bool, str]:
     if os.environ.get("OUTRIDER_NATIVE", "1") == "0":
         return False, "OUTRIDER_NATIVE=0"
+    from .native_c import built_library, serving_report
+
     if not hasattr(torch.ops.outrider, "w4a8_mm"):
-        paths = [PACKAGE / f"_native{suffix}" for suffix in importlib.machinery.EXTENSION_SUFFIXES]
-        path = next((p for p in paths if p.exists()), None)
+        path, why = built_library("_native", BUILD_REPORT)
         if path is None:
-            why = BUILD_REPORT.read_text().strip() if BUILD_REPORT.exists() else "not built at install"
             return False, f"{why} (reinstall with a C++ compiler and torch present: pip install --no-build-isolation)"
         try:
             torch.ops.load_library(str(path))
         except (OSError, RuntimeError) as exc:  # built against another torch, a missing libgomp
             return False, f"{path.name} does not load: {exc}"
-    forced = os.environ.get("OUTRIDER_NATIVE_ISA", "")
-    name = kernels()
-    if forced and forced != name:
-        log.warning("OUTRIDER_NATIVE_ISA=%s: not a kernel set this CPU runs (%s); %s serves", forced,
-                    ", ".join(kernel_sets()), name)
-    return True, f"kernel set {name}" + (" (no SIMD path for this CPU: slow)" if name == "scalar" else "")
+    return True, serving_report(kernels(), kernel_sets)
 
 
 def kernels() -> str:

@@ -110,10 +110,8 @@ def _load() -> tuple[bool, str]:
     global _C
     if os.environ.get("OUTRIDER_NATIVE", "1") == "0":
         return False, "OUTRIDER_NATIVE=0"
-    paths = [PACKAGE / f"_native_c{suffix}" for suffix in importlib.machinery.EXTENSION_SUFFIXES]
-    path = next((p for p in paths if p.exists()), None)
+    path, why = built_library("_native_c", BUILD_REPORT)
     if path is None:
-        why = BUILD_REPORT.read_text().strip() if BUILD_REPORT.exists() else "not built at install"
         return False, f"{why} (reinstall with a C++ compiler present: pip install --no-build-isolation)"
     try:
         lib = ctypes.CDLL(str(path))
@@ -127,12 +125,27 @@ def _load() -> tuple[bool, str]:
         if size != ctypes.sizeof(struct):
             return False, f"{path.name}: {name} is {size} bytes there, {ctypes.sizeof(struct)} in native_c.py"
     _C = lib
+    return True, serving_report(kernels(), kernel_sets)
+
+
+def built_library(stem: str, report: Path) -> tuple[Optional[Path], str]:
+    """(path, "") of the library `stem` setup.py built into this package, or (None, why not): the
+    build's report where it failed. Both bindings (this one and native.py's torch ops) look so."""
+    paths = [PACKAGE / f"{stem}{suffix}" for suffix in importlib.machinery.EXTENSION_SUFFIXES]
+    path = next((p for p in paths if p.exists()), None)
+    if path is not None:
+        return path, ""
+    return None, report.read_text().strip() if report.exists() else "not built at install"
+
+
+def serving_report(name: str, kernel_sets: Any) -> str:
+    """What a loaded binding serves with (kernel set `name`), warning where OUTRIDER_NATIVE_ISA asked
+    for a set this CPU does not run (`kernel_sets()` lists those it does)."""
     forced = os.environ.get("OUTRIDER_NATIVE_ISA", "")
-    name = kernels()
     if forced and forced != name:
         log.warning("OUTRIDER_NATIVE_ISA=%s: not a kernel set this CPU runs (%s); %s serves", forced,
                     ", ".join(kernel_sets()), name)
-    return True, f"kernel set {name}" + (" (no SIMD path for this CPU: slow)" if name == "scalar" else "")
+    return f"kernel set {name}" + (" (no SIMD path for this CPU: slow)" if name == "scalar" else "")
 
 
 def _lib() -> ctypes.CDLL:
