@@ -130,20 +130,7 @@ def load_weights_artifact(gguf_path: "str | Path", cache: Optional[ArtifactCache
                           in_child: bool = False) -> Artifact:
     """The GGUF converted to a "llama-weights" artifact (see the module docstring), built once;
     with `in_child`, built by a child process (conversion.py: what a server does)."""
-    path = Path(gguf_path)
-    if not path.is_file():
-        raise FileNotFoundError(f"GGUF file {path} does not exist")
-    cache = cache or ArtifactCache()
-
-    def build(directory: Path, progress: Any) -> dict:
-        from .conversion import convert, convert_in_child
-
-        return (convert_in_child if in_child else convert)("float", path, directory)
-
-    return cache.get_or_build(
-        WEIGHTS_KIND, build, label=f"{path.name} -> fp32 weights", sources=[path],
-        versions=["torch", "gguf", "transformers"], options={"format": CACHE_FORMAT},
-    )
+    return _converted("float", gguf_path, cache, in_child)
 
 
 def load_native_artifact(gguf_path: "str | Path", cache: Optional[ArtifactCache] = None,
@@ -151,6 +138,11 @@ def load_native_artifact(gguf_path: "str | Path", cache: Optional[ArtifactCache]
     """The GGUF as a "llama-weights" artifact holding its quantized matrices in their own block
     types (`_read_gguf(native=True)`), built once: a warm start reads it without conversion. With
     `in_child`, built by a child process (conversion.py: what a server does)."""
+    return _converted("native", gguf_path, cache, in_child)
+
+
+def _converted(kind: str, gguf_path: "str | Path", cache: Optional[ArtifactCache], in_child: bool) -> Artifact:
+    """The cached conversion of `gguf_path` of `kind` (conversion.KINDS), built once."""
     path = Path(gguf_path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file {path} does not exist")
@@ -159,11 +151,14 @@ def load_native_artifact(gguf_path: "str | Path", cache: Optional[ArtifactCache]
     def build(directory: Path, progress: Any) -> dict:
         from .conversion import convert, convert_in_child
 
-        return (convert_in_child if in_child else convert)("native", path, directory)
+        return (convert_in_child if in_child else convert)(kind, path, directory)
 
+    native = kind == "native"
     return cache.get_or_build(
-        NATIVE_KIND, build, label=f"{path.name} -> its own blocks", sources=[path],
-        versions=["torch", "gguf", "transformers"], options={"format": CACHE_FORMAT, "blocks": BLOCKS_FORMAT},
+        NATIVE_KIND if native else WEIGHTS_KIND, build,
+        label=f"{path.name} -> {'its own blocks' if native else 'fp32 weights'}", sources=[path],
+        versions=["torch", "gguf", "transformers"],
+        options={"format": CACHE_FORMAT, **({"blocks": BLOCKS_FORMAT} if native else {})},
     )
 
 
