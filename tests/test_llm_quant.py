@@ -19,6 +19,7 @@ from outrider.accelerators import TransformContext  # noqa: E402
 from outrider.artifacts import Artifact, ArtifactCache  # noqa: E402
 from outrider.errors import QualityGateError  # noqa: E402
 from outrider.generation.contract import Chunk  # noqa: E402
+from outrider.generation.weights import quantize_int4  # noqa: E402
 from outrider_llm.linear import (  # noqa: E402
     Int8BlockTable,
     Int4Linear,
@@ -39,7 +40,6 @@ from outrider_quantize.llm import (  # noqa: E402
     LlmWeightQuantizer,
     int4_from_q4_1,
     llm_quality,
-    quantize_int4,
     quantize_int8,
     quantize_state_dict,
 )

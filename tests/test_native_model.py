@@ -219,6 +219,87 @@ def test_what_it_does_not_cover_is_named(tmp_path):
         NativeLlama.from_artifact(artifact)
 
 
+def _q4_1_weights(config, seed):
+    """Random fp32 weights whose layer matrices are GGUF Q4_1 blocks (the raw `N.q4_1.*` entries the
+    float artifact carries) and whose embeddings are a table of int8 blocks times an fp16 scale (a
+    dequantized Q8_0 table, as a GGUF holds SmolLM2's)."""
+    import torch
+
+    from outrider.generation.weights import pack_int4
+    from outrider_llm.loading import random_llama_weights
+
+    weights = random_llama_weights(config, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    for name in [n for n, w in weights.items() if n.startswith("model.layers.") and w.dim() == 2]:
+        out, inp = weights[name].shape
+        q = torch.randint(0, 16, (out, inp), generator=gen, dtype=torch.uint8)
+        d = (torch.rand(out, inp // 32, generator=gen) * 0.02 + 0.001).half()
+        m = (-8 * d.float() + torch.randn(out, inp // 32, generator=gen) * 0.002).half()
+        weights[name + ".q4_1.q"], weights[name + ".q4_1.d"], weights[name + ".q4_1.m"] = pack_int4(q), d, m
+        weights[name] = (q.view(out, -1, 32).float() * d.float()[..., None] + m.float()[..., None]).view(out, inp)
+    table = weights["model.embed_tokens.weight"]
+    blocks = table.view(table.shape[0], -1, 32)
+    scale = blocks.abs().amax(dim=2) / 127  # llama.cpp's Q8_0: q from the fp32 scale, the scale kept in fp16
+    q = torch.round(blocks / scale[..., None]).clamp(-127, 127)
+    weights["model.embed_tokens.weight"] = (q * scale.half().float()[..., None]).view(table.shape)
+    return weights
+
+
+@pytest.mark.parametrize("table,head", [("q8_0", "float"), ("float", "float"), ("q8_0", "int4")])
+def test_a_quantize_int4_artifact_computes_the_torch_w4a8_models_layers(table, head, tmp_path):
+    """What outrider_quantize writes for `mode: int4, kernel: w4a8` (int4 groups from a file's Q4_1
+    blocks; a tied head left float, or in its own int4 groups) on the native model, against the torch
+    model on kernel w4a8: the same K/V in every layer bit for bit, logits within the final norm's
+    rounding, the same fingerprint. A table that is exactly int8 blocks is the head's tiles and the
+    lookups' source at once; another (`float`) is kept for lookups and quantized for the head as the
+    torch model quantizes it. The tiles file keeps each form."""
+    _native_c()
+    from outrider_llm.loading import tiny_llama_config
+    from outrider_llm.model import LlamaModel
+    from outrider_llm.native_model import NativeLlama, Weights, _map_tiles, _save_tiles
+    from outrider_quantize.llm import quantize_state_dict
+
+    config = tiny_llama_config(vocab_size=256, hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2)
+    config.intermediate_size = 512
+    weights = _q4_1_weights(config, seed=9)
+    if table == "float":
+        weights["model.embed_tokens.weight"] = weights["model.embed_tokens.weight"] * 1.001
+    quantized = quantize_state_dict(weights, "int4", 32, head_mode=head)
+    torch_model = LlamaModel(config, quantized, kernel="w4a8")
+    assert torch_model._fast_layers is not None  # the torch model's fused native stack: the reference
+    model = NativeLlama.from_weights(config, Weights(quantized), {"quantize": {"mode": "int4"}})
+    tokens = [3, 200, 7, 7, 64, 1, 99, 12]
+    want_rows = weights["model.embed_tokens.weight"][tokens].numpy()
+    assert np.array_equal(model.embed(np.array(tokens)), want_rows)
+    assert model.fingerprint() == torch_model.fingerprint()
+    cache, torch_cache = model.new_cache(1, 64), torch_model.new_cache(1, 64)
+    got = model.forward(cache, [_chunk(tokens)])
+    want = torch_model.forward(torch_cache, [_chunk(tokens)]).logits.numpy()
+    n = len(tokens)
+    assert np.array_equal(cache.kv[:, :, 0, :, :n], torch_cache.kv[:, :, 0, :, :n].numpy()), "layers differ"
+    assert np.abs(got.logits - want).max() < 1e-4
+    _save_tiles(model, tmp_path)
+    mapped = _map_tiles(tmp_path)
+    assert np.array_equal(mapped.forward(mapped.new_cache(1, 64), [_chunk(tokens)]).logits, got.logits)
+    assert np.array_equal(mapped.embed(np.array(tokens)), want_rows)
+
+
+def test_what_it_does_not_cover_of_a_quantize_artifact_is_named():
+    _native_c()
+    from outrider_llm.loading import tiny_llama_config
+    from outrider_llm.native_model import NativeLlama, Weights
+    from outrider_quantize.llm import quantize_state_dict
+
+    config = tiny_llama_config(vocab_size=256, hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2)
+    config.intermediate_size = 512
+    weights = _q4_1_weights(config, seed=10)
+    int8_head = quantize_state_dict(weights, "int4", 32, head_mode="int8")
+    with pytest.raises(ValueError, match="an int8 per-channel LM head"):
+        NativeLlama.from_weights(config, Weights(int8_head), {"quantize": {"mode": "int4"}})
+    with pytest.raises(ValueError, match="a quantize: artifact of mode 'int8'"):
+        NativeLlama.from_weights(config, Weights(quantize_state_dict(weights, "int8")), {"quantize": {"mode": "int8"}})
+
+
 PLAIN = """name: {name}
 backend: llm
 model:

@@ -108,6 +108,31 @@ def test_smollm2_int8_generates_the_same_tokens_with_and_without_speculation(ser
         assert report["top1_agreement"] >= 0.9
 
 
+def test_smollm2_int8_starts_from_its_cached_artifact_without_torch(server_factory):
+    """The shipped quantized manifest (int4 groups on kernel w4a8) is served by the native runtime
+    wherever the native C library was built: its gate was measured on that model (the first start,
+    which quantizes, imports torch), and a start whose quantized artifact is cached imports none."""
+    from outrider_llm import native_c
+
+    if not native_c.library()[0]:
+        pytest.skip(f"the native C library is not built: {native_c.library()[1]}")
+    plugins = ["outrider_llm", "outrider_speculative", "outrider_quantize"]
+    server_factory([MANIFESTS / "smollm2-int8.yaml"], plugins).stop()  # builds what is not cached yet
+    server = server_factory([MANIFESTS / "smollm2-int8.yaml"], plugins)
+    with server.client(timeout=120) as client:
+        instance = client.health()["models"]["smollm2-int8"]["instances"][0]
+        assert instance["backend"]["runtime"] == "native", instance
+        report = instance["artifacts"][0]
+        assert report["gate"] == "passed" and report["top1_agreement"] >= 0.9, report
+        prompt = "def add(a, b):\n"
+        plain = client.generate("smollm2-int8", prompt=prompt, max_tokens=24, speculative=False)
+        assert client.generate("smollm2-int8", prompt=prompt, max_tokens=24).token_ids == plain.token_ids
+    with open(f"/proc/{server.proc.pid}/maps") as f:
+        maps = f.read()
+    assert "libtorch" not in maps and "_native_c" in maps
+    assert "torch-free native runtime" in server.log()
+
+
 # Without the native kernels, bf16 activations (torch's int4 kernel takes bf16): the tree forward and the one-token forward may
 # differ by a bf16 rounding of O(10) logits, 2^-4 (see "Greedy identity and near-ties" in
 # docs/ACCELERATORS.md). A larger gap at the first differing token would be a real bug.

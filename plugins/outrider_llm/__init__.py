@@ -16,10 +16,11 @@ dequantizes it to `dtype`), `prefix_cache_mb` (default 64; 0 = off: K/V of promp
 for later requests that start with the same tokens, see outrider.generation.prefix_cache),
 `runtime` (auto | native | torch, default auto: on a CPU, a GGUF served in its own block types
 runs on the native kernels' C ABI without torch in the process (native_model.py: ~260 MB and ~1 s
-less than torch's import; an EAGLE draft head drafts on numpy there), unless the model needs the
-torch model (a `quantize:` section, a float or dense matrix, CUDA); `native` insists and fails
-saying why it cannot;
-`torch` always uses the torch model).
+less than torch's import; an EAGLE draft head drafts on numpy there), and so does a `quantize:`
+section of `mode: int4` with `kernel: w4a8` (its quality gate is then measured on the native model,
+and a start whose quantized artifact is cached imports no torch), unless the model needs the torch
+model (another `quantize:`, a float or dense matrix, CUDA); `native` insists and fails saying why
+it cannot; `torch` always uses the torch model).
 
 On CUDA a sticky CUDA error (the context is unusable) makes `health()` unhealthy for good, and
 running out of GPU memory during warmup fails the load with that reason.
@@ -121,7 +122,9 @@ class LlmBackend(GeneratingBackend):
         # CUDA work needs no intra-op threads; on CPU the first model of the process sets them.
         self.threads = None if on_cuda else self._set_threads(options.threads or _physical_cores())
         self._loading_since = time.perf_counter()
-        self.serves_file_blocks = self.runtime == "native" or self._serves_file_blocks(options, on_cuda)
+        quantized = bool(self.accelerators.artifact_transforms)
+        self.serves_file_blocks = (self.runtime == "native" and not quantized) or self._serves_file_blocks(options,
+                                                                                                            on_cuda)
         path = self.manifest.model_path()
         # A first start converts in a child process: the conversion's heap (and its torch) leaves with it.
         load = load_native_artifact if self.serves_file_blocks else load_weights_artifact
@@ -138,8 +141,9 @@ class LlmBackend(GeneratingBackend):
             why = f"device {self.device}"
         elif options.weights != "file":
             why = f"options.weights: {options.weights}"
-        elif self.accelerators.artifact_transforms:
-            why = "a quantize: section (its kernels are the torch model's)"
+        elif self.accelerators.artifact_transforms and not self._quantized_natively():
+            why = ("a quantize: section whose kernels are the torch model's (the native runtime takes "
+                   "mode: int4 with kernel: w4a8)")
         else:
             from . import native_c
 
@@ -154,6 +158,13 @@ class LlmBackend(GeneratingBackend):
                                 f"cannot serve this model: {why}")
         return "torch", why
 
+    def _quantized_natively(self) -> bool:
+        """Whether the `quantize:` section gives weights the native model computes as the torch
+        model's w4a8 kernels would: int4 groups (whole tiles of 16 inputs) on kernel w4a8."""
+        config = getattr(self.accelerators, "configs", {}).get("quantize")
+        return (config is not None and len(self.accelerators.artifact_transforms) == 1 and config.mode == "int4"
+                and config.kernel == "w4a8" and int(config.group_size) % 16 == 0)
+
     def _set_threads(self, threads: int) -> int:
         if self.runtime == "native":
             from . import native_c
@@ -164,13 +175,32 @@ class LlmBackend(GeneratingBackend):
 
     def gate_helpers(self) -> dict[str, Any]:
         """A quantization's quality gate builds the float and the quantized model through these
-        (a transform never imports this plugin)."""
-        from .linear import kernel_key
-        from .loading import artifact_tokenizer, model_from_artifact
+        (a transform never imports this plugin): the quantized one as this load will serve it, on
+        the native runtime the native model. Only a gate that is measured (a first start) imports
+        torch here; a cached verdict needs `tokenize` and `kernel_key` alone."""
+        from .artifact import artifact_tokenizer
 
         kernel = self._kernel()
         source = self._source
         tokenizer: list = []
+        native = self.runtime == "native"
+
+        def build_model(artifact: Any) -> Any:
+            from .artifact import read_artifact_meta
+            from .loading import model_from_artifact
+
+            if native and read_artifact_meta(artifact).get("quantize"):
+                from .native_model import NativeLlama
+
+                return NativeLlama.from_artifact(artifact)[0]
+            return model_from_artifact(artifact, device=self.device, kernel=kernel)[0]
+
+        def kernel_key(mode: str) -> str:
+            if native:  # the C ABI's kernels: the same bits on every instruction set
+                return f"{mode}:{kernel}:native-c"
+            from .linear import kernel_key as torch_kernel_key
+
+            return torch_kernel_key(mode, kernel, self.device)
 
         def tokenize(text: str) -> Any:
             # Built on the first call: a start whose gate verdict is cached never tokenizes
@@ -179,11 +209,7 @@ class LlmBackend(GeneratingBackend):
                 tokenizer.append(artifact_tokenizer(source))
             return tokenizer[0].encode(text)
 
-        return {
-            "build_model": lambda artifact: model_from_artifact(artifact, device=self.device, kernel=kernel)[0],
-            "tokenize": tokenize,
-            "kernel_key": lambda mode: kernel_key(mode, kernel, self.device),
-        }
+        return {"build_model": build_model, "tokenize": tokenize, "kernel_key": kernel_key}
 
     def load(self) -> None:
         from outrider.generation.engine import GenerationEngine

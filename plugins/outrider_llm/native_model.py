@@ -12,9 +12,12 @@ the engine's (numpy), so a draft tree's rows get exactly a one-token step's logi
 
 What it covers (`coverage`): the llama (Llama, Mistral, SmolLM2), qwen2, qwen3 and phi3
 architectures as loading.py converts them, with every layer matrix in a native block type (the
-quantized GGUF types; see gguf_blocks.py). A float matrix (an F16/F32 file, or a dense tensor), an
-untied head without blocks, or a `quantize:` artifact is not covered: the llm backend serves those
-with the torch model and says why. A draft head reads it through `make_linear` (numpy in, numpy
+quantized GGUF types; see gguf_blocks.py), and a `quantize:` artifact of int4 groups (mode int4, as
+outrider_quantize writes it for kernel w4a8: a Q4_1 file's own blocks), whose tied head is the fp32
+embedding table in blocks of 32 int8 values (exactly a Q8_0 table, where it is one; the torch
+model's w4a8 head) or its own int4 groups. A float matrix (an F16/F32 file, or a dense tensor), an
+untied head without blocks, an int8 per-channel head or another quantize: mode is not covered: the
+llm backend serves those with the torch model and says why. A draft head reads it through `make_linear` (numpy in, numpy
 out: `array_api = "numpy"`), as outrider_speculative/draft_head.py does.
 """
 
@@ -57,16 +60,22 @@ def coverage(meta: dict, keys: "set[str]") -> str:
     arch = config.get("architecture", "llama")
     if arch not in ARCHITECTURES:
         return f"architecture {arch!r} (covered: {', '.join(ARCHITECTURES)})"
-    if meta.get("quantize"):
-        return "a quantize: artifact (its kernels are the torch model's)"
+    quantize = meta.get("quantize")
+    if quantize and quantize.get("mode") != "int4":
+        return f"a quantize: artifact of mode {quantize.get('mode')!r} (the native model takes int4 groups)"
+    formats = ("affine", "int4") if quantize else ("affine",)
     for i in range(int(config.get("num_layers", 0))):
         for name in MATRICES:
             base = f"model.layers.{i}.{name}.weight"
-            if f"{base}.affine.q" not in keys:
+            if not any(f"{base}.{kind}.q" in keys for kind in formats):
                 return f"{base} is not in a native block type (a float or dense matrix)"
-    if "model.embed_tokens.weight.affine.q" not in keys:
+    if "lm_head.weight.int8.q" in keys:
+        return "an int8 per-channel LM head (torch's kernel)"
+    embeddings = "model.embed_tokens.weight"
+    if f"{embeddings}.affine.q" not in keys and not (quantize and embeddings in keys):
         return "the token embeddings are not in a native block type"
-    if not config.get("tie_word_embeddings", True) and "lm_head.weight.affine.q" not in keys:
+    head = any(f"lm_head.weight.{kind}.q" in keys for kind in formats)
+    if not config.get("tie_word_embeddings", True) and not head:
         return "an untied LM head without native blocks"
     return ""
 
@@ -106,7 +115,20 @@ class Weights:
         return np.array(self._file.get_tensor(name))
 
     def groups(self, name: str) -> AffineGroups:
-        """The affine groups of weight `name` (`linear.affine_state_dict`'s layout), q unpacked."""
+        """The affine groups of weight `name`, q unpacked: a file's own blocks
+        (`linear.affine_state_dict`'s layout) or int4 groups (`outrider.generation.weights`: w =
+        (q - 8) scale + zero, so d = scale, m = zero - 8 scale in fp32, as linear.py's w4a8 tables form
+        them before `_part` rounds them to fp16)."""
+        if f"{name}.int4.q" in self.keys:
+            q, scale, zero = (self.get(f"{name}.int4.{k}") for k in ("q", "scale", "zero"))
+            if q.dtype != np.uint8 or scale.shape != zero.shape or scale.ndim != 2 or scale.shape[0] != q.shape[0] \
+                    or (2 * q.shape[1]) % scale.shape[1]:
+                raise ValueError(f"{name}: expected int4 q uint8 [out, in / 2] and scale, zero [out, in / group], got "
+                                 f"{q.dtype} {q.shape}, {scale.shape}, {zero.shape}")
+            d = scale.astype(np.float32)
+            values = _unpack_nibbles(q)
+            return AffineGroups(4, values, d, zero.astype(np.float32) - np.float32(8) * d,
+                                values.shape[1] // d.shape[1], True, "int4")
         q, d, m = (self.get(f"{name}.affine.{k}") for k in ("q", "d", "m"))
         bits = int(self.get(f"{name}.affine.bits").reshape(-1)[0])
         if bits not in (4, 5, 8) or q.dtype != np.uint8 or d.shape != m.shape or d.ndim != 2:
@@ -134,6 +156,11 @@ def _five_bit_tiles() -> bool:
 def _part(groups: AffineGroups, pad_rows: bool = False) -> native_c.Part:
     """The kernel layout of `groups`; with `pad_rows`, rows padded with zeros to a whole tile (a
     head whose vocabulary is not a multiple of 16: its extra logits are cut off)."""
+    if groups.source == "int4":
+        # outrider's int4 groups: the torch model's w4a8 tables are fp16 (linear.py rounds them so,
+        # after any scaling), and this model computes what that one does.
+        groups = AffineGroups(4, groups.q, groups.d.astype(np.float16), groups.m.astype(np.float16), groups.group,
+                              groups.exact, groups.source)
     if groups.bits == 5 and not _five_bit_tiles():
         groups = AffineGroups(8, groups.q, groups.d, groups.m, groups.group, groups.exact, groups.source)
     extra = -groups.q.shape[0] % native_c.TILE if pad_rows else 0
@@ -167,6 +194,53 @@ class _Rows:
         group = self.columns // d.shape[1]
         q = q.reshape(len(ids), d.shape[1], group)
         return (q * d[..., None] + m[..., None]).reshape(len(ids), self.columns)
+
+
+class _DenseRows:
+    """Row lookups of an fp32 table the model holds as it is (a quantize: artifact's embeddings where
+    its tied head is not exactly that table, as the torch model keeps them)."""
+
+    part = None
+
+    def __init__(self, table: np.ndarray) -> None:
+        self.table = table
+        self.rows, self.columns = table.shape
+
+    def __call__(self, ids: np.ndarray) -> np.ndarray:
+        ids = np.asarray(ids, dtype=np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.rows):
+            raise ValueError(f"token ids must be in 0 .. {self.rows - 1}, got {int(ids.min())} .. {int(ids.max())}")
+        return self.table[ids]
+
+
+def int8_blocks(table: np.ndarray, block: int = 32) -> tuple[AffineGroups, bool]:
+    """fp32 [rows, cols] in blocks of `block` int8 values with one scale each, w = q d (Q8_0), as
+    groups of 8 bits (q + 128, m = -128 d), and whether that holds every value exactly (a GGUF's
+    Q8_0 table dequantized). Where it does not, the values are quantized as linear.py's w4a8 head
+    quantizes them: d = amax / 127 rounded to fp16, q = round(w / d)."""
+    rows, cols = table.shape
+    if cols % block:
+        raise ValueError(f"a table of {cols} columns does not split into blocks of {block}")
+    q = np.empty((rows, cols), dtype=np.uint8)
+    scale = np.empty((rows, cols // block), dtype=np.float32)
+    exact = True
+    for start in range(0, rows, 4096):  # chunks: the temporaries stay small
+        part = table[start:start + 4096].astype(np.float32).reshape(-1, cols // block, block)
+        d = np.abs(part).max(axis=2) / np.float32(127)  # Q8_0 puts 127 at each block's largest magnitude
+        d = np.where(d > 0, d, np.float32(1)).astype(np.float32)
+        values = np.rint(part / d[..., None])
+        if exact and (np.abs(values).max() > 127 or not np.array_equal(values * d[..., None], part)):
+            exact = False
+        if not exact:
+            break
+        q[start:start + 4096] = (values + 128).astype(np.uint8).reshape(-1, cols)
+        scale[start:start + 4096] = d
+    if not exact:
+        blocks = table.astype(np.float32).reshape(rows, cols // block, block)
+        scale = (np.abs(blocks).max(axis=2) / np.float32(127)).astype(np.float16).astype(np.float32)
+        safe = np.where(scale > 0, scale, np.float32(1))
+        q = (np.clip(np.rint(blocks / safe[..., None]), -127, 127) + 128).astype(np.uint8).reshape(rows, cols)
+    return AffineGroups(8, q, scale, scale * np.float32(-128), block, exact, "Q8_0"), exact
 
 
 def _tile_rows(w: np.ndarray, layout: int, tile: np.ndarray, lane: np.ndarray) -> np.ndarray:
@@ -264,12 +338,21 @@ class NativeLlama:
         for layer in layers:
             for parts in (layer.qkv, layer.o, layer.gate_up, layer.down):
                 total += sum(_nbytes(x) for x in _parts_of(parts))
-        embed_groups = weights.groups("model.embed_tokens.weight")
-        own_head = "lm_head.weight.affine.q" in weights.keys  # an untied head, or a tied one stored apart
+        own_head = any(f"lm_head.weight.{kind}.q" in weights.keys for kind in ("affine", "int4"))  # untied, or apart
+        name = "model.embed_tokens.weight"
+        if f"{name}.affine.q" in weights.keys:
+            embed_groups, exact = weights.groups(name), True
+        else:  # a quantize: artifact's fp32 table: its tied head in int8 blocks (see `int8_blocks`)
+            table = weights.get(name).astype(np.float32)
+            embed_groups, exact = int8_blocks(table)
         head = _part(weights.groups("lm_head.weight") if own_head else embed_groups, pad_rows=True)
-        # A tied head without its own blocks is the table: lookups read rows from its tiles (one copy).
-        embed = _Rows(_part(embed_groups) if own_head else head, *embed_groups.shape)
-        total += _nbytes(head) + (0 if embed.part is head else _nbytes(embed.part))
+        if not exact:  # lookups read the table itself, as the torch model does
+            embed: Any = _DenseRows(table)
+        else:
+            # A tied head without its own blocks is the table: lookups read rows from its tiles (one copy).
+            embed = _Rows(_part(embed_groups) if own_head else head, *embed_groups.shape)
+        total += _nbytes(head) + (0 if embed.part is head else
+                                  embed.table.nbytes if embed.part is None else _nbytes(embed.part))
         del embed_groups
         final_norm = weights.get("model.norm.weight").astype(np.float32)
         return cls(cfg, stack, final_norm, head, embed, _fingerprint(cfg, embed, final_norm, layers), total)
@@ -494,7 +577,8 @@ def _save_tiles(model: NativeLlama, directory: Path) -> None:
             entry[name] = [part(p) for p in _parts_of(getattr(layer, name))]
         layers.append(entry)
     head = part(model.head)
-    embed = "head" if model.embed_rows.part is model.head else part(model.embed_rows.part)
+    rows = model.embed_rows
+    embed = "head" if rows.part is model.head else {"table": ref(rows.table)} if rows.part is None else part(rows.part)
     index = {"config": model.config.to_dict(), "fingerprint": model.fingerprint(), "weight_bytes": model.weight_bytes(),
              "layers": layers, "final_norm": ref(model.final_norm), "head": head, "embed": embed,
              "embed_shape": [model.embed_rows.rows, model.embed_rows.columns]}
@@ -530,5 +614,10 @@ def _map_tiles(directory: Path) -> NativeLlama:
     stack = native_c.LayerStack(layers, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                                 eps=cfg.rms_norm_eps)
     head = part(index["head"])
-    embed = _Rows(head if index["embed"] == "head" else part(index["embed"]), *index["embed_shape"])
+    if index["embed"] == "head":
+        embed: Any = _Rows(head, *index["embed_shape"])
+    elif "table" in index["embed"]:
+        embed = _DenseRows(get(index["embed"]["table"]))
+    else:
+        embed = _Rows(part(index["embed"]), *index["embed_shape"])
     return NativeLlama(cfg, stack, get(index["final_norm"]), head, embed, index["fingerprint"], index["weight_bytes"])

@@ -5,9 +5,11 @@ An artifact transform: the `llm` backend hands over its fp32 "llama-weights" dir
 are stored quantized, in the format of `outrider.generation.weights` (which the backend's kernels
 read); bf16 mode stores the linear weights in bf16 and says "dtype": "bf16" in meta.json.
 
-Imports torch, safetensors and `outrider.*` only: an accelerator never imports a backend plugin.
-The backend passes what the gate needs as `context.helpers`: `build_model(artifact) -> CausalLM`
-and `tokenize(text) -> list[int]`.
+Imports numpy, safetensors and `outrider.*` only (an accelerator never imports a backend plugin),
+and torch only where it quantizes: a start whose quantized artifact is cached imports no torch, so
+a backend that serves it without torch (the llm backend's native runtime) keeps torch out of the
+process. The backend passes what the gate needs as `context.helpers`: `build_model(artifact) ->
+CausalLM` (the model that will serve: the gate measures it) and `tokenize(text) -> list[int]`.
 """
 
 from __future__ import annotations
@@ -18,15 +20,18 @@ import math
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-import torch
+import numpy as np
 
 from outrider.artifacts import Artifact
 from outrider.errors import ManifestError, QualityGateError
 from outrider.generation.contract import Chunk
-from outrider.generation.weights import quantize_int4
+from outrider.generation.sampling import host_array
 from outrider.hardware import cpu_has_bf16_instructions
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("outrider.quantize")
 
@@ -114,12 +119,16 @@ def is_linear_weight(name: str, tensor: torch.Tensor) -> bool:
 
 def int4_from_q4_1(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> dict[str, torch.Tensor]:
     """GGUF Q4_1 blocks (w = q * d + m, q packed as int4.q) as int4: scale = d, zero = m + 8 d, exact in fp32."""
+    import torch
+
     d, m = d.float(), m.float()
     return {"q": q.to(torch.uint8), "scale": d, "zero": m + 8 * d}
 
 
 def quantize_int8(weight: torch.Tensor) -> dict[str, torch.Tensor]:
     """Per-output-channel symmetric int8 of an fp32 [out, in] weight: {q, scale}."""
+    import torch
+
     weight = weight.float()
     scale = weight.abs().amax(dim=1) / 127
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
@@ -141,8 +150,13 @@ def quantize_state_dict(
     `head_mode` (default: `default_head_mode(mode)`) treats the LM head apart: it is the most
     sensitive matrix. SmolLM2 teacher-forced top-1 agreement with fp32, on the held-out texts,
     int4 layers fixed: int4 head 0.881 (ppl ratio 1.035), int8 head 0.979 (0.999). "float" leaves
-    it unquantized: the model runs it in its compute dtype (bf16 next to packed int4 kernels).
+    it unquantized: the model runs it in its compute dtype (bf16 next to packed int4 kernels), or
+    next to w4a8 layers as block-wise int8 (see `default_head_mode`).
     """
+    import torch
+
+    from outrider.generation.weights import quantize_int4
+
     if mode not in MODES:
         raise ValueError(f"quantize_state_dict: mode must be one of {MODES}, got {mode!r}")
     head_mode = head_mode or default_head_mode(mode)
@@ -179,21 +193,30 @@ def quantize_state_dict(
 # ---- quality -------------------------------------------------------------------------------
 
 
-@torch.no_grad()
-def _logits(model: Any, tokens: list[int]) -> torch.Tensor:
-    """Teacher-forced fp32 logits [n, vocab] of `tokens`, fed in chunks through the model's KV cache."""
+def _logits(model: Any, tokens: list[int]) -> np.ndarray:
+    """Teacher-forced fp32 logits [n, vocab] of `tokens`, fed in chunks through the model's KV cache
+    (numpy chunks: every CausalLM takes them, a torch model converts them)."""
     cache = model.new_cache(1, len(tokens))
     rows = []
     for start in range(0, len(tokens), QUALITY_CHUNK):
         part = tokens[start : start + QUALITY_CHUNK]
-        chunk = Chunk(0, torch.tensor(part, dtype=torch.long), torch.arange(start, start + len(part)))
-        rows.append(model.forward(cache, [chunk]).logits.float())
+        chunk = Chunk(0, np.asarray(part, dtype=np.int64), np.arange(start, start + len(part), dtype=np.int64))
+        rows.append(np.array(host_array(model.forward(cache, [chunk]).logits), dtype=np.float32))
         cache.commit(0, list(range(len(part))))
-    return torch.cat(rows)
+    return np.concatenate(rows)
+
+
+def _nll(logits: np.ndarray, targets: np.ndarray) -> float:
+    """Sum over rows of -log softmax(row)[target], in fp64."""
+    x = logits.astype(np.float64)
+    top = x.max(axis=1, keepdims=True)
+    log_z = top[:, 0] + np.log(np.exp(x - top).sum(axis=1))
+    return float((log_z - x[np.arange(len(targets)), targets]).sum())
 
 
 def llm_quality(reference: Any, candidate: Any, token_ids_list: list[list[int]]) -> dict[str, float]:
-    """Teacher-forced top-1 agreement and perplexity ratio (candidate / reference) of two `CausalLM`s.
+    """Teacher-forced top-1 agreement and perplexity ratio (candidate / reference) of two `CausalLM`s
+    (either array API: torch or numpy).
 
     Both models see the same tokens; agreement counts positions whose argmax next tokens match,
     perplexity is exp(mean negative log-likelihood of the actual next tokens) over all texts.
@@ -205,11 +228,11 @@ def llm_quality(reference: Any, candidate: Any, token_ids_list: list[list[int]])
         if len(tokens) < 2:
             continue
         ref, cand = _logits(reference, tokens), _logits(candidate, tokens)
-        target = torch.tensor(tokens[1:], dtype=torch.long)
+        target = np.asarray(tokens[1:], dtype=np.int64)
         agree += int((ref[:-1].argmax(-1) == cand[:-1].argmax(-1)).sum())
         total += len(tokens) - 1
-        nll_ref += float(torch.nn.functional.cross_entropy(ref[:-1], target, reduction="sum"))
-        nll_cand += float(torch.nn.functional.cross_entropy(cand[:-1], target, reduction="sum"))
+        nll_ref += _nll(ref[:-1], target)
+        nll_cand += _nll(cand[:-1], target)
     if total == 0:
         raise ValueError("llm_quality needs at least one text of 2 or more tokens")
     return {
@@ -224,15 +247,21 @@ def llm_quality(reference: Any, candidate: Any, token_ids_list: list[list[int]])
 # ---- mode: auto ------------------------------------------------------------------------------
 
 
-def default_head_mode(mode: str) -> str:
-    """How the LM head is stored next to `mode` weights.
+def default_head_mode(mode: str, kernel: str = "auto", tied: bool = True) -> str:
+    """How the LM head is stored next to `mode` weights run by `kernel` (quantize.kernel).
 
-    Next to int4 layers: unquantized ("float", so bf16 at run time) where the CPU multiplies bf16
-    natively: as accurate as int8 and faster at every row count there (SmolLM2's 576 x 49152 head,
-    Xeon with AMX, 2 threads: bf16 1.6 ms at 1 row and flat to 32 rows; int8 2.6 ms at 1 row and
-    ~linear in rows), else int8. Other modes: the same as the layers.
+    Next to int4 layers on the w4a8 kernels, a tied head: unquantized ("float"). The model then
+    runs it as the embedding table in blocks of 32 int8 values with int8 activations on the same
+    native kernels (a GGUF's Q8_0 table exactly as the file holds it): the same bits on every CPU,
+    and the form the torch-free native runtime serves too.
+    Next to other int4 layers: unquantized ("float", so bf16 at run time) where the CPU multiplies
+    bf16 natively: as accurate as int8 and faster at every row count there (SmolLM2's 576 x 49152
+    head, Xeon with AMX, 2 threads: bf16 1.6 ms at 1 row and flat to 32 rows; int8 2.6 ms at 1 row
+    and ~linear in rows), else int8. Other modes: the same as the layers.
     """
     if mode == "int4":
+        if kernel == "w4a8" and tied:
+            return "float"
         return "float" if cpu_has_bf16_instructions() else "int8"
     return mode
 
@@ -274,8 +303,10 @@ class LlmWeightQuantizer:
         config = self.config
         mode = resolve_mode(config.mode)
         group_size = int(config.group_size)
-        head_mode = default_head_mode(mode)  # see quantize_state_dict
         source = Path(artifact.path) / WEIGHTS_FILE
+        source_meta = json.loads((Path(artifact.path) / META_FILE).read_text())
+        tied = bool(source_meta.get("config", {}).get("tie_word_embeddings", True))
+        head_mode = default_head_mode(mode, config.kernel, tied)  # see quantize_state_dict
 
         def build(directory: Path, progress: Any) -> dict:
             from safetensors.torch import load_file, save_file
@@ -286,7 +317,7 @@ class LlmWeightQuantizer:
             save_file(quantized, str(directory / WEIGHTS_FILE))
             del quantized
             shutil.copyfile(Path(artifact.path) / TOKENIZER_FILE, directory / TOKENIZER_FILE)
-            meta = json.loads((Path(artifact.path) / META_FILE).read_text())
+            meta = dict(source_meta)
             meta["quantize"] = {"mode": mode, "head_mode": head_mode, "group_size": group_size if mode == "int4" else None}
             if mode == "bf16":
                 meta["dtype"] = "bf16"
@@ -304,7 +335,7 @@ class LlmWeightQuantizer:
             # The float artifact's own format too: quantized weights carry its layout and meta, so
             # a conversion that changes (its format bumped) must not meet quantized weights of the old.
             options={"mode": mode, "group_size": group_size, "head_mode": head_mode, "kernel": config.kernel,
-                     "weights_format": json.loads((Path(artifact.path) / META_FILE).read_text()).get("format"),
+                     "weights_format": source_meta.get("format"),
                      "computed_by": context.helpers["kernel_key"](mode) if "kernel_key" in context.helpers else None},
         )
         built = Artifact(built.path, KIND, built.provenance)  # what the backend loads is a llama-weights dir
