@@ -117,3 +117,38 @@ def test_long_text_is_cut_before_tokenizing_and_the_model_sees_the_same_tokens()
     assert task._decode(0, ("x" + "é" * 20_000).encode()) == ("x" + "é" * 20_000)[: task.max_chars]
     with pytest.raises(BadRequestError, match="not valid UTF-8"):
         task._decode(0, b"ok \xff" + b"a" * 100_000)
+
+
+
+@pytest.mark.parametrize("kind", ["float", "int8"])
+def test_the_cpu_session_form_computes_what_the_graph_does(kind, tmp_path):
+    """The CPU backend opens the graph's cached session form (optimized at ORT's EXTENDED level, its
+    initializers in a side file that ORT maps at start): built once, and the same outputs as the graph
+    itself bit for bit, for the exported float graph and a dynamically quantized int8 one."""
+    import onnxruntime
+
+    from outrider.artifacts import ArtifactCache
+    from outrider.manifest import load_manifest
+    from outrider.onnx.artifact import onnx_model
+    from outrider_onnxruntime import SESSION_DATA, session_form
+    from outrider_text import SentenceEmbeddingTask
+
+    manifest = load_manifest(MANIFESTS / "minilm.yaml")
+    graph = onnx_model(manifest)
+    if kind == "int8":
+        from onnxruntime.quantization import QuantType, quantize_dynamic
+
+        quantize_dynamic(str(graph), str(tmp_path / "int8.onnx"), weight_type=QuantType.QInt8)
+        graph = tmp_path / "int8.onnx"
+    cache = ArtifactCache(tmp_path / "cache")
+    form = session_form(graph, cache)
+    assert (form.parent / SESSION_DATA).stat().st_size > 0.8 * graph.stat().st_size  # the weights, beside it
+    assert form.stat().st_size < 0.05 * graph.stat().st_size
+    built = sorted((tmp_path / "cache").rglob("*"))
+    assert session_form(graph, cache) == form and sorted((tmp_path / "cache").rglob("*")) == built  # once
+    feeds = SentenceEmbeddingTask(manifest).preprocess({"text": np.array(SENTENCES, dtype=object)})
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = 2
+    want = onnxruntime.InferenceSession(str(graph), options, providers=["CPUExecutionProvider"]).run(None, feeds)
+    got = onnxruntime.InferenceSession(str(form), options, providers=["CPUExecutionProvider"]).run(None, feeds)
+    assert len(got) == len(want) and all(np.array_equal(g, w) for g, w in zip(got, want))

@@ -36,6 +36,7 @@ characters per token (long runs of whitespace between words) can lose tokens to 
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
@@ -132,29 +133,41 @@ class SentenceEmbeddingTask(Task):
         return True, frozenset({*listed, width})
 
     def _load_tokenizer(self, model_dir: Path) -> "Tokenizer":
+        """The tokenizer every request uses: unpadded (`_feeds` pads to the longest row of a call),
+        cut at `max_length` as the model is. One read of the file at start: a copy that does not
+        cut (`_whole`) is made on first use, since only a refusal's length and token counting need it
+        (each parse of MiniLM's tokenizer.json costs ~30 ms of a start)."""
         from tokenizers import Tokenizer
 
         path = model_dir / "tokenizer.json"
         if not path.is_file():
             raise ManifestError(f"{self._where()}: task {self.name!r} needs {path}, which does not exist")
+        self._tokenizer_path = path
+        self._whole_lock = threading.Lock()
+        self._whole_tokenizer: Optional["Tokenizer"] = None
         tokenizer = Tokenizer.from_file(str(path))
-        # The shipped file pads every input to a fixed 128; padding to the longest in the batch
-        # is what keeps short requests cheap.
-        pad = tokenizer.padding or {}
-        tokenizer.enable_padding(
-            direction="right",
-            pad_id=pad.get("pad_id", 0),
-            pad_type_id=pad.get("pad_type_id", 0),
-            pad_token=pad.get("pad_token", "[PAD]"),
-        )
+        # The shipped file pads every input to a fixed 128: padding happens in _feeds instead.
+        self._pad_id = int((tokenizer.padding or {}).get("pad_id", 0))
+        tokenizer.no_padding()
         tokenizer.enable_truncation(max_length=self.max_length)
-        # Unpadded copies, so each encoding's length is its own: one cut at the limit (`row_costs`
-        # and the ids of every text), one that is not (to refuse a text and say how long it is).
-        self._counter = Tokenizer.from_str(tokenizer.to_str())
-        self._counter.no_padding()
-        self._whole = Tokenizer.from_str(self._counter.to_str())
-        self._whole.no_truncation()
         return tokenizer
+
+    @property
+    def _counter(self) -> "Tokenizer":
+        return self.tokenizer
+
+    @property
+    def _whole(self) -> "Tokenizer":
+        """The tokenizer without truncation (made on first use)."""
+        if self._whole_tokenizer is None:
+            from tokenizers import Tokenizer
+
+            with self._whole_lock:
+                if self._whole_tokenizer is None:
+                    whole = Tokenizer.from_str(self.tokenizer.to_str())
+                    whole.no_truncation()
+                    self._whole_tokenizer = whole
+        return self._whole_tokenizer
 
     def encode(self, texts: Sequence[Union[str, bytes]], truncate: bool = True,
                add_special_tokens: bool = True) -> list[list[int]]:
@@ -298,10 +311,6 @@ class SentenceEmbeddingTask(Task):
         raise BadRequestError(
             f"input {self.input_name!r} element {index} is {type(item).__name__}; expected bytes or str"
         )
-
-    @property
-    def _pad_id(self) -> int:
-        return int((self.tokenizer.padding or {}).get("pad_id", 0))
 
     def empty_outputs(self, feeds: dict[str, np.ndarray]) -> Optional[dict[str, np.ndarray]]:
         """The outputs of an empty batch, so backends need not run the model on zero rows."""
