@@ -124,13 +124,14 @@ def test_long_text_is_cut_before_tokenizing_and_the_model_sees_the_same_tokens()
 def test_the_cpu_session_form_computes_what_the_graph_does(kind, tmp_path):
     """The CPU backend opens the graph's cached session form (optimized at ORT's EXTENDED level, its
     initializers in a side file that ORT maps at start): built once, and the same outputs as the graph
-    itself bit for bit, for the exported float graph and a dynamically quantized int8 one."""
+    itself bit for bit, for the exported float graph and a dynamically quantized int8 one. The same
+    for the unoptimized mapped form that `outrider bake` writes."""
     import onnxruntime
 
     from outrider.artifacts import ArtifactCache
     from outrider.manifest import load_manifest
     from outrider.onnx.artifact import onnx_model
-    from outrider_onnxruntime import SESSION_DATA, session_form
+    from outrider_onnxruntime import SESSION_DATA, mapped_form, session_form
     from outrider_text import SentenceEmbeddingTask
 
     manifest = load_manifest(MANIFESTS / "minilm.yaml")
@@ -150,5 +151,7 @@ def test_the_cpu_session_form_computes_what_the_graph_does(kind, tmp_path):
     options = onnxruntime.SessionOptions()
     options.intra_op_num_threads = 2
     want = onnxruntime.InferenceSession(str(graph), options, providers=["CPUExecutionProvider"]).run(None, feeds)
-    got = onnxruntime.InferenceSession(str(form), options, providers=["CPUExecutionProvider"]).run(None, feeds)
-    assert len(got) == len(want) and all(np.array_equal(g, w) for g, w in zip(got, want))
+    for path in (form, mapped_form(graph, cache)):  # the CPU session form, and what `outrider bake` writes
+        assert path.stat().st_size < 0.05 * graph.stat().st_size
+        got = onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"]).run(None, feeds)
+        assert len(got) == len(want) and all(np.array_equal(g, w) for g, w in zip(got, want)), path

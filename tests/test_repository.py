@@ -234,10 +234,14 @@ def test_the_memory_budget_unloads_idle_models_first_and_refuses_what_cannot_fit
                        f"outputs:\n  - {{name: embedding, datatype: FP32, shape: [-1, 384]}}\n", f"{name}.yaml")
     plugins = ["outrider_onnxruntime", "outrider_text"]
     # Measure what the server and one model cost, then give a budget with room for one model only.
+    # b is loaded once too, so both estimates are measured ones (a model never loaded is estimated by
+    # its files' size, which overstates an ORT graph whose weights are mapped).
     probe = server_factory([], plugins, args=["--models", str(models), "--load", "a"])
     with probe.client() as client:
         client.infer("a", {"text": np.array(["warm"], dtype=object)})
         one = _rss_mb(probe.proc.pid)
+        client.unload("a")
+        client.load("b")
     probe.stop()
     budget = f"{int(one * 1.15)}MiB"
     server = server_factory([], plugins, args=["--models", str(models), "--memory-budget", budget])

@@ -102,7 +102,7 @@ _QUIET_GAP_S = 0.001
 class BatchingSpec(BaseModel):
     """The manifest's `batching` section (Triton's dynamic batcher knobs)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)  # schema built on first use
 
     max_batch_size: int = Field(32, ge=1, le=65536)
     max_queue_delay_ms: float = Field(2.0, ge=0, le=60000)

@@ -24,7 +24,7 @@ __version__ = "0.1.0"
 class EchoOptions(BaseModel):
     """`delay_ms`: sleep this long per execute (to model a slow backend in tests and benchmarks)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)  # schema built on first use
 
     delay_ms: float = Field(0, ge=0, le=600_000)
 

@@ -58,7 +58,7 @@ def outrider_register_backends(register: Callable[[type], None]) -> None:
 class LlmOptions(BaseModel):
     """The `options` section of an `llm` manifest."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)  # schema built on first use
 
     max_sequences: int = Field(8, ge=1, le=256)
     max_length: int = Field(2048, ge=16, le=131072)

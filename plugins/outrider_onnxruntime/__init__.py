@@ -79,9 +79,12 @@ COMPUTE_OPS = frozenset({
 })
 #: device buffer sets kept per instance, one per distinct set of input shapes (least recently used goes)
 BOUND_SHAPES_KEPT = 16
-#: part of the "onnx-session" artifact's key: bumped when what `session_form` writes changes
+#: part of the saved forms' keys ("onnx-session", "onnx-mapped"): bumped when what `_saved_form` writes changes
 SESSION_FORM = 1
 SESSION_DATA = "model.data"
+#: a graph file smaller than this opens fast as it is: its initializers are in a side file already
+#: (a baked or saved form), or there is little to copy
+SESSION_FORM_MIN_BYTES = 1 << 20
 
 
 def session_form(onnx_path: Path, cache: Optional[ArtifactCache] = None) -> Path:
@@ -90,22 +93,37 @@ def session_form(onnx_path: Path, cache: Optional[ArtifactCache] = None) -> Path
     which are specific to this CPU, still run at each start) and saved with its initializers in a
     side file, which ORT maps instead of copying out of the protobuf. MiniLM's session start: 0.13 ->
     0.045 s here. The same graph, the same fusions: the outputs are the original file's."""
+    return _saved_form(onnx_path, "onnx-session", "extended", cache)
+
+
+def mapped_form(onnx_path: Path, cache: Optional[ArtifactCache] = None) -> Path:
+    """The graph unoptimized (any provider may open it), its initializers in a side file that ORT maps:
+    what `outrider bake` writes, so a baked model opens fast with nothing built at start."""
+    return _saved_form(onnx_path, "onnx-mapped", "none", cache)
+
+
+def _saved_form(onnx_path: Path, kind: str, level: str, cache: Optional[ArtifactCache]) -> Path:
     import onnxruntime
+
+    levels = {"extended": onnxruntime.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+              "none": onnxruntime.GraphOptimizationLevel.ORT_DISABLE_ALL}
 
     def build(directory: Path, progress: Any) -> dict:
         options = onnxruntime.SessionOptions()
-        options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+        options.graph_optimization_level = levels[level]
         options.optimized_model_filepath = str(directory / "model.onnx")
         options.add_session_config_entry("session.optimized_model_external_initializers_file_name", SESSION_DATA)
         options.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
         options.intra_op_num_threads = 1
         onnxruntime.InferenceSession(str(onnx_path), options, providers=[CPU])
-        return {"graph_bytes": (directory / "model.onnx").stat().st_size,
-                "initializer_bytes": (directory / SESSION_DATA).stat().st_size if (directory / SESSION_DATA).exists() else 0}
+        data = directory / SESSION_DATA
+        if not data.exists():  # nothing was large enough to move: an empty side file keeps the layout whole
+            data.touch()
+        return {"graph_bytes": (directory / "model.onnx").stat().st_size, "initializer_bytes": data.stat().st_size}
 
     artifact = (cache or ArtifactCache()).get_or_build(
-        "onnx-session", build, label=f"{onnx_path.name} -> CPU session form", sources=[onnx_path],
-        versions=["onnxruntime"], device="cpu", options={"format": SESSION_FORM, "level": "extended"})
+        kind, build, label=f"{onnx_path.name} -> {kind}", sources=[onnx_path], versions=["onnxruntime"],
+        device="cpu" if level != "none" else "any", options={"format": SESSION_FORM, "level": level})
     return artifact.file("model.onnx")
 
 
@@ -184,7 +202,7 @@ _BAD_FILE_ERRORS = frozenset({"InvalidProtobuf", "InvalidGraph", "NoSuchFile", "
 class OrtOptions(BaseModel):
     """The `options` of an ONNX Runtime manifest, validated at start."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)  # schema built on first use
 
     onnx: Optional[str] = Field(None, description="an ONNX file (relative to the manifest); else exported")
     opset: int = Field(DEFAULT_OPSET, ge=7, le=30)
@@ -266,14 +284,16 @@ class OnnxRuntimeBackend(Backend, BakesModel):
 
     @classmethod
     def bake_files(cls, manifest: Manifest, raw: Mapping[str, Any]) -> BakedFiles:
-        """`outrider bake`: the graph (exported now if the cache lacks it) as model.onnx. A manifest
+        """`outrider bake`: the graph (exported now if the cache lacks it) as model.onnx, its initializers
+        beside it in model.data (`mapped_form`: opened as it is, nothing built at start). A manifest
         with a `quantize` section is refused: quantizing needs the onnx package at start."""
         if raw.get("quantize"):
             raise ManifestError(f"{manifest.source_file or manifest.name}: has a 'quantize' section, which needs "
                                 "the onnx package at start; serve it from the full image")
-        return BakedFiles({"model.onnx": onnx_model(manifest)}, {"onnx": "model.onnx"},
-                          "the ONNX graph is exported already (model.onnx), so serving this directory needs "
-                          "onnxruntime and tokenizers, not torch.")
+        graph = mapped_form(onnx_model(manifest))
+        return BakedFiles({"model.onnx": graph, SESSION_DATA: graph.parent / SESSION_DATA}, {"onnx": "model.onnx"},
+                          f"the ONNX graph is exported already (model.onnx, its weights in {SESSION_DATA}, mapped "
+                          "at start), so serving this directory needs onnxruntime and tokenizers, not torch.")
 
     # -- availability -------------------------------------------------------------------------
 
@@ -362,7 +382,7 @@ class OnnxRuntimeBackend(Backend, BakesModel):
         self.requested_providers = providers_to_request(
             self.device, self.providers, onnxruntime.get_available_providers(), self.take_what_is_built)
         self.session_path = Path(self.onnx_path)
-        if self.requested_providers == [CPU]:
+        if self.requested_providers == [CPU] and self.session_path.stat().st_size >= SESSION_FORM_MIN_BYTES:
             try:
                 self.session_path = session_form(Path(self.onnx_path))
             except Exception as exc:  # a read-only cache, a graph ORT cannot save: the file as it is

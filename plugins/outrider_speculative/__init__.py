@@ -40,7 +40,7 @@ class SpeculativeSection(BaseModel):
     under a drafter's name are checked by that drafter's factory when the model loads.
     """
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", defer_build=True)  # schema built on first use
 
     drafters: Union[str, list[str]] = ["ngram"]
     max_draft_tokens: StrictInt = Field(16, ge=1, le=1024)

@@ -57,7 +57,7 @@ ENGINE_FILE = "model.engine"
 class TensorRTOptions(BaseModel):
     """The `options` of a TensorRT manifest, validated at start."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)  # schema built on first use
 
     onnx: Optional[str] = None
     opset: int = Field(DEFAULT_OPSET, ge=7, le=30)

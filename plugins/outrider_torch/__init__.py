@@ -54,7 +54,7 @@ def _default_threads() -> int:
 class TorchOptions(BaseModel):
     """The `options` of a PyTorch manifest, validated at start."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)  # schema built on first use
 
     threads: Optional[int] = Field(None, ge=1, le=1024)
     max_seq_length: Optional[int] = Field(None, ge=2, description="text task: longest input in tokens")
