@@ -215,6 +215,27 @@ def bench_coldstart(manifests: list[str], runs: int, http: str | None = None) ->
             parts.append(f"{phase} {t:.3f} [{t - previous:.3f}]")
             previous = t
         print(f"- {name}: " + "; ".join(parts))
+    floors = {label: float(np.median([_import_seconds(modules) for _ in range(runs)]))
+              for label, modules in IMPORT_FLOORS.items()}
+    print("\nthe floor under those starts: a Python process that only imports a server's third-party "
+          f"dependencies and exits (median of {runs}, seconds)")
+    for label, seconds in floors.items():
+        print(f"- {label} ({', '.join(IMPORT_FLOORS[label])}): {seconds:.3f}")
+
+
+#: what a server's process imports besides outrider, by what it serves
+IMPORT_FLOORS = {
+    "any server": ("numpy", "zmq", "msgpack", "pydantic", "yaml", "pluggy"),
+    "an ONNX Runtime text model": ("numpy", "zmq", "msgpack", "pydantic", "yaml", "pluggy", "onnxruntime",
+                                   "tokenizers"),
+}
+
+
+def _import_seconds(modules: tuple[str, ...]) -> float:
+    """Wall seconds of `python -c "import ..."`: interpreter start, site, those imports, exit."""
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import " + ", ".join(modules)], check=True)
+    return time.perf_counter() - start
 
 
 SHORT_SENTENCE = "A man is eating food in the park."

@@ -247,10 +247,14 @@ def _tile_rows(w: np.ndarray, layout: int, tile: np.ndarray, lane: np.ndarray) -
     """uint8 [n, in]: the values of rows (tile, lane) of a weight in the kernels' layout `layout`
     (csrc/kernels.h; the inverse of native_c's packers, for those rows only)."""
     n, blocks = len(tile), w.shape[1]
-    at = (tile[:, None, None], np.arange(blocks)[None, :, None], (4 * lane)[:, None, None] + np.arange(4))
+    # bytes 4i .. 4i+3 of every block are row lane i's: one gather over (tile, lane), blocks kept whole
+    if w.shape[2] == 64:
+        b = w.reshape(w.shape[0], blocks, 16, 4)[tile, :, lane, :]  # [n, block, p]
+    else:  # 5 bits: a fifth-bit plane follows the 64 bytes (a reshape would copy the whole weight)
+        b = w[tile[:, None, None], np.arange(blocks)[None, :, None], (4 * lane)[:, None, None] + np.arange(4)]
     if layout == 8:  # byte 4i+p of block j: input 4j+p
-        return w[at].reshape(n, blocks * 4)
-    b = w[at]  # [n, block, p]: inputs 8j+p (low nibble) and 8j+4+p (high)
+        return b.reshape(n, blocks * 4)
+    # inputs 8j+p (low nibble) and 8j+4+p (high)
     q = np.stack([b & 15, b >> 4], axis=2)  # [n, block, half, p]
     if layout == 5:  # bit L = 4i+p of fifth-bit byte 8 half + L // 8: the value's bit 4
         lanes = (4 * lane)[:, None] + np.arange(4)  # [n, p]
