@@ -234,16 +234,23 @@ def test_the_memory_budget_unloads_idle_models_first_and_refuses_what_cannot_fit
                        f"outputs:\n  - {{name: embedding, datatype: FP32, shape: [-1, 384]}}\n", f"{name}.yaml")
     plugins = ["outrider_onnxruntime", "outrider_text"]
     # Measure what the server and one model cost, then give a budget with room for one model only.
-    # b is loaded once too, so both estimates are measured ones (a model never loaded is estimated by
-    # its files' size, which overstates an ORT graph whose weights are mapped).
-    probe = server_factory([], plugins, args=["--models", str(models), "--load", "a"])
+    # The probe runs under a budget too large to bind, so its loads are measured and stored: a's as a
+    # first load of onnxruntime (it pays for the library too), b's as a warm one (after a's unload,
+    # what b itself holds). A model never loaded is estimated by its files' size instead.
+    probe = server_factory([], plugins, args=["--models", str(models), "--memory-budget", "64GiB"])
     with probe.client() as client:
+        client.load("a")
         client.infer("a", {"text": np.array(["warm"], dtype=object)})
         one = _rss_mb(probe.proc.pid)
         client.unload("a")
         client.load("b")
+        estimates = {item["name"]: item.get("resident_bytes_estimate", 0) / 2**20 for item in client.repository()}
     probe.stop()
-    budget = f"{int(one * 1.15)}MiB"
+    costs = json.loads((Path(os.environ["OUTRIDER_CACHE_DIR"]) / "load-costs.json").read_text())
+    kinds = {key.split(":")[0]: sorted(value) for key, value in costs.items() if key.split(":")[0] in ("a", "b")}
+    assert kinds == {"a": ["first"], "b": ["warm"]}, costs
+    # Room for a, not for a and b together: a's RSS plus half of b's warm cost.
+    budget = f"{int(one + estimates['b'] / 2)}MiB"
     server = server_factory([], plugins, args=["--models", str(models), "--memory-budget", budget])
     text = {"text": np.array(["a sentence"], dtype=object)}
     with server.client(timeout=120) as client:

@@ -128,8 +128,11 @@ class ModelEntry:
     #: RSS at the load's start; its resident cost is measured once it is ready (`measured`)
     rss_before_load: int = 0
     measured: bool = True
-    #: (fingerprint, estimate) of `ModelRepository._estimate`: health asks for it on every call,
-    #: and finding it reads the cost file and walks the model's directory
+    #: whether the load's backend had loaded a model in this process before it (its libraries
+    #: imported, its arenas made): such a load costs only what the model itself holds
+    warm_load: bool = False
+    #: (fingerprint and warmth, estimate) of `ModelRepository._estimate`: health asks for it on
+    #: every call, and finding it reads the cost file and walks the model's directory
     estimate_memo: Optional[tuple[str, Optional[tuple[int, str]]]] = None
     #: a load under way before its ServedModel exists (making room, building)
     loader: Optional["PendingLoad"] = None
@@ -171,6 +174,9 @@ class ModelRepository:
         self._lock = threading.RLock()  # the entries dict and the budget decision
         self._next_scan = 0.0
         self._retiring: list[threading.Thread] = []
+        #: backends that have loaded a model in this process: a first load of a backend also pays
+        #: for its libraries, which stay after an unload, so its costs are kept apart (`_estimate`)
+        self._warm_backends: set[str] = set()
         for manifest in manifests:
             path = Path(manifest.source_file) if manifest.source_file else None
             self._add(ModelEntry(manifest.name, path, manifest, _fingerprint(path, manifest)))
@@ -257,6 +263,7 @@ class ModelRepository:
         entry = self.entries[name]
         entry.served, entry.version, entry.reason = served, served.version, ""
         entry.rss_before_load, entry.measured = resident_bytes(), False
+        entry.warm_load = self._backend_of(entry) in self._warm_backends
 
     def load(self, name: str, wait_s: Optional[float] = None) -> Optional[ServedModel]:
         """Load `name` (nothing to do when it is loaded or loading) and, with `wait_s`, wait until
@@ -279,6 +286,7 @@ class ModelRepository:
         else:
             served = started
         self._wait_ready(served, max(0.0, end - time.monotonic()))
+        self._measure(entry)  # before the reply, so the next decision (and a test) sees it
         return served
 
     def _start_load(self, entry: ModelEntry, on_demand: bool) -> Any:
@@ -304,6 +312,7 @@ class ModelRepository:
         entry = load.entry
         assert entry.manifest is not None
         self._make_room(entry)
+        warm = self._backend_of(entry) in self._warm_backends
         rss = resident_bytes()
         try:
             served = self.build(entry, entry.manifest)
@@ -313,7 +322,7 @@ class ModelRepository:
         served.required = False
         served.accept_while_loading = entry.manifest.load_on_demand
         with entry.lock:
-            entry.rss_before_load, entry.measured = rss, False
+            entry.rss_before_load, entry.measured, entry.warm_load = rss, False, warm
             entry.served, entry.version, entry.reason = served, served.version, ""
             self.server.models[entry.name] = served
         log.info("model %s: loading version %d%s", entry.name, served.version, " (on demand)" if load.on_demand else "")
@@ -331,24 +340,40 @@ class ModelRepository:
 
     # -- the memory budget ------------------------------------------------------------------
 
+    def _backend_of(self, entry: ModelEntry) -> str:
+        """The backend `entry` loads on: the one that served it last, else its manifest's first."""
+        if entry.served is not None:
+            return entry.served.choice.backend.name
+        manifest = entry.manifest
+        if manifest is None:
+            return ""
+        return manifest.backend if isinstance(manifest.backend, str) else next(iter(manifest.backend), "")
+
     def _estimate(self, entry: ModelEntry) -> Optional[tuple[int, str]]:
         """(bytes, how it was found): the resident cost of loading `entry`, from its last measured
-        load, else from the size of its model file or directory; None when neither is known."""
+        load of the same warmth (a backend's first load in a process also pays for its libraries),
+        else of the other, else from the size of its model file or directory; None when neither
+        is known."""
         manifest = entry.manifest
         if manifest is None:
             return None
+        warm = self._backend_of(entry) in self._warm_backends
+        memo_key = f"{entry.fingerprint}:{warm}"
         memo = entry.estimate_memo
-        if memo is not None and memo[0] == entry.fingerprint:
+        if memo is not None and memo[0] == memo_key:
             return memo[1]
         estimate: Optional[tuple[int, str]] = None
-        measured = _load_costs().get(_cost_key(entry))
-        if measured:
-            estimate = int(measured), "measured at its last load"
+        measured = _load_costs().get(_cost_key(entry), {})
+        same, other = ("warm", "first") if warm else ("first", "warm")
+        if measured.get(same):
+            estimate = measured[same], f"measured at its last {same} load"
+        elif measured.get(other):
+            estimate = measured[other], f"measured at its last {other} load"
         else:
             size = _artifact_bytes(manifest)
             if size:
                 estimate = size, f"the size of its model files ({_mib(size)})"
-        entry.estimate_memo = (entry.fingerprint, estimate)
+        entry.estimate_memo = (memo_key, estimate)
         return estimate
 
     def _make_room(self, entry: ModelEntry) -> None:
@@ -535,10 +560,7 @@ class ModelRepository:
             served = entry.served
             if served is None or entry.unloading:
                 continue
-            if not entry.measured and served.ready:
-                entry.measured = True
-                if self.memory_budget is not None:  # only a budget reads it; a plain start writes nothing
-                    self._record_cost(entry)
+            self._measure(entry)
             idle_s = entry.manifest.idle_unload_s if entry.manifest is not None else 0
             if (idle_s and served.ready and not served.outstanding and entry.pending is None
                     and now - served.last_used >= idle_s):
@@ -548,17 +570,35 @@ class ModelRepository:
             self._next_scan = now + WATCH_INTERVAL_S
             self.scan()
 
+    def _measure(self, entry: ModelEntry) -> None:
+        """Once a load is ready: its backend is warm from now on and, under a budget (only a budget
+        reads it; a plain start writes nothing), what the load cost is stored (`_record_cost`)."""
+        with entry.lock:
+            served = entry.served
+            if entry.measured or served is None or not served.ready:
+                return
+            entry.measured = True
+        self._warm_backends.add(served.choice.backend.name)
+        if self.memory_budget is not None:
+            self._record_cost(entry)
+
     def _record_cost(self, entry: ModelEntry) -> None:
-        """Store what the load just measured (RSS growth from its start to ready) for the next
-        budget decision; concurrent loads each see the other's growth, so it errs high."""
+        """Store what the load just measured (RSS growth from its start to ready, once the load's
+        freed scratch is handed back: what the model keeps), as a first or a warm load of its
+        backend, for the next budget decision; concurrent loads each see the other's growth, so it
+        errs high."""
+        release_memory()  # a build leaves freed scratch (graph optimisation, packing) that glibc keeps
         grown = resident_bytes() - entry.rss_before_load
         if grown <= 0:
             return
-        costs = _load_costs()
-        costs[_cost_key(entry)] = grown
-        _store_load_costs(costs)
-        entry.estimate_memo = (entry.fingerprint, (grown, "measured at its last load"))
-        log.debug("model %s: resident cost measured at %s", entry.name, _mib(grown))
+        kind = "warm" if entry.warm_load else "first"
+        key = _cost_key(entry)
+        with _COSTS_LOCK:  # read, change and write as one: two loads may finish together
+            costs = _load_costs()
+            costs[key] = {**costs.get(key, {}), kind: grown}
+            _store_load_costs(costs)
+        entry.estimate_memo = None
+        log.debug("model %s: resident cost of a %s load measured at %s", entry.name, kind, _mib(grown))
 
     def scan(self) -> None:
         """Compare the directory with the entries: a new file adds a model (available), a changed
@@ -673,18 +713,28 @@ def _cost_key(entry: ModelEntry) -> str:
     return f"{entry.name}:{hashlib.blake2b((where + _artifact_stamp(manifest) + manifest.model_dump_json()).encode(), digest_size=8).hexdigest()}"
 
 
-_COSTS_LOCK = threading.Lock()
+_COSTS_LOCK = threading.RLock()
 
 
-def _load_costs() -> dict[str, int]:
+def _load_costs() -> dict[str, dict[str, int]]:
+    """{cost key: {"first" | "warm": bytes}}; a file from an older version (one number per model)
+    reads as a first load's cost, which errs high."""
     try:
         data = json.loads((cache_root() / LOAD_COSTS_FILE).read_text())
     except (OSError, ValueError):
         return {}
-    return {k: int(v) for k, v in data.items() if isinstance(v, (int, float))} if isinstance(data, dict) else {}
+    if not isinstance(data, dict):
+        return {}
+    costs: dict[str, dict[str, int]] = {}
+    for key, value in data.items():
+        if isinstance(value, (int, float)):
+            costs[key] = {"first": int(value)}
+        elif isinstance(value, dict):
+            costs[key] = {k: int(v) for k, v in value.items() if k in ("first", "warm") and isinstance(v, (int, float))}
+    return costs
 
 
-def _store_load_costs(costs: dict[str, int]) -> None:
+def _store_load_costs(costs: dict[str, dict[str, int]]) -> None:
     root = cache_root()
     with _COSTS_LOCK:
         try:
