@@ -263,7 +263,7 @@ class ModelRepository:
         entry = self.entries[name]
         entry.served, entry.version, entry.reason = served, served.version, ""
         entry.rss_before_load, entry.measured = resident_bytes(), False
-        entry.warm_load = self._backend_of(entry) in self._warm_backends
+        entry.warm_load = self._backend_is_warm(entry)
 
     def load(self, name: str, wait_s: Optional[float] = None) -> Optional[ServedModel]:
         """Load `name` (nothing to do when it is loaded or loading) and, with `wait_s`, wait until
@@ -312,7 +312,6 @@ class ModelRepository:
         entry = load.entry
         assert entry.manifest is not None
         self._make_room(entry)
-        warm = self._backend_of(entry) in self._warm_backends
         rss = resident_bytes()
         try:
             served = self.build(entry, entry.manifest)
@@ -321,6 +320,9 @@ class ModelRepository:
             raise
         served.required = False
         served.accept_while_loading = entry.manifest.load_on_demand
+        # Judged on the backend the build chose (a manifest may name several): a backend turns warm
+        # only once a load of it is ready (`_measure`), so this load has not made it warm yet.
+        warm = served.choice.backend.name in self._warm_backends
         with entry.lock:
             entry.rss_before_load, entry.measured, entry.warm_load = rss, False, warm
             entry.served, entry.version, entry.reason = served, served.version, ""
@@ -340,14 +342,17 @@ class ModelRepository:
 
     # -- the memory budget ------------------------------------------------------------------
 
-    def _backend_of(self, entry: ModelEntry) -> str:
-        """The backend `entry` loads on: the one that served it last, else its manifest's first."""
+    def _backend_is_warm(self, entry: ModelEntry) -> bool:
+        """Whether the backend `entry` loads on has loaded a model in this process: the backend that
+        serves it, else (not built yet) its manifest's first candidate."""
         if entry.served is not None:
-            return entry.served.choice.backend.name
-        manifest = entry.manifest
-        if manifest is None:
-            return ""
-        return manifest.backend if isinstance(manifest.backend, str) else next(iter(manifest.backend), "")
+            name = entry.served.choice.backend.name
+        elif entry.manifest is not None:
+            backend = entry.manifest.backend
+            name = backend if isinstance(backend, str) else next(iter(backend), "")
+        else:
+            return False
+        return name in self._warm_backends
 
     def _estimate(self, entry: ModelEntry) -> Optional[tuple[int, str]]:
         """(bytes, how it was found): the resident cost of loading `entry`, from its last measured
@@ -357,7 +362,7 @@ class ModelRepository:
         manifest = entry.manifest
         if manifest is None:
             return None
-        warm = self._backend_of(entry) in self._warm_backends
+        warm = self._backend_is_warm(entry)
         memo_key = f"{entry.fingerprint}:{warm}"
         memo = entry.estimate_memo
         if memo is not None and memo[0] == memo_key:
