@@ -49,11 +49,20 @@ def cache_root() -> Path:
 
 
 def package_version(package: str) -> str:
-    """An installed distribution's version from its metadata (imports nothing), or 'absent'."""
+    """An installed distribution's version from its metadata (imports nothing), or 'absent'.
+
+    The `Version:` header of METADATA, read without the email parser that
+    `importlib.metadata.version` runs over the whole file (~1 ms a package, three per start)."""
     try:
-        return importlib.metadata.version(package)
+        dist = importlib.metadata.distribution(package)
     except importlib.metadata.PackageNotFoundError:
         return "absent"
+    for line in (dist.read_text("METADATA") or dist.read_text("PKG-INFO") or "").splitlines():
+        if not line:  # the headers end at the first blank line
+            break
+        if line[:8].lower() == "version:":
+            return line[8:].strip()
+    return dist.version or "absent"  # no such header: as importlib.metadata reads it
 
 
 def _atomic_write(path: Path, text: str) -> None:

@@ -33,7 +33,9 @@ def _add_client_options(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from . import timeline
+    from . import entry_index, timeline
+
+    entry_index.skip_pydantic_plugin_scan()  # before the core's schemas are built, on import
     from .manifest import load_manifest
     from .plugins import create_registry
     from .protocol import Limits

@@ -12,7 +12,7 @@ from typing import Any, Iterable, Optional
 
 import pluggy
 
-from . import hookspecs
+from . import entry_index, hookspecs
 from .accelerators import AcceleratorSet, AcceleratorSpec, select, validate_section
 from .backend import Backend, BackendChoice, Task, check_backend_class, choose_backend
 from .errors import ManifestError, OutriderError
@@ -243,15 +243,15 @@ def create_registry(
     pm.register(_CoreDefaults(), name="outrider-core")
     if load_entry_points:
         allowed = allowed_entry_points()
-        for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-            if allowed is not None and ep.name not in allowed:
+        for name, value in entry_index.entry_points(ENTRY_POINT_GROUP, also=("pydantic",)):
+            if allowed is not None and name not in allowed:
                 continue
-            if pm.get_plugin(ep.name) is not None:
+            if pm.get_plugin(name) is not None:
                 continue
             try:
-                pm.register(ep.load(), name=ep.name)
+                pm.register(entry_index.load(ENTRY_POINT_GROUP, name, value), name=name)
             except Exception as exc:
-                raise OutriderError(f"plugin {ep.name!r} ({ep.value}) failed to load: {exc!r}") from exc
+                raise OutriderError(f"plugin {name!r} ({value}) failed to load: {exc!r}") from exc
     for module in modules:
         plugin = importlib.import_module(module) if isinstance(module, str) else module
         name = plugin.__name__ if isinstance(plugin, ModuleType) else None
