@@ -121,14 +121,16 @@ def test_long_text_is_cut_before_tokenizing_and_the_model_sees_the_same_tokens()
 
 
 @pytest.mark.parametrize("kind", ["float", "int8"])
-def test_the_cpu_session_form_computes_what_the_graph_does(kind, tmp_path):
+def test_the_cpu_session_form_computes_what_the_graph_does(kind, tmp_path, monkeypatch):
     """The CPU backend opens the graph's cached session form (optimized at ORT's EXTENDED level, its
-    initializers in a side file that ORT maps at start): built once, and the same outputs as the graph
-    itself bit for bit, for the exported float graph and a dynamically quantized int8 one. The same
-    for the unoptimized mapped form that `outrider bake` writes."""
+    initializers in a side file that ORT maps at start, with the MatMul weights packed for this CPU):
+    built once, keyed by this CPU, and the same outputs as the graph itself bit for bit, for the
+    exported float graph and a dynamically quantized int8 one. The same for the unoptimized mapped
+    form that `outrider bake` writes, which carries no packed weights (it is for any machine)."""
     import onnxruntime
 
     from outrider.artifacts import ArtifactCache
+    from outrider.hardware import cpu_fingerprint
     from outrider.manifest import load_manifest
     from outrider.onnx.artifact import onnx_model
     from outrider_onnxruntime import SESSION_DATA, mapped_form, session_form
@@ -147,6 +149,17 @@ def test_the_cpu_session_form_computes_what_the_graph_does(kind, tmp_path):
     assert form.stat().st_size < 0.05 * graph.stat().st_size
     built = sorted((tmp_path / "cache").rglob("*"))
     assert session_form(graph, cache) == form and sorted((tmp_path / "cache").rglob("*")) == built  # once
+    provenance = json.loads((form.parent / "provenance.json").read_text())
+    assert provenance["options"]["cpu"] == cpu_fingerprint() and provenance["device"] == "cpu"
+    mapped = mapped_form(graph, cache)
+    assert "cpu" not in json.loads((mapped.parent / "provenance.json").read_text())["options"]
+    if kind == "float":  # MLAS packs fp32 MatMul weights on every CPU: the packed copies are in the side file
+        assert (form.parent / SESSION_DATA).stat().st_size > 1.2 * (mapped.parent / SESSION_DATA).stat().st_size
+        import outrider_onnxruntime
+
+        with monkeypatch.context() as patch:  # a host whose CPU differs in any flag packs its own copy
+            patch.setattr(outrider_onnxruntime, "cpu_fingerprint", lambda: "x86_64/0123456789abcdef")
+            assert session_form(graph, cache) != form
     feeds = SentenceEmbeddingTask(manifest).preprocess({"text": np.array(SENTENCES, dtype=object)})
     options = onnxruntime.SessionOptions()
     options.intra_op_num_threads = 2

@@ -290,6 +290,31 @@ def test_twenty_load_unload_cycles_hand_the_memory_back(server_factory, tmp_path
         assert before[-1] <= before[0] * 1.10, f"RSS grew over 20 cycles: {before}"
 
 
+def test_a_model_loaded_at_start_hands_its_memory_back_on_unload(server_factory, tmp_path):
+    """`outrider serve` freezes what its imports built out of the cyclic collector's sight; what a
+    model loaded at start builds must stay collectable, or its unload would free nothing."""
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "minilm.yaml").write_text((MANIFESTS / "minilm.yaml").read_text())
+    server = server_factory([], ["outrider_onnxruntime", "outrider_text", "outrider_batching"],
+                            args=["--models", str(models), "--load-all"])
+    text = {"text": np.array(["a sentence to embed"] * 4, dtype=object)}
+    with server.client(timeout=120) as client:
+        client.infer("minilm", text)
+        loaded = _rss_mb(server.proc.pid)
+        client.unload("minilm")
+        unloaded = _rss_mb(server.proc.pid)
+        client.load("minilm")  # loaded after the start: the reference for what an unload frees
+        client.infer("minilm", text)
+        reloaded = _rss_mb(server.proc.pid)
+        client.unload("minilm")
+        again = _rss_mb(server.proc.pid)
+    freed_at_start, freed_later = loaded - unloaded, reloaded - again
+    assert freed_later > 50, f"unloading a model loaded after the start freed only {freed_later:.0f} MB"
+    assert freed_at_start > 0.8 * freed_later, (
+        f"unloading the model loaded at start freed {freed_at_start:.0f} MB, one loaded later {freed_later:.0f} MB")
+
+
 def test_hot_reload_under_load_loses_nothing_and_a_bad_change_keeps_the_old_version(server_factory, tmp_path):
     models = tmp_path / "models"
     models.mkdir()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import platform
 from functools import lru_cache
 
 
@@ -24,3 +26,13 @@ def cpu_has_bf16_instructions() -> bool:
     """Whether the CPU multiplies bf16 in hardware (AVX512-BF16 or AMX); slow emulation otherwise."""
     flags = cpu_flags()
     return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+@lru_cache(maxsize=1)
+def cpu_fingerprint() -> str:
+    """This CPU's architecture and feature set, for the keys of cached artifacts laid out for the
+    kernels that run here (ONNX Runtime's prepacked weights): 'x86_64/' + a digest of every flag.
+    Every flag, not a chosen few: a host that differs in any of them builds its own copy (a few
+    tenths of a second, once) rather than risk reading another kernel's layout."""
+    flags = " ".join(sorted(cpu_flags()))
+    return f"{platform.machine().lower()}/{hashlib.sha256(flags.encode()).hexdigest()[:16]}"
