@@ -121,3 +121,78 @@ def test_package_version_reads_what_importlib_metadata_reads(package) -> None:
 
 def test_package_version_of_a_missing_distribution_is_absent() -> None:
     assert package_version("no-such-distribution-here") == "absent"
+
+
+def test_two_import_paths_keep_an_index_each(fresh, monkeypatch) -> None:
+    """The same install started with another first path entry (`python -m` from another
+    directory) keeps its own stamp beside the first: alternating between them scans no more."""
+    other = fresh / "elsewhere"
+    other.mkdir()
+    first = entry_index.entry_points("outrider")
+    with monkeypatch.context() as patch:
+        patch.syspath_prepend(str(other))
+        entry_index.entry_points("outrider")
+
+    def no_scan(groups):
+        raise AssertionError("scanned although both import paths were indexed")
+
+    monkeypatch.setattr(entry_index, "_scan", no_scan)
+    for prepend in (False, True, False):
+        monkeypatch.setattr(entry_index, "_memo", {})  # a new process: only the file is left
+        monkeypatch.setattr(entry_index, "_memo_stamp", None)
+        with monkeypatch.context() as patch:
+            if prepend:
+                patch.syspath_prepend(str(other))
+            assert entry_index.entry_points("outrider") == first
+
+
+def test_the_index_keeps_a_bounded_number_of_stamps(fresh, monkeypatch) -> None:
+    import json
+
+    for n in range(entry_index.INDEX_ENTRIES + 3):
+        directory = fresh / f"path{n}"
+        directory.mkdir()
+        with monkeypatch.context() as patch:
+            patch.syspath_prepend(str(directory))
+            entry_index.entry_points("outrider")
+    index = json.loads((fresh / "cache" / entry_index.INDEX_FILE).read_text())
+    assert len(index["entries"]) == entry_index.INDEX_ENTRIES
+    kept = [entry["stamp"][3][0][0] for entry in index["entries"].values()]
+    assert kept[-1] == str(fresh / f"path{entry_index.INDEX_ENTRIES + 2}")  # the newest stay
+
+
+@pytest.mark.parametrize("value", ["json", "json:dumps", "os.path:join", "logging:Logger.info",
+                                   "json : loads [extra]"])
+def test_an_entry_point_loads_what_importlib_metadata_loads(value) -> None:
+    expected = importlib.metadata.EntryPoint(name="x", value=value, group="outrider").load()
+    assert entry_index.load("outrider", "x", value) is expected
+
+
+def test_an_entry_point_that_names_no_module_is_refused_with_its_value() -> None:
+    with pytest.raises(ValueError, match="not-a-module"):
+        entry_index.load("outrider", "broken", "not-a-module!")
+
+
+def test_a_start_from_the_index_does_not_import_importlib_metadata(fresh) -> None:
+    """What `outrider serve` does before its models load (the index, the plugins from their entry
+    points, a manifest validated by pydantic, cache keys with package versions), in a new process,
+    twice: the second start, answered by the index, never imports importlib.metadata (~14 ms)."""
+    code = "\n".join([
+        "import sys",
+        "from outrider import entry_index",
+        "entry_index.skip_pydantic_plugin_scan()",
+        "from outrider.manifest import load_manifest",
+        "from outrider.plugins import create_registry",
+        "from outrider.artifacts import package_version",
+        "registry = create_registry()",
+        f"load_manifest({str(Path(__file__).parent.parent / 'manifests' / 'echo.yaml')!r}, [], registry.check_section)",
+        "assert package_version('numpy') != 'absent'",
+        "print('importlib.metadata' in sys.modules)",
+    ])
+    env = {k: v for k, v in os.environ.items() if k not in ("OUTRIDER_PLUGINS", entry_index.PYDANTIC_PLUGINS_ENV)}
+    env["OUTRIDER_CACHE_DIR"] = str(fresh / "cache")
+    seen = [subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                           check=True).stdout.strip() for _ in range(2)]
+    if importlib.metadata.entry_points(group="pydantic"):
+        pytest.skip("a pydantic plugin is installed here: pydantic's own loader scans for it")
+    assert seen == ["True", "False"]  # the first start scans and writes the index

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
-import importlib.metadata
 import json
 import logging
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -51,18 +51,48 @@ def cache_root() -> Path:
 def package_version(package: str) -> str:
     """An installed distribution's version from its metadata (imports nothing), or 'absent'.
 
-    The `Version:` header of METADATA, read without the email parser that
-    `importlib.metadata.version` runs over the whole file (~1 ms a package, three per start)."""
+    The `Version:` header of the METADATA of the first `*.dist-info` directory on the import path
+    whose name is the package's, found as importlib.metadata finds it, but without importing it
+    (~14 ms at a start, for its email parser and zipfile) nor running the email parser over the
+    whole file. An egg-info distribution is left to importlib.metadata."""
+    wanted = _normalized_name(package)
+    for entry in sys.path:
+        try:
+            with os.scandir(entry or ".") as listing:
+                names = [e.name for e in listing if e.name.endswith((".dist-info", ".egg-info"))]
+        except OSError:
+            continue
+        for name in names:
+            if _normalized_name(name.rsplit(".", 1)[0].split("-")[0]) != wanted:
+                continue
+            if not name.endswith(".dist-info"):
+                return _package_version_by_importlib(package)
+            try:
+                with open(os.path.join(entry or ".", name, "METADATA"), encoding="utf-8") as f:
+                    for line in f:
+                        line = line.rstrip("\r\n")
+                        if not line:  # the headers end at the first blank line
+                            break
+                        if line[:8].lower() == "version:":
+                            return line[8:].strip()
+            except OSError:
+                pass
+            return _package_version_by_importlib(package)
+    return "absent"
+
+
+def _normalized_name(name: str) -> str:
+    """A distribution's name as PEP 503 compares it (and as dist-info directories spell it)."""
+    return re.sub(r"[-_.]+", "_", name).lower()
+
+
+def _package_version_by_importlib(package: str) -> str:
+    import importlib.metadata
+
     try:
-        dist = importlib.metadata.distribution(package)
+        return importlib.metadata.version(package) or "absent"
     except importlib.metadata.PackageNotFoundError:
         return "absent"
-    for line in (dist.read_text("METADATA") or dist.read_text("PKG-INFO") or "").splitlines():
-        if not line:  # the headers end at the first blank line
-            break
-        if line[:8].lower() == "version:":
-            return line[8:].strip()
-    return dist.version or "absent"  # no such header: as importlib.metadata reads it
 
 
 def _atomic_write(path: Path, text: str) -> None:
