@@ -11,7 +11,6 @@ import logging
 import os
 import re
 import shutil
-import subprocess
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -331,6 +330,8 @@ def read_nvidia_smi(run: Optional[Callable[[Sequence[str]], str]] = None) -> lis
         if shutil.which("nvidia-smi") is None:
             raise _NoSource("nvidia-smi: not on PATH")
         run = _run_nvidia_smi
+    import subprocess  # here, not at import: a start on a machine without nvidia-smi never needs it
+
     try:
         gpus = parse_nvidia_smi(run(NVIDIA_SMI_COMMAND))
     except (OSError, subprocess.SubprocessError, ValueError) as exc:
@@ -341,6 +342,8 @@ def read_nvidia_smi(run: Optional[Callable[[Sequence[str]], str]] = None) -> lis
 
 
 def _run_nvidia_smi(command: Sequence[str]) -> str:
+    import subprocess
+
     done = subprocess.run(list(command), capture_output=True, text=True, timeout=10, check=False)
     if done.returncode != 0:
         # e.g. "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver..."

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -73,6 +72,8 @@ def _source_files(model_dir: Path) -> list[Path]:
 
 
 def _export(model: str, model_dir: Path, task: str, opset: int, target: Path, timeout_s: float) -> None:
+    import subprocess  # only a first start exports: the others never need it
+
     command = [sys.executable, "-m", "outrider.onnx.export", "--model-dir", str(model_dir),
                "--task", task, "--out", str(target), "--opset", str(opset)]
     log.info("exporting %s to ONNX (first start; cached in %s)", model, target.parent)
