@@ -136,7 +136,6 @@ def test_padding_does_not_change_an_embedding(ort_backend: Backend) -> None:
 
 
 def test_second_load_uses_the_cached_export(ort_backend: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
-    from outrider.onnx import artifact as onnx_artifact
 
     cached = ort_backend.onnx_path
     assert cached.is_file() and Path(os.environ["OUTRIDER_CACHE_DIR"]) in cached.parents
@@ -145,7 +144,7 @@ def test_second_load_uses_the_cached_export(ort_backend: Backend, monkeypatch: p
     def no_export(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("the second load must not export again")
 
-    monkeypatch.setattr(onnx_artifact.subprocess, "Popen", no_export)
+    monkeypatch.setattr(subprocess, "Popen", no_export)  # the module outrider.onnx.artifact imports to export
     registry = registry_with("outrider_text", "outrider_onnxruntime")
     again = make_backend(registry, minilm_manifest("onnxruntime-cpu"), "onnxruntime-cpu")
     start = time.perf_counter()
