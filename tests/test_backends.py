@@ -136,7 +136,6 @@ def test_padding_does_not_change_an_embedding(ort_backend: Backend) -> None:
 
 
 def test_second_load_uses_the_cached_export(ort_backend: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
-
     cached = ort_backend.onnx_path
     assert cached.is_file() and Path(os.environ["OUTRIDER_CACHE_DIR"]) in cached.parents
     mtime = cached.stat().st_mtime_ns
