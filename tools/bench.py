@@ -206,7 +206,7 @@ def bench_coldstart(manifests: list[str], runs: int, http: str | None = None) ->
     print("| manifest | first start | median | min | max |")
     print("|---|---|---|---|---|")
     for name, first, seen, _ in rows:
-        print(f"| {name} | {first:.2f} | {np.median(seen):.2f} | {min(seen):.2f} | {max(seen):.2f} |")
+        print(f"| {name} | {first:.3f} | {np.median(seen):.3f} | {min(seen):.3f} | {max(seen):.3f} |")
     print("\nwhere it goes (median of the server's own marks; each phase ends at the time shown, "
           "the number in brackets is its length):")
     for name, _, _, at in rows:
