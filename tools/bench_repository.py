@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Models that come and go, measured on a real server (ipc://, one run, figures for a note).
 
-  python tools/bench_repository.py [--cycles 20] [--reloads 10] [--skip-llm]
+  python tools/bench_repository.py [--cycles 20] [--reloads 10] [--pairs 5] [--skip-llm]
 
 1. Load/unload cycles: `outrider serve --models DIR` with nothing loaded; for MiniLM, smollm2-int8
    and smollm2-q4_1 (unless --skip-llm; the shipped Q4_1 GGUF served by a plain manifest, on the llm
@@ -11,7 +11,7 @@
    growth over one cycle.
 2. Load on demand: the same models with `load_on_demand: true`; the first request's latency
    (it loads the model) against an explicit `load` followed by the same first request in the same
-   server, as a ratio (and part 1's load time beside it).
+   server, `--pairs` times in alternating order, as a ratio of medians (and part 1's load time beside it).
 3. Hot reload under load: echo under `--watch`, 4 client threads sending requests without pause
    while the manifest changes `--reloads` times (each a new version, warmed up, then switched to);
    requests answered and failed, and the time from each change to its version serving.
@@ -139,39 +139,49 @@ def cycles(tmp: Path, names: list[str], count: int) -> dict[str, float]:
     return load_s
 
 
-def on_demand(tmp: Path, names: list[str], load_s: dict[str, float]) -> None:
+def on_demand(tmp: Path, names: list[str], load_s: dict[str, float], pairs: int) -> None:
     directory = tmp / "on-demand"
     directory.mkdir()
     for name in names:
         text = _manifest_text(name)
         (directory / f"{name}.yaml").write_text(text + "\nload_on_demand: true\n")
     print("\n2. a request to an unloaded load_on_demand model (it loads the model, then is answered), against "
-          "`load` and then the same first request, in the same server")
-    print("| model | on demand: first request s | load s + first request s | ratio | load s (part 1) | next request s |")
-    print("|---|---|---|---|---|---|")
+          f"`load` and then the same first request, in the same server: medians of {pairs} pairs, the two "
+          "orders taken in turn")
+    print("| model | on demand: first request s | load s + first request s | ratio (of medians) | pair ratios min-max "
+          "| load s (part 1) | next request s |")
+    print("|---|---|---|---|---|---|---|")
     for name in names:
         proc, address = _serve(tmp, directory, [])
+        firsts, loads, afters, warms = [], [], [], []
         try:
             with Client(address, timeout=300) as client:
                 client.load(name)  # the framework imported once, as in part 1's later cycles
                 client.unload(name)
-                t0 = time.perf_counter()
-                client.load(name)
-                t1 = time.perf_counter()
-                _request(client, name)
-                loaded = (t1 - t0, time.perf_counter() - t1)
-                client.unload(name)
-                t0 = time.perf_counter()
-                _request(client, name)
-                first = time.perf_counter() - t0
-                t0 = time.perf_counter()
-                _request(client, name)
-                warm = time.perf_counter() - t0
+                for pair in range(pairs):
+                    for explicit_first in ([True, False] if pair % 2 == 0 else [False, True]):
+                        if explicit_first:
+                            t0 = time.perf_counter()
+                            client.load(name)
+                            t1 = time.perf_counter()
+                            _request(client, name)
+                            loads.append(t1 - t0)
+                            afters.append(time.perf_counter() - t1)
+                        else:
+                            t0 = time.perf_counter()
+                            _request(client, name)  # loads the model on demand
+                            firsts.append(time.perf_counter() - t0)
+                            t0 = time.perf_counter()
+                            _request(client, name)
+                            warms.append(time.perf_counter() - t0)
+                        client.unload(name)
         finally:
             _stop(proc)
-        explicit = sum(loaded)
-        print(f"| {name} | {first:.2f} | {loaded[0]:.2f} + {loaded[1]:.2f} | {first / explicit:.2f}x | "
-              f"{load_s.get(name, float('nan')):.2f} | {warm:.3f} |")
+        first, load, after = (float(np.median(v)) for v in (firsts, loads, afters))
+        ratios = [f / (lo + af) for f, lo, af in zip(firsts, loads, afters)]
+        print(f"| {name} | {first:.2f} | {load:.2f} + {after:.2f} | {first / (load + after):.2f}x | "
+              f"{min(ratios):.2f}-{max(ratios):.2f}x | {load_s.get(name, float('nan')):.2f} | "
+              f"{float(np.median(warms)):.3f} |")
 
 
 def reloads(tmp: Path, count: int) -> None:
@@ -222,6 +232,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cycles", type=int, default=20)
     parser.add_argument("--reloads", type=int, default=10)
+    parser.add_argument("--pairs", type=int, default=5, help="on-demand vs explicit load pairs per model")
     parser.add_argument("--skip-llm", action="store_true")
     args = parser.parse_args()
     names = ["minilm"] + ([] if args.skip_llm else ["smollm2-int8", "smollm2-q4_1"])
@@ -229,7 +240,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as name:
         tmp = Path(name)
         load_s = cycles(tmp, names, args.cycles)
-        on_demand(tmp, names, load_s)
+        on_demand(tmp, names, load_s, args.pairs)
         reloads(tmp, args.reloads)
 
 
