@@ -68,13 +68,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
             except ValueError as exc:
                 raise OutriderError(f"--memory-budget: {exc}", code="usage") from None
         registry = create_registry(modules=args.plugin)
-    except BaseException:
+        gc.freeze()
+    finally:
         if collecting:
             gc.enable()
-        raise
-    gc.freeze()
-    if collecting:
-        gc.enable()
     timeline.mark("plugins registered")
     manifests = [load_manifest(path, args.set, registry.check_section) for path in args.manifests]
     timeline.mark("manifests validated")
