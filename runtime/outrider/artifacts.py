@@ -57,12 +57,7 @@ def package_version(package: str) -> str:
     whole file. An egg-info distribution is left to importlib.metadata."""
     wanted = _normalized_name(package)
     for entry in sys.path:
-        try:
-            with os.scandir(entry or ".") as listing:
-                names = [e.name for e in listing if e.name.endswith((".dist-info", ".egg-info"))]
-        except OSError:
-            continue
-        for name in names:
+        for name in metadata_directories(entry) or ():
             if _normalized_name(name.rsplit(".", 1)[0].split("-")[0]) != wanted:
                 continue
             if not name.endswith(".dist-info"):
@@ -79,6 +74,16 @@ def package_version(package: str) -> str:
                 pass
             return _package_version_by_importlib(package)
     return "absent"
+
+
+def metadata_directories(entry: str) -> Optional[list[str]]:
+    """The names of the distributions' metadata directories (`*.dist-info`, `*.egg-info`) in one
+    import path entry ('' is the current directory), as listed; None where it cannot be listed."""
+    try:
+        with os.scandir(entry or ".") as listing:
+            return [e.name for e in listing if e.name.endswith((".dist-info", ".egg-info"))]
+    except OSError:
+        return None
 
 
 def _normalized_name(name: str) -> str:

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-from .artifacts import cache_root
+from .artifacts import cache_root, metadata_directories
 
 INDEX_FILE = "entry-points.json"
 #: bumped when what the index file holds changes
@@ -41,14 +41,15 @@ def _stamp() -> list:
     mtime sees a reinstall of the same version, beyond the clock's tick)."""
     dirs = []
     for entry in sys.path:
+        names = metadata_directories(entry)
         try:
             mtime = os.stat(entry or ".").st_mtime_ns
-            with os.scandir(entry or ".") as listing:
-                names = sorted(e.name for e in listing if e.name.endswith((".dist-info", ".egg-info")))
         except OSError:
+            names = None
+        if names is None:
             dirs.append([entry, None])
             continue
-        digest = hashlib.sha256("\n".join(names).encode()).hexdigest()[:16]
+        digest = hashlib.sha256("\n".join(sorted(names)).encode()).hexdigest()[:16]
         dirs.append([entry, mtime, digest])
     return [INDEX_LAYOUT, sys.executable, sys.version, dirs]
 
