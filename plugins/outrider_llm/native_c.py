@@ -40,6 +40,13 @@ F32_TABLES = 16  # or-ed into bits: d and m are fp32 (kernels.h kF32Scales)
 OFFSET_SHIFT = 8  # log2(offset) << OFFSET_SHIFT in bits: a symmetric type, m None (kernels.h kOffsetShift)
 # Per layout (bits & 15): inputs per block of one tile, and its bytes (kernels.h).
 LAYOUTS = {4: (8, 64), 5: (8, 80), 8: (4, 64)}
+# A GGUF K type at the file's bytes (kernels.h kSuperBlocks): bits SUPER_BLOCKS | 4 (Q4_K), 5 (Q5_K), 6 (Q6_K),
+# w uint8 [out/16, in/256, bytes] holding scales and values, no d or m, group 256.
+SUPER_BLOCKS = 32
+SUPER = 256
+SUPER_LAYOUTS = {4: 2368, 5: 2880, 6: 3360}
+# GGML's type ids of the block types the kernels take as the file holds them (gguf_pack.cpp).
+PACKED_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 
 _LOCK = threading.Lock()
 _LOADED: list[tuple[bool, str]] = []
@@ -61,7 +68,7 @@ class _Matrix(ctypes.Structure):
 class _Layer(ctypes.Structure):
     _fields_ = [("attn_norm", ctypes.c_void_p), ("mlp_norm", ctypes.c_void_p), ("qkv", _Matrix), ("o", _Matrix),
                 ("gate_up", _Matrix), ("down", _Matrix), ("qkv_bias", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
-                ("k_norm", ctypes.c_void_p)]
+                ("k_norm", ctypes.c_void_p), ("q_scale", ctypes.c_float)]
 
 
 class _Kv(ctypes.Structure):
@@ -87,6 +94,9 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "outrider_swiglu": (_INT, [_P, _I64, _I64, _P, _P, _I64]),
     "outrider_add": (None, [_P, _P, _I64]),
     "outrider_attend": (_INT, [_P, _I64, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _P, _P, _I64]),
+    "outrider_packed_shape": (_INT, [_INT, _I64, _INT, _P, _P, _P, _P, _P, _P, _I64]),
+    "outrider_pack_gguf": (_INT, [_INT, _P, _I64, _I64, _P, _I64, _INT, _P, _P, _P, _P, _I64]),
+    "outrider_dequantize_super_rows": (_INT, [_P, _INT, _I64, _P, _I64, _P, _P, _I64]),
     "outrider_llama_layers": (_INT, [_P, _I64, _I64, _P, _P, _P, _P, _I64, _P, _I64, _P, _I64, _I64, _I64, _I64,
                                      _I64, ctypes.c_float, _P, _I64]),
 }
@@ -256,6 +266,15 @@ def _split_bits(code: int, what: str) -> tuple[int, Any, int]:
 
 def _check_weight(w: Any, d: Any, m: Any, bits: int, group: int, what: str) -> int:
     """The weight's arrays against its bits code; returns its inputs."""
+    if isinstance(bits, (int, np.integer)) and bits & SUPER_BLOCKS:
+        layout = bits & 15
+        if bits != SUPER_BLOCKS | layout or layout not in SUPER_LAYOUTS:
+            raise ValueError(f"{what}: bits {bits:#x}: a super-block layout is SUPER_BLOCKS | 4, 5 or 6")
+        _array(w, np.uint8, (None, None, SUPER_LAYOUTS[layout]), f"{what}: w (super-block layout {layout} [out/16, "
+               f"in/256, {SUPER_LAYOUTS[layout]}])")
+        if d is not None or m is not None or group != SUPER:
+            raise ValueError(f"{what}: a super-block weight is w alone (d, m None) in groups of {SUPER}")
+        return w.shape[1] * SUPER
     layout, dtype, offset = _split_bits(bits, what)
     per_block, block_bytes = LAYOUTS[layout]
     _array(w, np.uint8, (None, None, block_bytes), f"{what}: w ({layout}-bit layout [out/16, in/{per_block}, "
@@ -287,10 +306,10 @@ def a8_matmul(x: np.ndarray, w: np.ndarray, d: np.ndarray, m: Optional[np.ndarra
     n = w.shape[0] * TILE
     if out is not None and out != n:
         raise ValueError(f"a8_matmul: w holds {n} outputs, out says {out}")
-    return _matmul(lib, x, inp, n, group, w.ctypes.data, d.ctypes.data, _address(m), bits, y)
+    return _matmul(lib, x, inp, n, group, w.ctypes.data, _address(d), _address(m), bits, y)
 
 
-def _matmul(lib: ctypes.CDLL, x: np.ndarray, inp: int, n: int, group: int, w: int, d: int, m: Optional[int],
+def _matmul(lib: ctypes.CDLL, x: np.ndarray, inp: int, n: int, group: int, w: int, d: Optional[int], m: Optional[int],
             bits: int, y: Optional[np.ndarray]) -> np.ndarray:
     _array(x, np.float32, (None, inp), "a8_matmul: x")
     rows = x.shape[0]
@@ -409,10 +428,11 @@ def attend(qkv: np.ndarray, kv: np.ndarray, chunks: np.ndarray, visible: Optiona
 class Part:
     """A weight matrix, or the part of one that a matrix's parts stand side by side in: w uint8 in the
     layout of `bits` (`bits_flags`), tables d and m [out/16, in/group, 16] (m None for a symmetric
-    type). Checked at construction, and holds the arrays (a layer table points into them)."""
+    type; both None for a super-block layout, SUPER_BLOCKS | 4, 5 or 6). Checked at construction, and
+    holds the arrays (a layer table points into them)."""
 
     w: np.ndarray
-    d: np.ndarray
+    d: Optional[np.ndarray]
     m: Optional[np.ndarray]
     bits: int
     group: int
@@ -422,7 +442,7 @@ class Part:
     def __post_init__(self) -> None:
         inputs = _check_weight(self.w, self.d, self.m, self.bits, self.group, "Part")
         object.__setattr__(self, "inputs", inputs)
-        object.__setattr__(self, "_pointers", (self.w.ctypes.data, self.d.ctypes.data, _address(self.m)))
+        object.__setattr__(self, "_pointers", (self.w.ctypes.data, _address(self.d), _address(self.m)))
 
     @property
     def out(self) -> int:
@@ -471,6 +491,9 @@ class Layer:
     qkv_bias: Optional[np.ndarray] = None
     q_norm: Optional[np.ndarray] = None
     k_norm: Optional[np.ndarray] = None
+    #: 0: q comes pre-scaled by 1/sqrt(D) (in its weights or q_norm's); else q is multiplied by it after
+    #: the bias and q_norm (a matrix at the file's bytes, whose scales cannot take it exactly)
+    q_scale: float = 0.0
 
 
 def _parts(parts: PartsLike) -> list[Part]:
@@ -499,6 +522,7 @@ class LayerStack:
                 array = _array(getattr(layer, name), np.float32, (self.hidden,), f"layer {li} {name}")
                 setattr(entry, name, array.ctypes.data)
                 self._keep.append(array)
+            entry.q_scale = float(layer.q_scale)
             for name, size in (("qkv_bias", width), ("q_norm", head_dim), ("k_norm", head_dim)):
                 value = getattr(layer, name)
                 if value is not None:
@@ -566,6 +590,86 @@ def llama_layers(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, kv: Union[KvCa
              ((num_heads, layers.num_heads), (num_kv_heads, layers.num_kv_heads), (eps, layers.eps))):
         raise ValueError("llama_layers: num_heads, num_kv_heads and eps differ from the LayerStack's")
     layers(x, cos, sin, kv, chunks, visible)
+
+
+# ---- GGUF blocks as they are (gguf_pack.cpp) ---------------------------------------------------------
+
+@dataclass(frozen=True)
+class PackedShape:
+    """How a GGUF type packs for rows of `cols` inputs: the bits code, group, and bytes per tile of 16
+    outputs of w, d and m (0: no such table)."""
+
+    bits: int
+    group: int
+    w_tile_bytes: int
+    d_tile_bytes: int
+    m_tile_bytes: int
+
+    def arrays(self, tiles: int, cols: int) -> tuple[tuple, Optional[tuple], Optional[tuple]]:
+        """(shape and dtype) of w, d and m for `tiles` tiles: what `Part` takes."""
+        layout = self.bits & 15
+        if self.bits & SUPER_BLOCKS:
+            return ((tiles, cols // SUPER, SUPER_LAYOUTS[layout]), np.uint8), None, None
+        per_block, block_bytes = LAYOUTS[layout]
+        table = ((tiles, cols // self.group, TILE), np.float16)
+        return ((tiles, cols // per_block, block_bytes), np.uint8), table, table if self.m_tile_bytes else None
+
+
+def packed_shape(type_name: str, cols: int, five_bit: bool = True) -> PackedShape:
+    """How the GGUF block type `type_name` packs for rows of `cols` inputs; ValueError naming why not."""
+    if type_name not in PACKED_TYPES:
+        raise ValueError(f"GGUF type {type_name} is not one the kernels take as it is ({', '.join(PACKED_TYPES)})")
+    bits, group = ctypes.c_int32(), ctypes.c_int64()
+    sizes = [ctypes.c_int64() for _ in range(3)]
+    err = ctypes.create_string_buffer(_ERR_SIZE)
+    _raise(_lib().outrider_packed_shape(PACKED_TYPES[type_name], int(cols), int(five_bit), ctypes.byref(bits),
+                                        ctypes.byref(group), *(ctypes.byref(v) for v in sizes), err, _ERR_SIZE), err)
+    return PackedShape(bits.value, group.value, *(v.value for v in sizes))
+
+
+def pack_gguf(type_name: str, blocks: np.ndarray, cols: int, rows_out: Optional[int] = None,
+              row_map: Optional[np.ndarray] = None, five_bit: bool = True,
+              out: Optional[tuple[np.ndarray, Optional[np.ndarray], Optional[np.ndarray]]] = None) -> Part:
+    """The `Part` of a GGUF tensor's raw blocks (uint8 [rows, row bytes], gguf-py's `tensor.data`, a view
+    of the mapped file: read in place), rows_out rows (default: the tensor's, padded to 16; row r is source
+    row row_map[r], zeros where that is -1). `out`: the arrays to pack into (e.g. views of an output
+    file), as `PackedShape.arrays` shapes them."""
+    src = np.asarray(blocks)
+    if src.dtype != np.uint8 or src.ndim != 2 or not src.flags.c_contiguous:
+        raise ValueError(f"pack_gguf: blocks must be C-contiguous uint8 [rows, row bytes], got {src.dtype} "
+                         f"{list(src.shape)}")
+    shape = packed_shape(type_name, cols, five_bit)
+    src_rows = src.shape[0]
+    rows_out = rows_out if rows_out is not None else -(-src_rows // TILE) * TILE
+    if row_map is not None:
+        row_map = _array(np.ascontiguousarray(row_map, dtype=np.int64), np.int64, (rows_out,), "pack_gguf: row_map")
+    specs = shape.arrays(rows_out // TILE, cols)
+    if out is None:
+        out = tuple(None if spec is None else np.empty(spec[0], spec[1]) for spec in specs)  # type: ignore[assignment]
+    for array, spec, what in zip(out, specs, ("w", "d", "m")):
+        if spec is None:
+            if array is not None:
+                raise ValueError(f"pack_gguf: {type_name} has no {what} table")
+            continue
+        _array(array, spec[1], spec[0], f"pack_gguf: out {what}", writeable=True)
+    err = ctypes.create_string_buffer(_ERR_SIZE)
+    w, d, m = out
+    _raise(_lib().outrider_pack_gguf(PACKED_TYPES[type_name], src.ctypes.data, src_rows, int(cols),
+                                     _address(row_map), rows_out, int(five_bit), w.ctypes.data, _address(d),
+                                     _address(m), err, _ERR_SIZE), err)
+    return Part(w, d, m, shape.bits, shape.group)
+
+
+def dequantize_super_rows(part: Part, ids: np.ndarray) -> np.ndarray:
+    """fp32 [n, inputs]: rows `ids` of a super-block weight, as gguf-py dequantizes the file's blocks."""
+    ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
+    if ids.size and (ids.min() < 0 or ids.max() >= part.out):
+        raise ValueError(f"row ids must be in 0 .. {part.out - 1}, got {int(ids.min())} .. {int(ids.max())}")
+    out = np.empty((ids.size, part.inputs), np.float32)
+    err = ctypes.create_string_buffer(_ERR_SIZE)
+    _raise(_lib().outrider_dequantize_super_rows(part.w.ctypes.data, part.bits, part.inputs, ids.ctypes.data,
+                                                 ids.size, out.ctypes.data, err, _ERR_SIZE), err)
+    return out
 
 
 # ---- packing (numpy ports of native.py's torch packers, byte for byte) -----------------------------

@@ -144,6 +144,21 @@ int64_t layout_block(int bits, bool has_m, const char** why) {
 // with `where`'s name.
 int check_weight(const uint8_t* w, const void* d, const void* m, int64_t out, int64_t in, int64_t group, int bits,
                  const Where& where, char* err, int64_t err_size) {
+  if (bits >= 0 && is_super(bits)) {  // a K type at the file's bytes: w alone, groups of 256
+    const int layout = bits & 15;
+    if (bits != (kSuperBlocks | layout) || super_block_bytes(layout) == 0)
+      return fail(err, err_size, "%s: bits 0x%x: a super-block layout is 32 | 4 (Q4_K), 5 (Q5_K) or 6 (Q6_K)",
+                  Name(where).text, static_cast<unsigned>(bits));
+    if (w == nullptr || d != nullptr || m != nullptr)
+      return fail(err, err_size, "%s: a super-block weight is w alone (d and m NULL)", Name(where).text);
+    if (out <= 0 || out % kTile != 0)
+      return fail(err, err_size, "%s: outputs must be a positive multiple of 16, got %lld", Name(where).text,
+                  static_cast<ll>(out));
+    if (in <= 0 || in % kSuper != 0 || group != kSuper)
+      return fail(err, err_size, "%s: a super-block weight takes inputs in multiples of 256 and group 256, got %lld, %lld",
+                  Name(where).text, static_cast<ll>(in), static_cast<ll>(group));
+    return 0;
+  }
   const char* why = "";
   const int64_t block = layout_block(bits, m != nullptr, &why);
   if (block == 0) return fail(err, err_size, "%s: bits 0x%x %s", Name(where).text, static_cast<unsigned>(bits), why);
@@ -380,6 +395,8 @@ int outrider_llama_layers(float* x, int64_t rows, int64_t hidden, const float* c
         if (L.qkv_bias != nullptr) ks.add_rows(row, L.qkv_bias, width);
         if (L.q_norm != nullptr) ks.rms_norm_rows(row, L.q_norm, eps, num_heads, dim, row);  // in place
         if (L.k_norm != nullptr) ks.rms_norm_rows(row + q_width, L.k_norm, eps, num_kv_heads, dim, row + q_width);
+        if (L.q_scale != 0.f)
+          for (int64_t k = 0; k < q_width; ++k) row[k] *= L.q_scale;
       }
       rope_rows(qkv.data(), cos, sin, rows, num_heads + num_kv_heads, dim, width);
       attend(qkv.data(), rows, kv_layer(kv[li]), chunks, chunk_count, vis, visible_width, num_heads, num_kv_heads,
@@ -394,6 +411,52 @@ int outrider_llama_layers(float* x, int64_t rows, int64_t hidden, const float* c
     }
     return 0;
   });
+}
+
+int outrider_packed_shape(int type, int64_t cols, int five_bit, int32_t* bits, int64_t* group, int64_t* w_tile_bytes,
+                          int64_t* d_tile_bytes, int64_t* m_tile_bytes, char* err, int64_t err_size) {
+  PackedShape shape{};
+  const char* why = "";
+  if (!packed_shape(type, cols, five_bit != 0, &shape, &why))
+    return fail(err, err_size, "GGML type %d of rows of %lld: %s", type, static_cast<ll>(cols), why);
+  *bits = shape.bits;
+  *group = shape.group;
+  *w_tile_bytes = shape.w_tile_bytes;
+  *d_tile_bytes = shape.d_tile_bytes;
+  *m_tile_bytes = shape.m_tile_bytes;
+  return 0;
+}
+
+int outrider_pack_gguf(int type, const uint8_t* src, int64_t src_rows, int64_t cols, const int64_t* row_map,
+                       int64_t rows_out, int five_bit, uint8_t* w, uint8_t* d, uint8_t* m, char* err,
+                       int64_t err_size) {
+  PackedShape shape{};
+  const char* why = "";
+  if (!packed_shape(type, cols, five_bit != 0, &shape, &why))
+    return fail(err, err_size, "GGML type %d of rows of %lld: %s", type, static_cast<ll>(cols), why);
+  if (rows_out <= 0 || rows_out % kTile != 0 || src_rows < 0)
+    return fail(err, err_size, "pack_gguf: rows_out must be a positive multiple of 16, got %lld (%lld source rows)",
+                static_cast<ll>(rows_out), static_cast<ll>(src_rows));
+  if (src == nullptr || w == nullptr || (shape.d_tile_bytes && d == nullptr) || (shape.m_tile_bytes && m == nullptr))
+    return fail(err, err_size, "pack_gguf: src, w and the type's tables must be given");
+  return guarded(err, err_size, [&] {
+    parallel_for(rows_out / kTile, [&](int64_t begin, int64_t end) {
+      pack_gguf_tiles(type, shape, src, src_rows, cols, row_map, begin, end, w, d, m);
+    });
+    return 0;
+  });
+}
+
+int outrider_dequantize_super_rows(const uint8_t* w, int bits, int64_t in, const int64_t* ids, int64_t n, float* out,
+                                   char* err, int64_t err_size) {
+  const int layout = bits & 15;
+  if (bits != (kSuperBlocks | layout) || super_block_bytes(layout) == 0 || in <= 0 || in % kSuper != 0 || n < 0)
+    return fail(err, err_size, "dequantize_super_rows: bits 0x%x, %lld inputs: expected a super-block layout of "
+                "inputs in multiples of 256", static_cast<unsigned>(bits), static_cast<ll>(in));
+  if (n > 0 && (w == nullptr || ids == nullptr || out == nullptr))
+    return fail(err, err_size, "dequantize_super_rows: w, ids and out must be given");
+  dequantize_super_rows(w, layout, in, ids, n, out);
+  return 0;
 }
 
 }  // extern "C"

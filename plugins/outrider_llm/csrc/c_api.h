@@ -26,6 +26,8 @@ extern "C" {
 #define OUTRIDER_API __attribute__((visibility("default")))
 
 #define OUTRIDER_F32_TABLES 16 /* kernels.h kF32Scales */
+#define OUTRIDER_SUPER_BLOCKS 32 /* kernels.h kSuperBlocks: | 4 Q4_K, 5 Q5_K, 6 Q6_K at the file's bytes, group 256,
+                                  w [out/16, in/256, 2368 | 2880 | 3360], d and m NULL */
 #define OUTRIDER_OFFSET_SHIFT 8 /* kernels.h kOffsetShift */
 
 /* One weight matrix, or a part of one: uint8 w in the layout of its bits (kernels.h), tables d and m
@@ -60,6 +62,7 @@ typedef struct {
   const float* qkv_bias;
   const float* q_norm;
   const float* k_norm;
+  float q_scale; /* 0: q comes pre-scaled (above); else q is multiplied by it after the bias and q_norm */
 } OutriderLayer;
 
 /* One layer's KV cache: data [2, slots, KV, capacity, D] (rows of D contiguous) with the strides of
@@ -112,6 +115,24 @@ OUTRIDER_API int outrider_llama_layers(float* x, int64_t rows, int64_t hidden, c
                                        const int64_t* chunks, int64_t chunk_count, const uint8_t* visible,
                                        int64_t visible_width, int64_t num_heads, int64_t num_kv_heads, int64_t dim,
                                        int64_t inter, float eps, char* err, int64_t err_size);
+
+/* GGUF tensors into the kernels' layouts (gguf_pack.cpp), from the file's blocks as they are (a mapped
+ * file: nothing is copied but one tile's values at a time). `type` is GGML's type id (Q4_0 2, Q4_1 3,
+ * Q5_0 6, Q5_1 7, Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14); `five_bit` 0 packs Q5_0/Q5_1 in the 8-bit layout.
+ * outrider_packed_shape: the bits code, group and bytes per tile of 16 outputs of w, d and m (0: none). */
+OUTRIDER_API int outrider_packed_shape(int type, int64_t cols, int five_bit, int32_t* bits, int64_t* group,
+                                       int64_t* w_tile_bytes, int64_t* d_tile_bytes, int64_t* m_tile_bytes, char* err,
+                                       int64_t err_size);
+/* Packs `rows_out` rows (a multiple of 16) of src (src_rows rows of the type's blocks, `cols` inputs each):
+ * output row r is source row row_map[r] (row_map NULL: r; < 0 or past src_rows: zeros). w, d, m sized
+ * rows_out / 16 x the tile bytes of outrider_packed_shape. */
+OUTRIDER_API int outrider_pack_gguf(int type, const uint8_t* src, int64_t src_rows, int64_t cols,
+                                    const int64_t* row_map, int64_t rows_out, int five_bit, uint8_t* w, uint8_t* d,
+                                    uint8_t* m, char* err, int64_t err_size);
+/* fp32 [n, in] rows `ids` of a super-block weight (bits OUTRIDER_SUPER_BLOCKS | layout): as gguf-py
+ * dequantizes the file's blocks. ids must be < the weight's outputs (checked by the caller). */
+OUTRIDER_API int outrider_dequantize_super_rows(const uint8_t* w, int bits, int64_t in, const int64_t* ids, int64_t n,
+                                                float* out, char* err, int64_t err_size);
 
 #ifdef __cplusplus
 }

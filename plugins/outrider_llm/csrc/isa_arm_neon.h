@@ -8,6 +8,7 @@ struct NeonBase {
   struct W { uint8x16_t q[4]; };
   static constexpr bool kDot8Offset = true;  // weights are multiplied as signed bytes (w - 128)
   static constexpr bool kInt16Sums = false;
+  static constexpr int kSuperRows = 4, kSuperTiles = 1;
 
 #define OUTRIDER_Q4(expr) \
   F r;                    \
@@ -60,6 +61,34 @@ struct NeonBase {
     for (int i = 0; i < 4; ++i) r.q[i] = vcvtnq_s32_f32(a.q[i]);
     return r;
   }
+  static I isub(I a, I b) {
+    for (int i = 0; i < 4; ++i) a.q[i] = vsubq_s32(a.q[i], b.q[i]);
+    return a;
+  }
+  static I imul(I a, I b) {
+    for (int i = 0; i < 4; ++i) a.q[i] = vmulq_s32(a.q[i], b.q[i]);
+    return a;
+  }
+  static I load_u8(const uint8_t* p) {
+    const uint8x16_t v = vld1q_u8(p);
+    const uint16x8_t lo = vmovl_u8(vget_low_u8(v)), hi = vmovl_u8(vget_high_u8(v));
+    I r;
+    r.q[0] = vreinterpretq_s32_u32(vmovl_u16(vget_low_u16(lo)));
+    r.q[1] = vreinterpretq_s32_u32(vmovl_u16(vget_high_u16(lo)));
+    r.q[2] = vreinterpretq_s32_u32(vmovl_u16(vget_low_u16(hi)));
+    r.q[3] = vreinterpretq_s32_u32(vmovl_u16(vget_high_u16(hi)));
+    return r;
+  }
+  static I load_i8(const int8_t* p) {
+    const int8x16_t v = vld1q_s8(p);
+    const int16x8_t lo = vmovl_s8(vget_low_s8(v)), hi = vmovl_s8(vget_high_s8(v));
+    I r;
+    r.q[0] = vmovl_s16(vget_low_s16(lo));
+    r.q[1] = vmovl_s16(vget_high_s16(lo));
+    r.q[2] = vmovl_s16(vget_low_s16(hi));
+    r.q[3] = vmovl_s16(vget_high_s16(hi));
+    return r;
+  }
   static int32_t sum_lanes(I a) {
     int32_t s = 0;
     for (int i = 0; i < 4; ++i) s += vaddvq_s32(a.q[i]);
@@ -92,6 +121,15 @@ struct NeonBase {
       const uint8x16_t bytes = vcombine_u8(vdup_n_u8(bits[2 * i]), vdup_n_u8(bits[2 * i + 1]));
       w.q[i] = vorrq_u8(w.q[i], vandq_u8(vtstq_u8(bytes, bit), sixteen));
     }
+    return w;
+  }
+  // Q6_K's high parts: quarter c (lanes 16c ..) gains 16 x bits 2c, 2c + 1 of the plane's bytes.
+  static W with_crumbs(W w, const uint8_t* plane) {
+    const uint8x16_t v = vld1q_u8(plane), three = vdupq_n_u8(3);
+    w.q[0] = vorrq_u8(w.q[0], vshlq_n_u8(vandq_u8(v, three), 4));
+    w.q[1] = vorrq_u8(w.q[1], vshlq_n_u8(vandq_u8(vshrq_n_u8(v, 2), three), 4));
+    w.q[2] = vorrq_u8(w.q[2], vshlq_n_u8(vandq_u8(vshrq_n_u8(v, 4), three), 4));
+    w.q[3] = vorrq_u8(w.q[3], vshlq_n_u8(vshrq_n_u8(v, 6), 4));
     return w;
   }
   // 4-bit weights (0..15) are signed bytes as they are; 8-bit ones become w - 128.

@@ -20,6 +20,10 @@
 //   I dot8(I acc, W w, int32 x): the same for w in 0..255, or, where kDot8Offset, for w - 128
 //     (the caller then adds 128 * sum(x): the same exact integer);
 //   F sum16(const F v[16]): lane j = tree16(v[j]);
+//   I imul(I, I) (low 32 bits of the product), isub; I load_u8(const uint8_t*), load_i8(const int8_t*):
+//     16 bytes widened to int32; with_crumbs(W, const uint8_t* plane): lane L plus 16 * ((plane[L % 16]
+//     >> 2 (L / 16)) & 3) (Q6_K's high parts: 0..63); dot4 holds weights up to 63 on every path;
+//   kSuperRows, kSuperTiles: rows and tiles per pass of the super-block matmul (register budget);
 //   kInt16Sums: the file has dot4_int16<R>(acc, w, x_words, j0, j1), summing octs j0..j1 (at
 //     most 4) of 4-bit weights for R rows in 16 bits before widening (AVX2: vpmaddubsw).
 
@@ -233,6 +237,177 @@ void matmul_tiles(const int8_t* xq, const float* scale, const float* sum, const 
   }
 }
 
+// ---- GGUF K types at the file's bytes (super-blocks of 256 inputs; kernels.h kSuperBlocks) ------------
+
+template <int Layout>
+struct SuperShape;
+template <>
+struct SuperShape<4> {  // Q4_K: d, dmin, sc[8], mn[8], then octs of 64 bytes
+  static constexpr int kGroups = 8, kOctsPerGroup = 4, kOctBytes = 64, kScales = 64, kMins = 192, kOcts = 320;
+};
+template <>
+struct SuperShape<5> {  // Q5_K: the same, octs of 80 bytes (nibbles, then fifth bits)
+  static constexpr int kGroups = 8, kOctsPerGroup = 4, kOctBytes = 80, kScales = 64, kMins = 192, kOcts = 320;
+};
+template <>
+struct SuperShape<6> {  // Q6_K: d, sc[16] (int8), then octs of 96 bytes (nibbles, then 2-bit high parts)
+  static constexpr int kGroups = 16, kOctsPerGroup = 2, kOctBytes = 96, kScales = 32, kMins = 0, kOcts = 288;
+};
+
+// The two weight vectors of one oct (inputs k0..k0+3 and k0+4..k0+7), values 0..15, 0..31 or 0..63.
+template <class A, int Layout>
+inline void super_oct(const uint8_t* oct, typename A::W& lo, typename A::W& hi) {
+  const typename A::W v = A::wload(oct);
+  lo = A::lo_nibbles(v);
+  hi = A::hi_nibbles(v);
+  if constexpr (Layout == 5) {
+    lo = A::with_high_bits(lo, oct + 64);
+    hi = A::with_high_bits(hi, oct + 72);
+  } else if constexpr (Layout == 6) {
+    lo = A::with_crumbs(lo, oct + 64);
+    hi = A::with_crumbs(hi, oct + 80);
+  }
+}
+
+// R rows x T tiles (tile t at w + t * tile_bytes), every super-block: per group the exact dot
+// products, times the group's integer scale (Q6_K: less 32 x the activations' group sum first),
+// summed in int32; the minimums' sum likewise; then per super-block, in this order,
+//   y += float(sum) * (d * dx);  y -= float(minimums) * (dmin * dx)   (two fused steps).
+// The bounds: |dot| <= 32 x 63 x 127 (Q6_K: 16 x 63 x 127 + 32 x 16 x 127), x a scale <= 63 (127),
+// over 8 (16) groups: < 2^31.
+template <class A, int Layout, int R, int T>
+void super_dot(const int32_t* const* x_words, const float* const* x_scale, const int32_t* const* x_bsum,
+               int64_t blocks, const uint8_t* w, int64_t tile_bytes, float* const* y) {
+  using F = typename A::F;
+  using I = typename A::I;
+  using W = typename A::W;
+  using S = SuperShape<Layout>;
+  constexpr int64_t kBytes = Layout == 4 ? 2368 : Layout == 5 ? 2880 : 3360;
+  F out[R][T];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) out[r][t] = A::fzero();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* base[T];
+    for (int t = 0; t < T; ++t) base[t] = w + t * tile_bytes + b * kBytes;
+    I total[R][T];
+    for (int r = 0; r < R; ++r)
+      for (int t = 0; t < T; ++t) total[r][t] = A::izero();
+    for (int g = 0; g < S::kGroups; ++g) {
+      I dot[R][T];
+      for (int r = 0; r < R; ++r)
+        for (int t = 0; t < T; ++t) dot[r][t] = A::izero();
+      for (int o = 0; o < S::kOctsPerGroup; ++o) {
+        const int64_t j = b * 32 + g * S::kOctsPerGroup + o;  // the oct of the row
+        W lo[T], hi[T];
+        for (int t = 0; t < T; ++t)
+          super_oct<A, Layout>(base[t] + S::kOcts + (g * S::kOctsPerGroup + o) * S::kOctBytes, lo[t], hi[t]);
+        for (int r = 0; r < R; ++r) {
+          const int32_t xl = x_words[r][2 * j], xh = x_words[r][2 * j + 1];
+          for (int t = 0; t < T; ++t) {
+            dot[r][t] = A::dot4(dot[r][t], lo[t], xl);
+            dot[r][t] = A::dot4(dot[r][t], hi[t], xh);
+          }
+        }
+      }
+      for (int t = 0; t < T; ++t) {
+        const I scale = Layout == 6 ? A::load_i8(reinterpret_cast<const int8_t*>(base[t] + S::kScales + g * 16))
+                                    : A::load_u8(base[t] + S::kScales + g * 16);
+        for (int r = 0; r < R; ++r) {
+          I v = dot[r][t];
+          if constexpr (Layout == 6) v = A::isub(v, A::iset(32 * x_bsum[r][b * 16 + g]));
+          total[r][t] = A::iadd(total[r][t], A::imul(v, scale));
+        }
+      }
+    }
+    for (int t = 0; t < T; ++t) {
+      const F d = A::load_half(reinterpret_cast<const uint16_t*>(base[t]));
+      for (int r = 0; r < R; ++r) {
+        const F dx = A::fset(x_scale[r][b]);
+        out[r][t] = A::fma(A::cvt(total[r][t]), A::mul(d, dx), out[r][t]);
+        if constexpr (Layout != 6) {
+          I mins = A::izero();
+          for (int g = 0; g < 8; ++g) {
+            const int32_t s = x_bsum[r][b * 16 + 2 * g] + x_bsum[r][b * 16 + 2 * g + 1];
+            mins = A::iadd(mins, A::imul(A::load_u8(base[t] + S::kMins + g * 16), A::iset(s)));
+          }
+          const F dmin = A::load_half(reinterpret_cast<const uint16_t*>(base[t] + 32));
+          out[r][t] = A::fnma(A::cvt(mins), A::mul(dmin, dx), out[r][t]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) A::fstore(y[r] + t * 16, out[r][t]);
+}
+
+constexpr int super_tiles(int budget, int rows) { return budget / rows >= 4 ? 4 : budget / rows >= 2 ? 2 : 1; }
+
+// Rows r0 .. r0 + R of tiles [t0, t1): T tiles a pass (A::kSuperTiles / R), then one at a time.
+template <class A, int Layout, int R>
+void super_rows(const int32_t* const* x_words, const float* const* x_scale, const int32_t* const* x_bsum,
+                int64_t blocks, const uint8_t* w, int64_t t0, int64_t t1, float* const* y_rows0) {
+  constexpr int T = super_tiles(A::kSuperTiles, R);
+  constexpr int64_t kBytes = Layout == 4 ? 2368 : Layout == 5 ? 2880 : 3360;
+  const int64_t tile_bytes = blocks * kBytes;
+  float* y_rows[R];
+  for (int64_t t = t0; t < t1;) {
+    for (int r = 0; r < R; ++r) y_rows[r] = y_rows0[r] + t * 16;
+    if (T > 1 && t + T <= t1) {
+      super_dot<A, Layout, R, T>(x_words, x_scale, x_bsum, blocks, w + t * tile_bytes, tile_bytes, y_rows);
+      t += T;
+    } else {
+      super_dot<A, Layout, R, 1>(x_words, x_scale, x_bsum, blocks, w + t * tile_bytes, tile_bytes, y_rows);
+      t += 1;
+    }
+  }
+}
+
+template <class A, int Layout>
+void matmul_super_layout(const int8_t* xq, const float* scale, const int32_t* bsum, int64_t rows, int64_t in,
+                         const uint8_t* w, int64_t t0, int64_t t1, float* y, int64_t y_stride) {
+  constexpr int kRows = A::kSuperRows;
+  const int32_t* words = reinterpret_cast<const int32_t*>(xq);
+  const int64_t blocks = in / 256;
+  const int32_t* x_words[kRows];
+  const float* x_scale[kRows];
+  const int32_t* x_bsum[kRows];
+  float* y_rows[kRows];
+  for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
+    const int n = static_cast<int>(min64(kRows, rows - r0));
+    for (int r = 0; r < n; ++r) {
+      x_words[r] = words + (r0 + r) * in / 4;
+      x_scale[r] = scale + (r0 + r) * blocks;
+      x_bsum[r] = bsum + (r0 + r) * (in / 16);
+      y_rows[r] = y + (r0 + r) * y_stride;
+    }
+    switch (n) {
+#define OUTRIDER_SUPER_CASE(N) \
+  case N: if constexpr (N <= kRows) super_rows<A, Layout, N>(x_words, x_scale, x_bsum, blocks, w, t0, t1, y_rows); break;
+      OUTRIDER_SUPER_CASE(1)
+      OUTRIDER_SUPER_CASE(2)
+      OUTRIDER_SUPER_CASE(3)
+      OUTRIDER_SUPER_CASE(4)
+      OUTRIDER_SUPER_CASE(5)
+      OUTRIDER_SUPER_CASE(6)
+      OUTRIDER_SUPER_CASE(7)
+      OUTRIDER_SUPER_CASE(8)
+#undef OUTRIDER_SUPER_CASE
+      default: break;
+    }
+  }
+}
+
+template <class A>
+void matmul_super(const int8_t* xq, const float* scale, const int32_t* bsum, int64_t rows, int64_t in,
+                  const uint8_t* w, int layout, int64_t t0, int64_t t1, float* y, int64_t y_stride) {
+  if (layout == 4)
+    matmul_super_layout<A, 4>(xq, scale, bsum, rows, in, w, t0, t1, y, y_stride);
+  else if (layout == 5)
+    matmul_super_layout<A, 5>(xq, scale, bsum, rows, in, w, t0, t1, y, y_stride);
+  else
+    matmul_super_layout<A, 6>(xq, scale, bsum, rows, in, w, t0, t1, y, y_stride);
+}
+
 // ---- attention ---------------------------------------------------------------------------------
 
 // Loads 16 lanes of p[0..n) with zeros after (n < 16), and the matching store.
@@ -400,4 +575,4 @@ void add_rows(float* x, const float* y, int64_t count) {
 
 // The table entry for `A`, with its own matmul (the generic one unless the file has a faster one).
 #define OUTRIDER_KERNELS(A, MATMUL) \
-  { A::kName, quantize_rows<A>, MATMUL, attend_group<A>, rms_norm_rows<A>, swiglu_rows<A>, add_rows<A> }
+  { A::kName, quantize_rows<A>, MATMUL, matmul_super<A>, attend_group<A>, rms_norm_rows<A>, swiglu_rows<A>, add_rows<A> }

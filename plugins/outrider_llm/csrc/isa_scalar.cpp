@@ -10,6 +10,7 @@ struct Scalar {
   static constexpr const char* kName = "scalar";
   static constexpr bool kDot8Offset = false;
   static constexpr bool kInt16Sums = false;
+  static constexpr int kSuperRows = 4, kSuperTiles = 1;
   struct F { float v[16]; };
   struct I { int32_t v[16]; };
   struct W { uint8_t b[64]; };
@@ -52,6 +53,24 @@ struct Scalar {
     for (int i = 0; i < 16; ++i) a.v[i] += b.v[i];
     return a;
   }
+  static I isub(I a, I b) {
+    for (int i = 0; i < 16; ++i) a.v[i] -= b.v[i];
+    return a;
+  }
+  static I imul(I a, I b) {
+    for (int i = 0; i < 16; ++i) a.v[i] *= b.v[i];
+    return a;
+  }
+  static I load_u8(const uint8_t* p) {
+    I r;
+    for (int i = 0; i < 16; ++i) r.v[i] = p[i];
+    return r;
+  }
+  static I load_i8(const int8_t* p) {
+    I r;
+    for (int i = 0; i < 16; ++i) r.v[i] = p[i];
+    return r;
+  }
   static I cvt_round(F a) {
     I r;
     for (int i = 0; i < 16; ++i) r.v[i] = static_cast<int32_t>(std::nearbyint(a.v[i]));
@@ -82,6 +101,11 @@ struct Scalar {
   // 5-bit weights: lane L gains 16 where bit L (byte L / 8, bit L % 8) of the plane is set.
   static W with_high_bits(W a, const uint8_t* bits) {
     for (int i = 0; i < 64; ++i) a.b[i] |= static_cast<uint8_t>(((bits[i >> 3] >> (i & 7)) & 1) << 4);
+    return a;
+  }
+  // Q6_K's high parts: lane L gains 16 x crumb L (byte L % 16, bits 2 (L / 16)) of the 16-byte plane.
+  static W with_crumbs(W a, const uint8_t* plane) {
+    for (int i = 0; i < 64; ++i) a.b[i] |= static_cast<uint8_t>(((plane[i & 15] >> (2 * (i >> 4))) & 3) << 4);
     return a;
   }
   static I dot4(I acc, W w, int32_t x) { return dot8(acc, w, x); }

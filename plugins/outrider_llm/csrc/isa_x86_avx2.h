@@ -54,6 +54,16 @@ struct Avx2Base {
   static I izero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
   static I iset(int32_t v) { return {_mm256_set1_epi32(v), _mm256_set1_epi32(v)}; }
   static I iadd(I x, I y) { return {_mm256_add_epi32(x.a, y.a), _mm256_add_epi32(x.b, y.b)}; }
+  static I isub(I x, I y) { return {_mm256_sub_epi32(x.a, y.a), _mm256_sub_epi32(x.b, y.b)}; }
+  static I imul(I x, I y) { return {_mm256_mullo_epi32(x.a, y.a), _mm256_mullo_epi32(x.b, y.b)}; }
+  static I load_u8(const uint8_t* p) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return {_mm256_cvtepu8_epi32(v), _mm256_cvtepu8_epi32(_mm_srli_si128(v, 8))};
+  }
+  static I load_i8(const int8_t* p) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return {_mm256_cvtepi8_epi32(v), _mm256_cvtepi8_epi32(_mm_srli_si128(v, 8))};
+  }
   static I cvt_round(F x) { return {_mm256_cvtps_epi32(x.a), _mm256_cvtps_epi32(x.b)}; }
   static int32_t sum_lanes(I x) {
     alignas(32) int32_t v[16];
@@ -97,6 +107,16 @@ struct Avx2Base {
     const __m256i sixteen = _mm256_set1_epi8(16);
     return {_mm256_or_si256(w.a, _mm256_and_si256(bytes_from_bits(bits), sixteen)),
             _mm256_or_si256(w.b, _mm256_and_si256(bytes_from_bits(bits + 4), sixteen))};
+  }
+  // Q6_K's high parts: lane L gains 16 x ((plane[L % 16] >> 2 (L / 16)) & 3). The plane in every
+  // 128-bit half, each 64-bit element shifted by its quarter's 2 (L / 16) (bits from the next byte
+  // enter each byte's top and are masked off).
+  static W with_crumbs(W w, const uint8_t* plane) {
+    const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(plane)));
+    const __m256i three = _mm256_set1_epi8(3);
+    const __m256i a = _mm256_and_si256(_mm256_srlv_epi64(v, _mm256_set_epi64x(2, 2, 0, 0)), three);
+    const __m256i b = _mm256_and_si256(_mm256_srlv_epi64(v, _mm256_set_epi64x(6, 6, 4, 4)), three);
+    return {_mm256_or_si256(w.a, _mm256_slli_epi16(a, 4)), _mm256_or_si256(w.b, _mm256_slli_epi16(b, 4))};
   }
   // Lanes 0..7 = tree16 of v[0..7], for 8 vectors at once: AVX-512's transpose tree (isa_x86_avx512.cpp)
   // on 128-bit quarters, the halves of each vector kept apart until the last step.

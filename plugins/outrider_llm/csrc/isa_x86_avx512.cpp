@@ -20,6 +20,7 @@ struct Avx512 {
   static constexpr const char* kName = "avx512_vnni";
   static constexpr bool kDot8Offset = false;
   static constexpr bool kInt16Sums = false;
+  static constexpr int kSuperRows = 8, kSuperTiles = 4;
   using F = __m512;
   using I = __m512i;
   using W = __m512i;
@@ -48,6 +49,10 @@ struct Avx512 {
   static I izero() { return _mm512_setzero_si512(); }
   static I iset(int32_t v) { return _mm512_set1_epi32(v); }
   static I iadd(I a, I b) { return _mm512_add_epi32(a, b); }
+  static I isub(I a, I b) { return _mm512_sub_epi32(a, b); }
+  static I imul(I a, I b) { return _mm512_mullo_epi32(a, b); }
+  static I load_u8(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static I load_i8(const int8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
   static I cvt_round(F a) { return _mm512_cvtps_epi32(a); }
   static int32_t sum_lanes(I a) { return _mm512_reduce_add_epi32(a); }
   static void store_i8(int8_t* p, I a) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(a)); }
@@ -60,6 +65,14 @@ struct Avx512 {
     __mmask64 k;
     std::memcpy(&k, bits, sizeof k);
     return _mm512_or_si512(w, _mm512_maskz_mov_epi8(k, _mm512_set1_epi8(16)));
+  }
+  // Q6_K's high parts: lane L gains 16 x ((plane[L % 16] >> 2 (L / 16)) & 3): the plane in every
+  // quarter, each quarter's 64-bit elements shifted by 2 (L / 16), masked to the low two bits.
+  static W with_crumbs(W w, const uint8_t* plane) {
+    const __m512i v = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(plane)));
+    const __m512i crumbs = _mm512_and_si512(_mm512_srlv_epi64(v, _mm512_set_epi64(6, 6, 4, 4, 2, 2, 0, 0)),
+                                            _mm512_set1_epi8(3));
+    return _mm512_or_si512(w, _mm512_slli_epi16(crumbs, 4));
   }
   static I dot8(I acc, W w, int32_t x) { return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(x)); }
   static I dot4(I acc, W w, int32_t x) { return dot8(acc, w, x); }

@@ -19,6 +19,7 @@ namespace {
 struct AvxVnni : Avx2Base {
   static constexpr const char* kName = "avx_vnni";
   static constexpr bool kDot8Offset = false;
+  static constexpr int kSuperRows = 4, kSuperTiles = 1;
   static constexpr bool kInt16Sums = false;
   static I dot8(I acc, W w, int32_t x) {
     const __m256i xb = _mm256_set1_epi32(x);

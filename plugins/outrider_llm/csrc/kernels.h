@@ -29,6 +29,26 @@ inline float minimum_offset(int bits) {  // -offset, or 0 where m is a table
   return log2_offset ? -static_cast<float>(1 << log2_offset) : 0.f;
 }
 
+// A GGUF K type at the file's own bytes: `bits` = kSuperBlocks | 4 (Q4_K), 5 (Q5_K) or 6 (Q6_K);
+// w holds everything (no d, m tables), in super-blocks of kSuper inputs, per tile of 16 outputs:
+//   Q4_K, Q5_K: d[16] fp16, dmin[16] fp16, sc[8][16] uint8, mn[8][16] uint8 (the file's 6-bit sub-block
+//               scales and minimums, one byte each), then 32 octs of the 4-bit (64 B) or 5-bit (80 B)
+//               layout below: 2368 or 2880 bytes, 4.625 / 5.625 bits a weight (the file: 4.5 / 5.5);
+//   Q6_K:       d[16] fp16, sc[16][16] int8, then 32 octs of 96 B: the 4-bit layout's 64 bytes of low
+//               nibbles, then 16 + 16 bytes of the values' 2-bit high parts (lane L of the low, then of
+//               the high nibbles: byte L % 16, bits 2 (L / 16)): 3360 bytes, 6.5625 bits (the file's).
+// Computed as ggml's vec_dot_q4_K_q8_K: activations in int8 per 256 with one scale and int32 sums
+// per 16; per group of 32 (Q6_K: 16) the exact integer dot, times the integer sub-block scale,
+// summed exactly; the minimums (Q6_K: the offset 32) through the activations' sums; then one float
+// multiply-add per 256 inputs and output. Integer throughout but the last step: every kernel set
+// computes the same bits.
+constexpr int kSuperBlocks = 32;
+constexpr int64_t kSuper = 256;
+inline bool is_super(int bits) { return (bits & kSuperBlocks) != 0; }
+inline int64_t super_block_bytes(int layout) {
+  return layout == 4 ? 2368 : layout == 5 ? 2880 : layout == 6 ? 3360 : 0;
+}
+
 // One instruction set's kernels. Weight layouts (outrider_llm.native.pack_w4a8 / pack_w8a8):
 //   4-bit: w uint8 [N/16, K/8, 64]: per tile of 16 outputs, per 8 inputs k0..k0+7, byte 4i+p holds
 //          q[16t+i, k0+p] in its low nibble and q[16t+i, k0+4+p] in its high nibble;
@@ -49,6 +69,10 @@ struct KernelSet {
   void (*matmul_tiles)(const int8_t* xq, const float* scale, const float* sum, const int32_t* isum, int64_t rows,
                        int64_t in, int64_t group, const uint8_t* w, const void* d, const void* m, int64_t out,
                        int bits, int64_t t0, int64_t t1, float* y, int64_t y_stride);
+  // The same for a super-block layout (kSuperBlocks | 4, 5 or 6): xq quantized per 256 (scale per
+  // row and 256), bsum: int32 sums of xq per row and 16 inputs.
+  void (*matmul_super)(const int8_t* xq, const float* scale, const int32_t* bsum, int64_t rows, int64_t in,
+                       const uint8_t* w, int layout, int64_t t0, int64_t t1, float* y, int64_t y_stride);
   // One row and KV head: `group` query heads (q[g * dim ..]) over the keys and values at `pos`
   // (count of them; rows of `dim` floats); scores: scratch of group * (count + 16) floats.
   void (*attend_group)(const float* q, int64_t group, int64_t dim, const float* keys, const float* values,
@@ -119,6 +143,28 @@ void w4a8_layers(float* x, int64_t rows, int64_t hidden, const float* cos, const
                  const LayerWeights* layers, int64_t num_layers, const int64_t* chunks, int64_t chunk_count,
                  const bool* visible, int64_t visible_width, int64_t group, int64_t num_heads, int64_t num_kv_heads,
                  int64_t dim, int64_t inter, float eps);
+
+// ---- GGUF blocks into the kernels' layouts (gguf_pack.cpp: plain C++, the same on every path) -------
+
+// GGML's type ids of the block types packed here.
+enum GgmlType : int { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+
+// How `type` is packed for `cols` inputs: the bits code, group, and bytes per tile of w, d and m (d, m
+// 0 for a super-block layout, m 0 for a symmetric type); false (with `why`) where it cannot be.
+struct PackedShape {
+  int bits;
+  int64_t group, w_tile_bytes, d_tile_bytes, m_tile_bytes;
+};
+bool packed_shape(int type, int64_t cols, bool five_bit, PackedShape* shape, const char** why);
+
+// Tiles [t0, t1) of a tensor of GGUF blocks src (src_rows rows of `cols` inputs) in the layout of
+// `shape`: output row r is source row row_map[r] (row_map null: r), zeros where that is < 0 or r >=
+// src_rows without a map. w, d, m: the whole output's arrays.
+void pack_gguf_tiles(int type, const PackedShape& shape, const uint8_t* src, int64_t src_rows, int64_t cols,
+                     const int64_t* row_map, int64_t t0, int64_t t1, uint8_t* w, uint8_t* d, uint8_t* m);
+
+// fp32 [n, in] rows `ids` (tile * 16 + lane) of a super-block weight, as gguf-py dequantizes the file.
+void dequantize_super_rows(const uint8_t* w, int layout, int64_t in, const int64_t* ids, int64_t n, float* out);
 
 // The chunk table's checks (an error message, or empty when it fits).
 const char* check_chunks(const int64_t* chunks, int64_t chunk_count, int64_t total, int64_t slots, int64_t capacity,
