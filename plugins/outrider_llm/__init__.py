@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from pathlib import Path
 from typing import Any, Callable, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -126,6 +127,15 @@ class LlmBackend(GeneratingBackend):
         self.serves_file_blocks = (self.runtime == "native" and not quantized) or self._serves_file_blocks(options,
                                                                                                             on_cuda)
         path = self.manifest.model_path()
+        if self.runtime == "native" and not quantized:
+            # The file's blocks packed straight into the native model's tiles, from the mapped file.
+            from .gguf_tiles import NotCovered, load_gguf_tiles
+
+            try:
+                self._source = load_gguf_tiles(path)
+                return self._source
+            except NotCovered as exc:
+                log.info("model %s: %s: its blocks are converted into an artifact first", self.manifest.name, exc)
         # A first start converts in a child process: the conversion's heap (and its torch) leaves with it.
         load = load_native_artifact if self.serves_file_blocks else load_weights_artifact
         self._source = load(path, in_child=True)
@@ -261,12 +271,12 @@ class LlmBackend(GeneratingBackend):
     def _native_model(self, options: LlmOptions) -> tuple[Any, Any]:
         """(NativeLlama, tokenizer), or (None, None) where it does not cover the artifact under
         `runtime: auto` (the torch model serves then, and the log says why)."""
-        from .native_model import load_tiles
+        from .native_model import TILES_INDEX, load_tiles
 
         try:
             return load_tiles(self.artifact)
         except ValueError as exc:
-            if options.runtime == "native":
+            if options.runtime == "native" or (Path(self.artifact.path) / TILES_INDEX).is_file():
                 from outrider.errors import ManifestError
 
                 raise ManifestError(f"{self.manifest.source_file or self.manifest.name}: options.runtime: native "

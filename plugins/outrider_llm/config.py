@@ -86,5 +86,6 @@ def weights_fingerprint(config: LlamaConfig, vocab_size: int, hidden_size: int, 
     shape = {"vocab_size": vocab_size, "hidden_size": hidden_size, "num_layers": config.num_layers}
     digest.update(json.dumps(shape, sort_keys=True).encode())
     for array in (rows, final_norm, *layer_norms):
-        digest.update(np.ascontiguousarray(array, dtype=np.float32).tobytes())
+        # + 0: -0.0 as 0.0, so that (q - 32) d and q d - 32 d (two exact dequantizations of one weight) agree
+        digest.update((np.ascontiguousarray(array, dtype=np.float32) + np.float32(0)).tobytes())
     return digest.hexdigest()

@@ -23,7 +23,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-KINDS = ("native", "float")
+KINDS = ("native", "float", "tokenizer")  # tokenizer: tokenizer.json alone (gguf_tiles.py packs the rest)
 
 
 def convert_in_child(kind: str, gguf: Path, directory: Path) -> dict:
@@ -63,6 +63,12 @@ def convert(kind: str, gguf: Path, directory: Path) -> dict:
 
     if kind not in KINDS:
         raise ValueError(f"conversion kind {kind!r}: expected one of {KINDS}")
+    if kind == "tokenizer":
+        from .artifact import TOKENIZER_FILE
+        from .gguf_reading import gguf_tokenizer
+
+        gguf_tokenizer(gguf).save(str(directory / TOKENIZER_FILE))
+        return {}
     config, state_dict, meta = _read_gguf(gguf, native=kind == "native")
     _write_artifact(directory, config, state_dict, meta, _gguf_tokenizer(gguf))
     figures = {"tensors": len(state_dict), "bytes": (directory / WEIGHTS_FILE).stat().st_size}

@@ -178,6 +178,7 @@ class _Rows:
 
     def __init__(self, part: native_c.Part, rows: int, columns: int) -> None:
         self.part, self.rows, self.columns = part, rows, columns
+        self.super = bool(part.bits & native_c.SUPER_BLOCKS)  # a K type at the file's bytes
         self.layout = part.bits & 15
         log2 = (part.bits >> native_c.OFFSET_SHIFT) & 15
         self.offset = 1 << log2 if log2 else 0  # a symmetric type: m = -offset d
@@ -187,6 +188,8 @@ class _Rows:
         ids = np.asarray(ids, dtype=np.int64)
         if ids.size and (ids.min() < 0 or ids.max() >= self.rows):
             raise ValueError(f"token ids must be in 0 .. {self.rows - 1}, got {int(ids.min())} .. {int(ids.max())}")
+        if self.super:
+            return native_c.dequantize_super_rows(self.part, ids)
         tile, lane = ids // native_c.TILE, ids % native_c.TILE
         q = _tile_rows(self.part.w, self.layout, tile, lane).astype(np.float32)  # [n, columns]
         d = self.part.d[tile, :, lane].astype(np.float32)  # [n, groups]
@@ -497,7 +500,7 @@ def _parts_of(parts: Any) -> list:
 
 
 def _nbytes(part: native_c.Part) -> int:
-    return int(part.w.nbytes + part.d.nbytes + (0 if part.m is None else part.m.nbytes))
+    return int(part.w.nbytes + (0 if part.d is None else part.d.nbytes) + (0 if part.m is None else part.m.nbytes))
 
 
 def _fingerprint(cfg: LlamaConfig, embed: _Rows, final_norm: np.ndarray, layers: list) -> str:
@@ -524,6 +527,8 @@ def load_tiles(blocks: Any, cache: Any = None) -> tuple[NativeLlama, Any]:
         raise ValueError(f"the native kernels' C library is not loaded: {why}")
     tune_malloc()  # see NativeLlama.from_artifact
     source = _artifact_dir(blocks)
+    if (source / TILES_INDEX).is_file():  # packed from the GGUF itself (gguf_tiles.py): mapped as it is
+        return _map_tiles(source), artifact_tokenizer(source)
     cache = cache or ArtifactCache()
 
     def build(directory: Path, progress: Any) -> dict:
@@ -577,6 +582,7 @@ def _save_tiles(model: NativeLlama, directory: Path) -> None:
     layers = []
     for layer in model.layers.layers:
         entry = {name: ref(getattr(layer, name)) for name in ("attn_norm", "mlp_norm", "qkv_bias", "q_norm", "k_norm")}
+        entry["q_scale"] = float(layer.q_scale)
         for name in ("qkv", "o", "gate_up", "down"):
             entry[name] = [part(p) for p in _parts_of(getattr(layer, name))]
         layers.append(entry)
@@ -613,7 +619,8 @@ def _map_tiles(directory: Path) -> NativeLlama:
     cfg = LlamaConfig.from_dict(index["config"])
     layers = [native_c.Layer(attn_norm=get(e["attn_norm"]), mlp_norm=get(e["mlp_norm"]), qkv=matrix(e["qkv"]),
                              o=matrix(e["o"]), gate_up=matrix(e["gate_up"]), down=matrix(e["down"]),
-                             qkv_bias=get(e["qkv_bias"]), q_norm=get(e["q_norm"]), k_norm=get(e["k_norm"]))
+                             qkv_bias=get(e["qkv_bias"]), q_norm=get(e["q_norm"]), k_norm=get(e["k_norm"]),
+                             q_scale=float(e.get("q_scale", 0.0)))
               for e in index["layers"]]
     stack = native_c.LayerStack(layers, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                                 eps=cfg.rms_norm_eps)
