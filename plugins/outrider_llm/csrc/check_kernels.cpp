@@ -76,7 +76,47 @@ void against_scalar(const KernelSet& set, const std::string& what, const Run& ru
   expect_same(std::string(set.name) + " " + what, got, want);
 }
 
+// A random super-block weight (kernels.h kSuperBlocks | layout) of `out` outputs and `in` inputs: random
+// bytes, with normal fp16 values at d (and dmin); `fill` (when not 0) every other byte.
+std::vector<uint8_t> super_weight(int layout, int64_t out, int64_t in, int fill) {
+  const int64_t block = super_block_bytes(layout), blocks = out / 16 * (in / kSuper);
+  std::vector<uint8_t> w = fill ? std::vector<uint8_t>(blocks * block, static_cast<uint8_t>(fill)) : bytes(blocks * block);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const std::vector<uint16_t> d = halves(layout == 6 ? 16 : 32, true);
+    std::memcpy(w.data() + b * block, d.data(), d.size() * 2);
+  }
+  return w;
+}
+
+void check_super(const KernelSet& set) {
+  const int64_t out = 80;  // 5 tiles: AVX-512's 4-tile step and its tail
+  for (int layout : {4, 5, 6}) {
+    for (int64_t in : {256, 512, 1536}) {
+      const std::vector<uint8_t> w = super_weight(layout, out, in, 0);
+      for (int64_t rows : {1, 2, 3, 4, 5, 8, 9, 17}) {
+        const std::vector<float> x = floats(rows * in, -3.f, 3.f);
+        against_scalar(set, "matmul super-block Q" + std::to_string(layout) + "_K rows " + std::to_string(rows) +
+                                " in " + std::to_string(in), [&] {
+          std::vector<float> y(rows * out);
+          a8_matmul(x.data(), rows, in, kSuper, w.data(), nullptr, nullptr, out, kSuperBlocks | layout, y.data());
+          return y;
+        });
+      }
+    }
+    for (float value : {1.f, -1.f}) {  // the largest sums: every value and scale at its top
+      const std::vector<uint8_t> w = super_weight(layout, out, 512, 0xFF);
+      const std::vector<float> x(2 * 512, value);
+      against_scalar(set, "matmul super-block Q" + std::to_string(layout) + "_K extreme x " + std::to_string(value), [&] {
+        std::vector<float> y(2 * out);
+        a8_matmul(x.data(), 2, 512, kSuper, w.data(), nullptr, nullptr, out, kSuperBlocks | layout, y.data());
+        return y;
+      });
+    }
+  }
+}
+
 void check_set(const KernelSet& set) {
+  check_super(set);
   // Quantization of activations, and the matmuls on 4- and 8-bit weights.
   const int64_t out = 80;  // 5 tiles: AVX-512's 4-tile step and its tail
   for (int64_t in : {64, 576, 1536}) {
