@@ -230,3 +230,57 @@ def write_tiny_gguf(directory: Path, arch: str, seed: int = 0, matrix_type: str 
     writer.write_tensors_to_file()
     writer.close()
     return path, model
+
+
+def write_block_gguf(path: Path, hidden: int, layers: int, ffn: int, vocab: int, types: dict[str, str],
+                     heads: int = 16, kv_heads: int = 4) -> Path:
+    """A llama GGUF of random blocks at a real layout (no transformers model behind it: for sizes,
+    memory and speed, not for what it computes): each matrix in the type of the longest key of
+    `types` its name contains ("" for the rest), norms F32; the tiny byte-level tokenizer."""
+    import gguf
+
+    head_dim = hidden // heads
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(4096)
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(layers)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(vocab)
+    tokens, merges = tokenizer_fields()
+    tokens = tokens + [f"<|reserved_{i}|>" for i in range(vocab - len(tokens))]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * len(tokens))
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(1)
+    shapes = {"token_embd": (vocab, hidden)}
+    for i in range(layers):
+        b = f"blk.{i}."
+        shapes.update({b + "attn_q": (hidden, hidden), b + "attn_k": (kv_heads * head_dim, hidden),
+                       b + "attn_v": (kv_heads * head_dim, hidden), b + "attn_output": (hidden, hidden),
+                       b + "ffn_gate": (ffn, hidden), b + "ffn_up": (ffn, hidden), b + "ffn_down": (hidden, ffn)})
+    rng = np.random.default_rng(0)
+    for index, (name, (rows, cols)) in enumerate(shapes.items()):
+        kind = types[max((k for k in types if k in name), key=len)]
+        qtype = gguf.GGMLQuantizationType[kind]
+        if kind in RANDOM_BLOCKS:
+            data = random_blocks(kind, rows, cols, seed=index)
+        else:
+            data = gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32) * 0.02, qtype)
+        writer.add_tensor(name + ".weight", data, raw_dtype=qtype)
+        if name.endswith("attn_output"):
+            layer = name.rsplit(".", 1)[0]
+            for norm in ("attn_norm", "ffn_norm"):
+                writer.add_tensor(f"{layer}.{norm}.weight", np.ones(hidden, np.float32))
+    writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

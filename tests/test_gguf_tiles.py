@@ -1,0 +1,254 @@
+"""A GGUF's blocks packed straight into the native kernels' tiles (outrider_llm/gguf_tiles.py and
+csrc/gguf_pack.cpp): every block type at the file's bytes, multiplied by exactly the file's weights
+on every kernel set this CPU runs, loaded from the mapped file without a conversion heap, and served
+by a plain manifest."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import write_manifest
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason="needs gguf (gguf-py)")
+
+ALL_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+# Bits a weight of each type in the file (block bytes x 8 / block elements).
+FILE_BITS = {"Q4_0": 4.5, "Q4_1": 5.0, "Q5_0": 5.5, "Q5_1": 6.0, "Q8_0": 8.5, "Q4_K": 4.5, "Q5_K": 5.5,
+             "Q6_K": 6.5625}
+
+
+def _native_c():
+    from outrider_llm import native_c
+
+    if not native_c.library()[0]:
+        pytest.skip(f"the native C library is not built: {native_c.library()[1]}")
+    return native_c
+
+
+def _blocks(kind: str, rows: int, cols: int, seed: int) -> np.ndarray:
+    """Raw blocks uint8 [rows, row bytes] of `kind` for random weights (gguf-py's quantizer where it
+    has one, else random blocks with sane scales)."""
+    import gguf
+    from gguf_models import RANDOM_BLOCKS, random_blocks
+
+    if kind in RANDOM_BLOCKS:
+        return np.ascontiguousarray(random_blocks(kind, rows, cols, seed=seed))
+    weights = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32) * 0.05
+    return np.ascontiguousarray(gguf.quants.quantize(weights, gguf.GGMLQuantizationType[kind]))
+
+
+def _dequantized(kind: str, blocks: np.ndarray, rows: int, cols: int) -> np.ndarray:
+    import gguf
+
+    return np.asarray(gguf.dequantize(blocks, gguf.GGMLQuantizationType[kind]), dtype=np.float32).reshape(rows, cols)
+
+
+def _served_bits(part, rows: int, cols: int) -> float:
+    nbytes = part.w.nbytes + sum(0 if a is None else a.nbytes for a in (part.d, part.m))
+    return nbytes * 8 / (rows * cols)
+
+
+@pytest.mark.parametrize("kind", ALL_TYPES)
+def test_every_type_is_served_at_the_files_bytes_and_multiplies_by_its_weights(kind):
+    """Packed from the blocks as they lie in the file: within 3% of the file's bytes (the K types'
+    6-bit sub-block scales take a byte each; the others exactly), the same bits on every kernel set
+    this CPU runs, and x @ W.T of the file's own weights within the int8 activations' error."""
+    native_c = _native_c()
+    rows, cols = 48, 512  # 3 tiles; two K-type super-blocks a row
+    blocks = _blocks(kind, rows, cols, seed=ALL_TYPES.index(kind))
+    weights = _dequantized(kind, blocks, rows, cols)
+    part = native_c.pack_gguf(kind, blocks, cols)
+    assert part.out == rows and part.inputs == cols
+    bits = _served_bits(part, rows, cols)
+    assert FILE_BITS[kind] <= bits <= FILE_BITS[kind] * 1.03, (kind, bits)
+    x = np.random.default_rng(7).standard_normal((5, cols)).astype(np.float32)
+    want = x.astype(np.float64) @ weights.T.astype(np.float64)
+    results = {}
+    active = native_c.kernels()
+    try:
+        for name in native_c.kernel_sets():
+            try:
+                native_c.select(name)
+            except ValueError:
+                continue  # a set this CPU does not run
+            results[name] = part.matmul(x)
+    finally:
+        native_c.select(active)
+    reference = results["scalar"]
+    for name, got in results.items():
+        assert np.array_equal(got, reference), f"{name} differs from the scalar reference on {kind}"
+    # int8 activations per 32 (K types: per 256) inputs: about 1% of the output's scale
+    assert np.abs(reference - want).max() < 0.03 * np.abs(want).max()
+    if part.bits & native_c.SUPER_BLOCKS:  # row lookups (embeddings) give the file's weights exactly
+        ids = np.array([0, 17, 47, 3])
+        assert np.array_equal(native_c.dequantize_super_rows(part, ids), weights[ids])
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
+@pytest.mark.parametrize("five_bit", [True, False])
+def test_the_simple_types_pack_as_the_numpy_conversion_does(kind, five_bit):
+    """The C packer writes, byte for byte, the tiles and tables the numpy path (gguf_blocks ->
+    Part.from_affine) built from the same blocks: one layout, two ways to reach it."""
+    native_c = _native_c()
+    from outrider_llm import gguf_blocks
+    from outrider_llm.gguf_blocks import AffineGroups
+
+    rows, cols = 32, 256
+    blocks = _blocks(kind, rows, cols, seed=3)
+    groups = gguf_blocks.to_affine(blocks, kind, (rows, cols))
+    if groups.bits == 5 and not five_bit:
+        groups = AffineGroups(8, groups.q, groups.d, groups.m, groups.group, groups.exact, groups.source)
+    want = native_c.Part.from_affine(groups)
+    got = native_c.pack_gguf(kind, blocks, cols, five_bit=five_bit)
+    assert got.bits == want.bits and got.group == want.group
+    for a, b in ((got.w, want.w), (got.d, want.d), (got.m, want.m)):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert a.dtype == b.dtype and np.array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+def test_rows_are_taken_in_the_order_asked_and_padding_rows_are_zero():
+    """row_map: llama's un-permuted Q/K rows and a vocabulary padded to whole tiles."""
+    native_c = _native_c()
+    rows, cols = 40, 256
+    blocks = _blocks("Q4_K", rows, cols, seed=5)
+    weights = _dequantized("Q4_K", blocks, rows, cols)
+    order = np.concatenate([np.arange(rows)[::-1], [-1] * 8])
+    part = native_c.pack_gguf("Q4_K", blocks, cols, rows_out=48, row_map=order)
+    got = native_c.dequantize_super_rows(part, np.arange(48))
+    assert np.array_equal(got[:rows], weights[::-1]) and not got[rows:].any()
+    with pytest.raises(ValueError, match="multiple of 16"):
+        native_c.pack_gguf("Q4_K", blocks, cols, rows_out=40)
+    with pytest.raises(ValueError, match="not one the kernels take"):
+        native_c.packed_shape("Q2_K", cols)
+
+
+def _chunk(tokens):
+    from outrider.generation.contract import Chunk
+
+    tokens = np.asarray(tokens, dtype=np.int64)
+    return Chunk(0, tokens, np.arange(len(tokens), dtype=np.int64))
+
+
+@pytest.mark.parametrize("arch,kind", [("llama", "Q4_K"), ("qwen2", "Q5_K"), ("phi3", "Q6_K"), ("qwen3", "Q4_0"),
+                                       ("llama", "Q8_0")])
+def test_a_gguf_packed_straight_into_tiles_computes_the_converted_model(arch, kind, tmp_path):
+    """load_gguf_tiles against the older way (the blocks artifact, then tiles): the same
+    tokenizer, fingerprint and embedding rows; logits within the activations' quantization (the K
+    types quantize activations per 256 here, per group there; q is scaled after its matmul here);
+    built once, then mapped read-only."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    _native_c()
+    from gguf_models import write_tiny_gguf
+    from outrider.artifacts import ArtifactCache
+    from outrider_llm.gguf_tiles import KIND, load_gguf_tiles
+    from outrider_llm.loading import load_native_artifact
+    from outrider_llm.native_model import NativeLlama, load_tiles
+
+    shape = dict(hidden_size=256, intermediate_size=512) if kind.endswith("K") else {}
+    path, _ = write_tiny_gguf(tmp_path, arch, seed=2, matrix_type=kind, **shape)
+    cache = ArtifactCache(tmp_path / "cache")
+    converted, tokenizer = NativeLlama.from_artifact(load_native_artifact(path, cache))
+    model, packed_tokenizer = load_tiles(load_gguf_tiles(path, cache, in_child=False))
+    built = sorted((tmp_path / "cache" / KIND).iterdir())
+    again, _ = load_tiles(load_gguf_tiles(path, cache, in_child=False))
+    assert sorted((tmp_path / "cache" / KIND).iterdir()) == built  # not rebuilt
+    w = again.layers.layers[0].o
+    w = w[0].w if isinstance(w, list) else w.w
+    assert not w.flags.writeable and isinstance(w.base, np.memmap)
+    ids = tokenizer.encode("hello there, the cat sat on the mat")
+    assert packed_tokenizer.encode("hello there, the cat sat on the mat") == ids
+    assert model.fingerprint() == converted.fingerprint()
+    assert np.array_equal(model.embed(np.array(ids)), converted.embed(np.array(ids)))
+    got = again.forward(again.new_cache(1, 64), [_chunk(ids)]).logits
+    want = converted.forward(converted.new_cache(1, 64), [_chunk(ids)]).logits
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 0.05
+    meta = json.loads((Path(load_gguf_tiles(path, cache).path) / "meta.json").read_text())
+    assert meta["block_types"] == {kind: 7 * 2 + 1}  # 7 matrices a layer, 2 layers, the tied embeddings
+
+
+def test_a_file_with_a_type_it_does_not_take_is_named_and_goes_the_older_way(tmp_path):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    _native_c()
+    from gguf_models import write_tiny_gguf
+    from outrider_llm.gguf_tiles import NotCovered, covered, load_gguf_tiles
+
+    path, _ = write_tiny_gguf(tmp_path, "llama", seed=1, matrix_type="Q4_0", types={"ffn_down.weight": "F16"})
+    assert covered(path) == "layer 0 down_proj is F16, not a type the kernels take as it is"
+    with pytest.raises(NotCovered, match="F16"):
+        load_gguf_tiles(path)
+
+
+# A child that packs a GGUF and reports its peak resident set (ru_maxrss, KB) before and after.
+_PEAK = """
+import json, resource, sys
+from pathlib import Path
+from outrider_llm import gguf_tiles, native_c
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+figures = gguf_tiles.build(Path(sys.argv[1]), Path(sys.argv[2]), native_c.five_bit_layout(native_c.kernels()))
+print(json.dumps({"before": before, "after": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, **figures}))
+"""
+
+
+def test_packing_holds_a_chunk_not_the_file(tmp_path):
+    """A ~100 MB Q4_K_M-like file (random blocks at a real layout) packed in a child process: its
+    peak resident set grows by well under the file's size (the packer keeps one chunk and drops the
+    file's pages it has packed), and the tiles hold the file's bytes within 3%."""
+    _native_c()
+    from gguf_models import write_block_gguf
+
+    path = write_block_gguf(tmp_path / "blocks.gguf", hidden=1024, layers=8, ffn=4096, vocab=16384,
+                            types={"": "Q4_K", "ffn_down": "Q6_K", "attn_v": "Q6_K", "token_embd": "Q6_K"})
+    size = path.stat().st_size
+    out = tmp_path / "tiles"
+    out.mkdir()
+    proc = subprocess.run([sys.executable, "-c", _PEAK, str(path), str(out)], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    figures = json.loads(proc.stdout.strip().splitlines()[-1])
+    grown = (figures["after"] - figures["before"]) * 1024
+    assert grown < 0.45 * size, f"packing grew the resident set by {grown / 1e6:.0f} MB for a {size / 1e6:.0f} MB file"
+    assert size * 0.98 < figures["weight_bytes"] < size * 1.03
+
+
+def test_a_plain_manifest_serves_a_k_type_file_from_its_tiles(tmp_path, server_factory):
+    """A GGUF of K types behind a plain manifest: packed at the first start into the tiles artifact,
+    served by the torch-free runtime at the file's bytes, greedy output the same with speculation."""
+    pytest.importorskip("transformers")
+    _native_c()
+    from gguf_models import write_tiny_gguf
+
+    path, _ = write_tiny_gguf(tmp_path, "llama", seed=3, matrix_type="Q4_K", types={"ffn_down.weight": "Q6_K"},
+                              hidden_size=256, intermediate_size=512)
+    manifest = write_manifest(tmp_path, f"""name: ktypes
+backend: llm
+model:
+  path: {path}
+options:
+  max_sequences: 2
+  max_length: 256
+  threads: 2
+speculative:
+  drafters: [ngram]
+""", "ktypes.yaml")
+    server = server_factory([manifest], ["outrider_llm", "outrider_speculative"],
+                            env={"OUTRIDER_CACHE_DIR": str(tmp_path / "cache")})
+    with server.client(timeout=120) as client:
+        instance = client.health()["models"]["ktypes"]["instances"][0]
+        assert instance["backend"]["runtime"] == "native", instance
+        # 2 layers: 6 matrices in Q4_K and ffn_down in Q6_K each, and the tied embeddings in Q4_K
+        assert instance["backend"]["weights"]["block_types"] == {"Q4_K": 13, "Q6_K": 2}, instance
+        assert (tmp_path / "cache" / "llama-gguf-tiles").is_dir()
+        prompt = "the cat sat on the mat, the cat sat on the"
+        plain = client.generate("ktypes", prompt=prompt, max_tokens=12, speculative=False)
+        drafted = client.generate("ktypes", prompt=prompt, max_tokens=12, speculative=True)
+        assert plain.token_ids == drafted.token_ids and len(plain.token_ids) > 0
