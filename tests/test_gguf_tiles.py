@@ -245,6 +245,8 @@ speculative:
     with server.client(timeout=120) as client:
         instance = client.health()["models"]["ktypes"]["instances"][0]
         assert instance["backend"]["runtime"] == "native", instance
+        assert instance["backend"]["kv_cache"]["dtype"] == "float16"  # the default, as llama.cpp's
+        assert instance["backend"]["weights"]["bytes"] > 0
         # 2 layers: 6 matrices in Q4_K and ffn_down in Q6_K each, and the tied embeddings in Q4_K
         assert instance["backend"]["weights"]["block_types"] == {"Q4_K": 13, "Q6_K": 2}, instance
         assert (tmp_path / "cache" / "llama-gguf-tiles").is_dir()

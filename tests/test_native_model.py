@@ -78,7 +78,9 @@ def test_native_model_computes_the_torch_models_layers_bit_for_bit(mix):
                        [[0, 9, 255]])
 
 
-def test_a_draft_trees_rows_are_one_token_steps_and_commit_keeps_the_accepted_path():
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
+def test_a_draft_trees_rows_are_one_token_steps_and_commit_keeps_the_accepted_path(kv_dtype):
+    """With either KV cache: what keeps speculation lossless on this model."""
     _native_c()
     from outrider.generation.contract import Chunk, DraftTree
     from outrider_llm.loading import random_llama_weights, tiny_llama_config
@@ -89,8 +91,10 @@ def test_a_draft_trees_rows_are_one_token_steps_and_commit_keeps_the_accepted_pa
     config.intermediate_size = 512
     quantized, _ = _blocks_state_dict(random_llama_weights(config, seed=6), MIXES["Q4_K_M"])
     model = NativeLlama.from_weights(config, Weights(quantized))
+    model.kv_dtype = np.dtype(kv_dtype)
     prompt = [5, 17, 42, 42, 8]
     cache = model.new_cache(2, 64)
+    assert cache.kv.dtype == model.kv_dtype
     model.forward(cache, [_chunk(prompt)])
     cache.commit(0, list(range(len(prompt))))
     # pending 9; nodes: 10 (child of pending), 11 (child of 10), 12 (child of pending)
@@ -143,6 +147,37 @@ def test_each_claimed_architecture_matches_the_torch_model(arch, kind, tmp_path)
         assert reference_ids == ids and TEXT == "hello there, the cat sat on the mat"
         reference = reference.numpy()
         assert np.linalg.norm(got - reference) / np.linalg.norm(reference) < 0.06
+
+
+def test_an_fp16_cache_holds_the_fp32_values_rounded_and_computes_within_their_rounding():
+    """The first layer's K/V in an fp16 cache are the fp32 cache's rounded to nearest even (numpy's
+    conversion), at half the bytes; the logits stay within that rounding's reach; a prefix read from
+    it and written back computes the same next token's logits bit for bit."""
+    _native_c()
+    from outrider_llm.loading import random_llama_weights, tiny_llama_config
+    from outrider_llm.native_model import NativeLlama, Weights
+    from test_gguf_blocks import MIXES, _blocks_state_dict
+
+    config = tiny_llama_config(vocab_size=256, hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2)
+    config.intermediate_size = 512
+    quantized, _ = _blocks_state_dict(random_llama_weights(config, seed=8), MIXES["Q4_K_M"])
+    model = NativeLlama.from_weights(config, Weights(quantized))
+    tokens = [3, 200, 7, 7, 64, 1, 99, 12]
+    n = len(tokens)
+    full = model.new_cache(1, 64)
+    want = model.forward(full, [_chunk(tokens)]).logits
+    model.kv_dtype = np.float16
+    half = model.new_cache(1, 64)
+    got = model.forward(half, [_chunk(tokens)]).logits
+    assert half.kv.dtype == np.float16 and half.nbytes * 2 == full.nbytes
+    assert np.array_equal(half.kv[0, :, 0, :, :n], full.kv[0, :, 0, :, :n].astype(np.float16))
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 0.02
+    half.commit(0, list(range(n)))
+    prefix = half.read(0, 0, n)
+    again = model.new_cache(1, 64)
+    again.write(0, 0, prefix)
+    step = model.forward(half, [_chunk([5], start=n)]).logits
+    assert np.array_equal(model.forward(again, [_chunk([5], start=n)]).logits, step)
 
 
 def test_the_engine_serves_it_with_prefix_caching_and_speculation():

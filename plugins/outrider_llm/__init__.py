@@ -76,6 +76,10 @@ class LlmOptions(BaseModel):
     #: Which model computes (see the module docstring): "auto" the torch-free native one where it
     #: covers the model, "native" only that one, "torch" the torch one.
     runtime: Literal["auto", "native", "torch"] = "auto"
+    #: What the torch-free runtime's KV cache holds (llama.cpp's --cache-type-k/v): "f16" (half the
+    #: bytes a token of context, read widened to fp32 by attention) or "f32". The torch model keeps
+    #: its K/V in its compute dtype.
+    kv_cache: Literal["f16", "f32"] = "f16"
 
 
 class LlmBackend(GeneratingBackend):
@@ -249,6 +253,10 @@ class LlmBackend(GeneratingBackend):
                 dtype = None if self.accelerators.artifact_transforms and not on_cuda else options.dtype
                 self.model, self.tokenizer = model_from_artifact(self.artifact, dtype=dtype, device=self.device,
                                                                  kernel=self._kernel())
+        if self.runtime == "native":
+            import numpy as np
+
+            self.model.kv_dtype = np.float16 if options.kv_cache == "f16" else np.float32
         started = self._loading_since
         threads = self.threads
         log.info("model %s: weights ready in %.2fs (%s; %s)", self.manifest.name, time.perf_counter() - started,
@@ -371,6 +379,11 @@ class LlmBackend(GeneratingBackend):
                "waiting": len(engine.waiting), "free_slots": len(engine.free_slots)}
         if getattr(self, "block_types", None):
             out["weights"] = {"served_as": "the file's own blocks", "block_types": self.block_types}
+        weight_bytes = getattr(self.model, "weight_bytes", None)
+        if callable(weight_bytes):
+            out.setdefault("weights", {})["bytes"] = int(weight_bytes())
+        cache = engine.cache
+        out["kv_cache"] = {"dtype": str(cache.kv.dtype).replace("torch.", ""), "bytes": int(cache.nbytes)}
         out["runtime"] = getattr(self, "runtime", "torch")
         if cuda is not None:
             out["dtype"] = str(self.model.dtype).replace("torch.", "")

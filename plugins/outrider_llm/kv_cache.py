@@ -31,14 +31,16 @@ GROWTH_STEP = 256
 
 class NumpySlotKVCache:
     """K/V for up to `num_slots` sequences of up to `max_length` tokens, grown on demand, in fp32
-    numpy (`SlotKVCache` below is the same on torch tensors).
+    or fp16 numpy (`SlotKVCache` below is the same on torch tensors).
 
     A forward writes its fed tokens tentatively at length .. length+n-1; `commit` keeps some.
     """
 
-    def __init__(self, config: Any, num_slots: int, max_length: int, static: bool = False) -> None:
+    def __init__(self, config: Any, num_slots: int, max_length: int, static: bool = False,
+                 dtype: Any = np.float32) -> None:
         if num_slots < 1 or max_length < 1:
             raise ValueError(f"need num_slots >= 1 and max_length >= 1, got {num_slots}, {max_length}")
+        self.kv_dtype = np.dtype(dtype)  # numpy: float32, or float16 (half the bytes; the native kernels widen it)
         self.num_slots = num_slots
         self.max_length = max_length
         self.static = static
@@ -52,14 +54,14 @@ class NumpySlotKVCache:
     # What the storage differs in (numpy here, torch in SlotKVCache):
     def _empty(self, slots: int, capacity: int) -> Any:
         layers, two, heads, dim = self._shape
-        return np.zeros((layers, two, slots, heads, capacity, dim), dtype=np.float32)
+        return np.zeros((layers, two, slots, heads, capacity, dim), dtype=self.kv_dtype)
 
     def _positions(self, slot: int, index: list[int]) -> Any:
         """A copy of `slot`'s K/V at positions `index`: [layers, 2, kv_heads, n, head_dim]."""
         return self.kv[:, :, slot][:, :, :, index]
 
     def _stored(self, kv: Any) -> Any:
-        return np.asarray(kv, dtype=np.float32)
+        return np.asarray(kv, dtype=self.kv_dtype)
 
     @property
     def nbytes(self) -> int:

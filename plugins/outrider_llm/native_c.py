@@ -73,7 +73,8 @@ class _Layer(ctypes.Structure):
 
 class _Kv(ctypes.Structure):
     _fields_ = [("data", ctypes.c_void_p), ("slots", ctypes.c_int64), ("capacity", ctypes.c_int64),
-                ("s_half", ctypes.c_int64), ("s_slot", ctypes.c_int64), ("s_head", ctypes.c_int64)]
+                ("s_half", ctypes.c_int64), ("s_slot", ctypes.c_int64), ("s_head", ctypes.c_int64),
+                ("f16", ctypes.c_int64)]
 
 
 _STRUCTS = {"OutriderPart": _Part, "OutriderMatrix": _Matrix, "OutriderLayer": _Layer, "OutriderKv": _Kv}
@@ -364,15 +365,17 @@ def add(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 def _kv_struct(kv: Any, num_kv_heads: Optional[int], what: str) -> _Kv:
-    if not (isinstance(kv, np.ndarray) and kv.dtype == np.float32 and kv.ndim == 5 and kv.shape[0] == 2
+    size = getattr(getattr(kv, "dtype", None), "itemsize", 0)
+    if not (isinstance(kv, np.ndarray) and kv.dtype in (np.float32, np.float16) and kv.ndim == 5 and kv.shape[0] == 2
             and (num_kv_heads is None or kv.shape[2] == num_kv_heads) and kv.flags.writeable
-            and kv.strides[4] == 4 and kv.strides[3] == 4 * kv.shape[4] and all(s > 0 and s % 4 == 0
-                                                                              for s in kv.strides)):
+            and kv.strides[4] == size and kv.strides[3] == size * kv.shape[4] and all(s > 0 and s % size == 0
+                                                                                    for s in kv.strides)):
         heads = "KV" if num_kv_heads is None else num_kv_heads
-        raise ValueError(f"{what}: a layer's KV cache must be a writeable float32 [2, slots, {heads}, capacity, D] "
-                         f"with rows of D contiguous, got {getattr(kv, 'dtype', type(kv).__name__)} "
+        raise ValueError(f"{what}: a layer's KV cache must be a writeable float32 or float16 [2, slots, {heads}, "
+                         f"capacity, D] with rows of D contiguous, got {getattr(kv, 'dtype', type(kv).__name__)} "
                          f"{list(getattr(kv, 'shape', ()))} strides {getattr(kv, 'strides', None)}")
-    return _Kv(kv.ctypes.data, kv.shape[1], kv.shape[3], kv.strides[0] // 4, kv.strides[1] // 4, kv.strides[2] // 4)
+    return _Kv(kv.ctypes.data, kv.shape[1], kv.shape[3], kv.strides[0] // size, kv.strides[1] // size,
+               kv.strides[2] // size, int(kv.dtype == np.float16))
 
 
 class KvCaches:

@@ -373,9 +373,14 @@ class NativeLlama:
 
     # ---- CausalLM ----------------------------------------------------------------------------
 
+    #: what the KV cache holds: float32 (as the torch model's, bit for bit), or float16 (as llama.cpp's
+    #: f16 cache: half the bytes a token, read widened to fp32 by the attention kernels); the llm
+    #: backend sets it from `options.kv_cache`, whose default is f16
+    kv_dtype: Any = np.float32
+
     def new_cache(self, num_slots: int, max_length: int) -> NumpySlotKVCache:
         """A KV cache for `num_slots` sequences of up to `max_length` tokens each, grown as admitted."""
-        return NumpySlotKVCache(self.config, num_slots, max_length)
+        return NumpySlotKVCache(self.config, num_slots, max_length, dtype=self.kv_dtype)
 
     def embed(self, tokens: Any) -> np.ndarray:
         """fp32 [n, hidden] input embeddings of token ids."""

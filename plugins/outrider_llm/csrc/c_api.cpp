@@ -213,7 +213,9 @@ int check_chunk_table(const int64_t* chunks, int64_t chunk_count, int64_t total,
   return 0;
 }
 
-KvLayer kv_layer(const OutriderKv& kv) { return {kv.data, kv.slots, kv.capacity, kv.s_half, kv.s_slot, kv.s_head}; }
+KvLayer kv_layer(const OutriderKv& kv) {
+  return {kv.data, kv.slots, kv.capacity, kv.s_half, kv.s_slot, kv.s_head, kv.f16 != 0};
+}
 
 // A matrix [width, in] of parts: each part checked, their outputs summing to width.
 int check_matrix(const OutriderMatrix& matrix, int64_t width, int64_t in, int64_t layer, const char* name,

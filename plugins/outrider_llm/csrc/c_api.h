@@ -68,8 +68,9 @@ typedef struct {
 /* One layer's KV cache: data [2, slots, KV, capacity, D] (rows of D contiguous) with the strides of
  * its first three dimensions in floats (kernels.h KvLayer). */
 typedef struct {
-  float* data;
-  int64_t slots, capacity, s_half, s_slot, s_head;
+  void* data;
+  int64_t slots, capacity, s_half, s_slot, s_head; /* strides in elements */
+  int64_t f16; /* 1: the cache holds IEEE fp16 (written rounded to nearest even), 0: fp32 */
 } OutriderKv;
 
 /* Kernel sets and threads. */

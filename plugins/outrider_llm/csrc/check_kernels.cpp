@@ -215,6 +215,15 @@ void check_set(const KernelSet& set) {
           return out;
         };
         expect_same(std::string(set.name) + " " + what, run(set), run(kScalar));
+        std::vector<uint16_t> k16(k.size()), v16(v.size());  // the same over an fp16 cache
+        for (size_t i = 0; i < k.size(); ++i) k16[i] = float_to_half(k[i]), v16[i] = float_to_half(v[i]);
+        auto run16 = [&](const KernelSet& ks) {
+          std::vector<float> scores(group * (count + 16)), out(group * dim);
+          ks.attend_group_f16(q.data(), group, dim, k16.data(), v16.data(), pos.data(), count, scores.data(),
+                              out.data());
+          return out;
+        };
+        expect_same(std::string(set.name) + " fp16 cache " + what, run16(set), run16(kScalar));
       }
     }
   }

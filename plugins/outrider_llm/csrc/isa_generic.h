@@ -425,9 +425,15 @@ inline void store_part(float* p, typename A::F v, int64_t n) {
   for (int64_t i = 0; i < n; ++i) p[i] = tmp[i];
 }
 
+// 16 lanes of a KV cache row: fp32 as it is, fp16 widened (exactly).
+template <class A>
+inline typename A::F kv_load(const float* p) { return A::fload(p); }
+template <class A>
+inline typename A::F kv_load(const uint16_t* p) { return A::load_half(p); }
+
 // scores[i] = q . k[pos[i]] for one head (dim = 16 * C), then softmax in place.
-template <class A, int C>
-void softmax_scores(const float* q, const float* keys, const int64_t* pos, int64_t count, float* scores) {
+template <class A, int C, class T>
+void softmax_scores(const float* q, const T* keys, const int64_t* pos, int64_t count, float* scores) {
   using F = typename A::F;
   F qv[C];
   for (int c = 0; c < C; ++c) qv[c] = A::fload(q + 16 * c);
@@ -439,9 +445,9 @@ void softmax_scores(const float* q, const float* keys, const int64_t* pos, int64
         v[j] = A::fzero();
         continue;
       }
-      const float* k = keys + pos[i0 + j] * (16 * C);
-      v[j] = A::mul(qv[0], A::fload(k));
-      for (int c = 1; c < C; ++c) v[j] = A::fma(qv[c], A::fload(k + 16 * c), v[j]);
+      const T* k = keys + pos[i0 + j] * (16 * C);
+      v[j] = A::mul(qv[0], kv_load<A>(k));
+      for (int c = 1; c < C; ++c) v[j] = A::fma(qv[c], kv_load<A>(k + 16 * c), v[j]);
     }
     const F s = A::sum16(v);
     if (n == 16)
@@ -479,17 +485,17 @@ void softmax_scores(const float* q, const float* keys, const int64_t* pos, int64
 }
 
 // out[g] = sum_i probs[g][i] v[pos[i]] for G heads that share these values (one load of v each).
-template <class A, int C, int G>
-void weighted_values(const float* values, const int64_t* pos, int64_t count, const float* const* probs,
+template <class A, int C, int G, class T>
+void weighted_values(const T* values, const int64_t* pos, int64_t count, const float* const* probs,
                      float* const* out) {
   using F = typename A::F;
   F acc[G][C];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) acc[g][c] = A::fzero();
   for (int64_t i = 0; i < count; ++i) {
-    const float* v = values + pos[i] * (16 * C);
+    const T* v = values + pos[i] * (16 * C);
     F vv[C];
-    for (int c = 0; c < C; ++c) vv[c] = A::fload(v + 16 * c);
+    for (int c = 0; c < C; ++c) vv[c] = kv_load<A>(v + 16 * c);
     for (int g = 0; g < G; ++g) {
       const F p = A::fset(probs[g][i]);
       for (int c = 0; c < C; ++c) acc[g][c] = A::fma(p, vv[c], acc[g][c]);
@@ -499,11 +505,11 @@ void weighted_values(const float* values, const int64_t* pos, int64_t count, con
     for (int c = 0; c < C; ++c) A::fstore(out[g] + 16 * c, acc[g][c]);
 }
 
-template <class A, int C>
-void attend_group_c(const float* q, int64_t group, const float* keys, const float* values, const int64_t* pos,
+template <class A, int C, class T>
+void attend_group_c(const float* q, int64_t group, const T* keys, const T* values, const int64_t* pos,
                     int64_t count, float* scores, float* out) {
   constexpr int64_t d = 16 * C;
-  for (int64_t g = 0; g < group; ++g) softmax_scores<A, C>(q + g * d, keys, pos, count, scores + g * (count + 16));
+  for (int64_t g = 0; g < group; ++g) softmax_scores<A, C, T>(q + g * d, keys, pos, count, scores + g * (count + 16));
   for (int64_t g0 = 0; g0 < group; g0 += 4) {
     const float* probs[4];
     float* outs[4];
@@ -513,22 +519,22 @@ void attend_group_c(const float* q, int64_t group, const float* keys, const floa
       outs[g] = out + (g0 + g) * d;
     }
     switch (n) {
-      case 1: weighted_values<A, C, 1>(values, pos, count, probs, outs); break;
-      case 2: weighted_values<A, C, 2>(values, pos, count, probs, outs); break;
-      case 3: weighted_values<A, C, 3>(values, pos, count, probs, outs); break;
-      default: weighted_values<A, C, 4>(values, pos, count, probs, outs); break;
+      case 1: weighted_values<A, C, 1, T>(values, pos, count, probs, outs); break;
+      case 2: weighted_values<A, C, 2, T>(values, pos, count, probs, outs); break;
+      case 3: weighted_values<A, C, 3, T>(values, pos, count, probs, outs); break;
+      default: weighted_values<A, C, 4, T>(values, pos, count, probs, outs); break;
     }
   }
 }
 
-template <class A>
-void attend_group(const float* q, int64_t group, int64_t dim, const float* keys, const float* values,
+template <class A, class T = float>
+void attend_group(const float* q, int64_t group, int64_t dim, const T* keys, const T* values,
                   const int64_t* pos, int64_t count, float* scores, float* out) {
   switch (dim) {
-    case 16: attend_group_c<A, 1>(q, group, keys, values, pos, count, scores, out); break;
-    case 32: attend_group_c<A, 2>(q, group, keys, values, pos, count, scores, out); break;
-    case 64: attend_group_c<A, 4>(q, group, keys, values, pos, count, scores, out); break;
-    default: attend_group_c<A, 8>(q, group, keys, values, pos, count, scores, out); break;  // 128 (checked by ops)
+    case 16: attend_group_c<A, 1, T>(q, group, keys, values, pos, count, scores, out); break;
+    case 32: attend_group_c<A, 2, T>(q, group, keys, values, pos, count, scores, out); break;
+    case 64: attend_group_c<A, 4, T>(q, group, keys, values, pos, count, scores, out); break;
+    default: attend_group_c<A, 8, T>(q, group, keys, values, pos, count, scores, out); break;  // 128 (checked by ops)
   }
 }
 
@@ -575,4 +581,5 @@ void add_rows(float* x, const float* y, int64_t count) {
 
 // The table entry for `A`, with its own matmul (the generic one unless the file has a faster one).
 #define OUTRIDER_KERNELS(A, MATMUL) \
-  { A::kName, quantize_rows<A>, MATMUL, matmul_super<A>, attend_group<A>, rms_norm_rows<A>, swiglu_rows<A>, add_rows<A> }
+  { A::kName, quantize_rows<A>, MATMUL, matmul_super<A>, attend_group<A, float>, attend_group<A, uint16_t>, \
+    rms_norm_rows<A>, swiglu_rows<A>, add_rows<A> }

@@ -77,6 +77,9 @@ struct KernelSet {
   // (count of them; rows of `dim` floats); scores: scratch of group * (count + 16) floats.
   void (*attend_group)(const float* q, int64_t group, int64_t dim, const float* keys, const float* values,
                        const int64_t* pos, int64_t count, float* scores, float* out);
+  // The same over an fp16 cache (keys and values widened to fp32 as they are read).
+  void (*attend_group_f16)(const float* q, int64_t group, int64_t dim, const uint16_t* keys, const uint16_t* values,
+                           const int64_t* pos, int64_t count, float* scores, float* out);
   void (*rms_norm_rows)(const float* x, const float* w, float eps, int64_t rows, int64_t hidden, float* y);
   void (*swiglu_rows)(const float* gate_up, int64_t rows, int64_t inter, float* y);  // silu(gate) * up
   void (*add_rows)(float* x, const float* y, int64_t count);                            // x += y
@@ -117,6 +120,9 @@ void a8_matmul(const float* x, int64_t rows, int64_t in, int64_t group, const ui
 void a8_matmul(const float* x, int64_t rows, int64_t in, int64_t group, const uint8_t* w, const void* d,
                const void* m, int64_t out, int bits, float* y, int64_t y_stride);
 
+// fp32 -> IEEE fp16, rounded to nearest even (ops.cpp; the fp16 KV cache's writes).
+uint16_t float_to_half(float value);
+
 // RoPE in place on the first `heads` heads of each row of qkv (rows of `width` floats):
 // p' = p * cos + rotate_half(p) * sin, sin carrying rotate_half's sign (ops.cpp).
 void rope_rows(float* qkv, const float* cos, const float* sin, int64_t rows, int64_t heads, int64_t d,
@@ -124,8 +130,9 @@ void rope_rows(float* qkv, const float* cos, const float* sin, int64_t rows, int
 
 // One layer's attention for the chunks of a step (attend.cpp's contract, see ops.cpp).
 struct KvLayer {
-  float* data;  // [2, slots, kv_heads, capacity, dim]
-  int64_t slots, capacity, s_half, s_slot, s_head;
+  void* data;  // [2, slots, kv_heads, capacity, dim] of fp32, or of fp16 (f16)
+  int64_t slots, capacity, s_half, s_slot, s_head;  // strides in elements
+  bool f16 = false;  // K and V stored as IEEE fp16 (rounded to nearest even as written), read widened
 };
 void attend(const float* qkv, int64_t total, const KvLayer& kv, const int64_t* chunks, int64_t chunk_count,
             const bool* visible, int64_t visible_width, int64_t num_heads, int64_t num_kv_heads, int64_t dim,

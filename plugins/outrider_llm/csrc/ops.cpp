@@ -36,6 +36,28 @@
 
 namespace outrider_native {
 
+uint16_t float_to_half(float value) {
+  uint32_t x;
+  std::memcpy(&x, &value, 4);
+  const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000);
+  const uint32_t magnitude = x & 0x7FFFFFFF;
+  if (magnitude >= 0x7F800000)  // inf, nan (kept a nan)
+    return static_cast<uint16_t>(sign | 0x7C00 | (magnitude > 0x7F800000 ? 0x200 : 0));
+  if (magnitude >= 0x477FF000) return static_cast<uint16_t>(sign | 0x7C00);  // rounds past 65504: inf
+  if (magnitude < 0x38800000) {  // a subnormal half (or zero): the value in units of 2^-24, to nearest even
+    if (magnitude < 0x33000000) return sign;  // under half of the smallest subnormal
+    const uint32_t shift = 126 - (magnitude >> 23), mantissa = (magnitude & 0x7FFFFF) | 0x800000;
+    uint32_t h = mantissa >> shift;
+    const uint32_t rest = mantissa & ((1u << shift) - 1), halfway = 1u << (shift - 1);
+    if (rest > halfway || (rest == halfway && (h & 1))) ++h;
+    return static_cast<uint16_t>(sign | h);
+  }
+  uint32_t h = ((magnitude >> 13) - (112u << 10));  // rebias the exponent, keep 10 bits of mantissa
+  const uint32_t rest = magnitude & 0x1FFF;
+  if (rest > 0x1000 || (rest == 0x1000 && (h & 1))) ++h;  // a carry rounds into the exponent, as it must
+  return static_cast<uint16_t>(sign | h);
+}
+
 // A GGUF K type's super-block layout (kernels.h): activations in int8 per 256 inputs (one scale each)
 // with their int32 sums per 16, which carry the minimums (Q6_K: its offset of 32) to the result.
 static void a8_matmul_super(const float* x, int64_t rows, int64_t in, const uint8_t* w, int layout, int64_t out,
@@ -132,14 +154,22 @@ void attend(const float* qkv, int64_t total, const KvLayer& kv, const int64_t* c
   std::vector<int64_t> row_chunk(total, -1);
   for (int64_t c = 0; c < count; ++c)
     for (int64_t r = ch[4 * c + 1]; r < ch[4 * c + 1] + ch[4 * c + 2]; ++r) row_chunk[r] = c;
-  // K and V of every fed token into the cache, before any row reads them.
+  // K and V of every fed token into the cache, before any row reads them (fp16: rounded to nearest
+  // even here, in plain C++, so every kernel set reads the same bits).
   for (int64_t c = 0; c < count; ++c) {
     const int64_t slot = ch[4 * c], start = ch[4 * c + 1], n = ch[4 * c + 2], length = ch[4 * c + 3];
     for (int64_t r = 0; r < n; ++r)
       for (int64_t half = 0; half < 2; ++half)
-        for (int64_t h = 0; h < num_kv_heads; ++h)
-          std::memcpy(kv.data + half * kv.s_half + slot * kv.s_slot + h * kv.s_head + (length + r) * dim,
-                      qkv + (start + r) * width + q_width + (half * num_kv_heads + h) * dim, dim * sizeof(float));
+        for (int64_t h = 0; h < num_kv_heads; ++h) {
+          const int64_t at = half * kv.s_half + slot * kv.s_slot + h * kv.s_head + (length + r) * dim;
+          const float* from = qkv + (start + r) * width + q_width + (half * num_kv_heads + h) * dim;
+          if (kv.f16) {
+            uint16_t* to = static_cast<uint16_t*>(kv.data) + at;
+            for (int64_t k = 0; k < dim; ++k) to[k] = float_to_half(from[k]);
+          } else {
+            std::memcpy(static_cast<float*>(kv.data) + at, from, dim * sizeof(float));
+          }
+        }
   }
   std::memset(out, 0, sizeof(float) * total * q_width);  // a row no chunk owns stays zero
   parallel_for(total * num_kv_heads, [&](int64_t begin, int64_t end) {
@@ -157,9 +187,16 @@ void attend(const float* qkv, int64_t total, const KvLayer& kv, const int64_t* c
         if (visible == nullptr ? j <= r : visible[row * visible_width + j]) pos[seen++] = length + j;
       if (seen == 0) continue;  // sees nothing (a visible row without its own token): zeros
       scores.resize(group * (seen + 16));
-      const float* base = kv.data + slot * kv.s_slot + kv_head * kv.s_head;
-      ks.attend_group(qkv + row * width + kv_head * group * dim, group, dim, base, base + kv.s_half, pos.data(), seen,
-                      scores.data(), out + row * q_width + kv_head * group * dim);
+      const int64_t at = slot * kv.s_slot + kv_head * kv.s_head;
+      const float* q = qkv + row * width + kv_head * group * dim;
+      float* o = out + row * q_width + kv_head * group * dim;
+      if (kv.f16) {
+        const uint16_t* base = static_cast<const uint16_t*>(kv.data) + at;
+        ks.attend_group_f16(q, group, dim, base, base + kv.s_half, pos.data(), seen, scores.data(), o);
+      } else {
+        const float* base = static_cast<const float*>(kv.data) + at;
+        ks.attend_group(q, group, dim, base, base + kv.s_half, pos.data(), seen, scores.data(), o);
+      }
     }
   });
 }
