@@ -20,7 +20,9 @@ struct Avx512 {
   static constexpr const char* kName = "avx512_vnni";
   static constexpr bool kDot8Offset = false;
   static constexpr bool kInt16Sums = false;
-  static constexpr int kSuperRows = 8, kSuperTiles = 4;
+    // One tile a pass: a decode step (one row) then reads each thread's weights as one linear stream,
+  // which measured 1.2-1.4x faster from DRAM than four tiles' interleaved streams (1B Q4_K_M here).
+  static constexpr int kSuperRows = 8, kSuperTiles = 1;
   using F = __m512;
   using I = __m512i;
   using W = __m512i;
@@ -160,7 +162,8 @@ using DotFn = void (*)(const int32_t* const*, const float* const*, const float* 
 const DotFn kDotFns[3][2][kRows][2] = {{OUTRIDER_DOT_ROWS(4, false), OUTRIDER_DOT_ROWS(4, true)},
                                        {OUTRIDER_DOT_ROWS(5, false), OUTRIDER_DOT_ROWS(5, true)},
                                        {OUTRIDER_DOT_ROWS(8, false), OUTRIDER_DOT_ROWS(8, true)}};
-constexpr int kDotTiles[kRows] = {4, 4, 2, 2, 1, 1, 1, 1};
+// One row (a decode step): one tile a pass, each thread's weights then stream linearly (see kSuperTiles).
+constexpr int kDotTiles[kRows] = {1, 4, 2, 2, 1, 1, 1, 1};
 
 void matmul_tiles_avx512(const int8_t* xq, const float* scale, const float* sum, const int32_t* /*isum*/,
                          int64_t rows, int64_t in, int64_t group, const uint8_t* w, const void* d,
