@@ -93,25 +93,37 @@ def test_every_type_is_served_at_the_files_bytes_and_multiplies_by_its_weights(k
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
 @pytest.mark.parametrize("five_bit", [True, False])
-def test_the_simple_types_pack_as_the_numpy_conversion_does(kind, five_bit):
-    """The C packer writes, byte for byte, the tiles and tables the numpy path (gguf_blocks ->
-    Part.from_affine) built from the same blocks: one layout, two ways to reach it."""
+def test_the_simple_types_group_blocks_compute_what_the_separate_tables_do(kind, five_bit):
+    """The C packer's group blocks (each group's scales beside its values: one stream of bytes a tile)
+    against the layout with separate d and m tables that the numpy conversion (gguf_blocks ->
+    Part.from_affine) builds from the same blocks: the same products bit for bit on every kernel set,
+    and the same rows looked up."""
     native_c = _native_c()
     from outrider_llm import gguf_blocks
     from outrider_llm.gguf_blocks import AffineGroups
+    from outrider_llm.native_model import _Rows
 
     rows, cols = 32, 256
     blocks = _blocks(kind, rows, cols, seed=3)
     groups = gguf_blocks.to_affine(blocks, kind, (rows, cols))
     if groups.bits == 5 and not five_bit:
         groups = AffineGroups(8, groups.q, groups.d, groups.m, groups.group, groups.exact, groups.source)
-    want = native_c.Part.from_affine(groups)
-    got = native_c.pack_gguf(kind, blocks, cols, five_bit=five_bit)
-    assert got.bits == want.bits and got.group == want.group
-    for a, b in ((got.w, want.w), (got.d, want.d), (got.m, want.m)):
-        assert (a is None) == (b is None)
-        if a is not None:
-            assert a.dtype == b.dtype and np.array_equal(a.view(np.uint8), b.view(np.uint8))
+    tables = native_c.Part.from_affine(groups)
+    packed = native_c.pack_gguf(kind, blocks, cols, five_bit=five_bit)
+    assert packed.bits == tables.bits | native_c.GROUP_BLOCKS and packed.d is None and packed.m is None
+    x = np.random.default_rng(4).standard_normal((9, cols)).astype(np.float32)
+    active = native_c.kernels()
+    try:
+        for name in native_c.kernel_sets():
+            try:
+                native_c.select(name)
+            except ValueError:
+                continue
+            assert np.array_equal(packed.matmul(x), tables.matmul(x)), name
+    finally:
+        native_c.select(active)
+    ids = np.array([0, 31, 5, 17])
+    assert np.array_equal(_Rows(packed, rows, cols)(ids), _Rows(tables, rows, cols)(ids))
 
 
 def test_rows_are_taken_in_the_order_asked_and_padding_rows_are_zero():

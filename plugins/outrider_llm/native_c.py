@@ -45,6 +45,21 @@ LAYOUTS = {4: (8, 64), 5: (8, 80), 8: (4, 64)}
 SUPER_BLOCKS = 32
 SUPER = 256
 SUPER_LAYOUTS = {4: 2368, 5: 2880, 6: 3360}
+# The simple types with each group's scales beside its values (kernels.h kGroupBlocks): bits GROUP_BLOCKS |
+# 4, 5 or 8 (| log2(offset) << OFFSET_SHIFT), w uint8 [out/16, in/32, bytes], no d or m, group 32.
+GROUP_BLOCKS = 64
+GROUP_VALUES = {4: 256, 5: 320, 8: 512}  # bytes of a group's values; + 32 (d) + 32 (m, where no offset)
+
+
+def group_block_bytes(bits: int) -> int:
+    """Bytes of one tile's group of 32 inputs in the group-block layout `bits`."""
+    return GROUP_VALUES[bits & 15] + (32 if (bits >> OFFSET_SHIFT) & 15 else 64)
+
+
+def own_layout(bits: int) -> bool:
+    """Whether `bits` is a layout that holds its scales among its values (w alone: a K type's super
+    blocks or a simple type's group blocks)."""
+    return bool(bits & (SUPER_BLOCKS | GROUP_BLOCKS))
 # GGML's type ids of the block types the kernels take as the file holds them (gguf_pack.cpp).
 PACKED_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 
@@ -267,6 +282,16 @@ def _split_bits(code: int, what: str) -> tuple[int, Any, int]:
 
 def _check_weight(w: Any, d: Any, m: Any, bits: int, group: int, what: str) -> int:
     """The weight's arrays against its bits code; returns its inputs."""
+    if isinstance(bits, (int, np.integer)) and bits & GROUP_BLOCKS:
+        layout = bits & 15
+        if bits & ~(GROUP_BLOCKS | 15 | (15 << OFFSET_SHIFT)) or layout not in GROUP_VALUES:
+            raise ValueError(f"{what}: bits {bits:#x}: a group-block layout is GROUP_BLOCKS | 4, 5 or 8 "
+                             "(| log2(offset) << 8)")
+        size = group_block_bytes(bits)
+        _array(w, np.uint8, (None, None, size), f"{what}: w (group-block layout [out/16, in/32, {size}])")
+        if d is not None or m is not None or group != 32:
+            raise ValueError(f"{what}: a group-block weight is w alone (d, m None) in groups of 32")
+        return w.shape[1] * 32
     if isinstance(bits, (int, np.integer)) and bits & SUPER_BLOCKS:
         layout = bits & 15
         if bits != SUPER_BLOCKS | layout or layout not in SUPER_LAYOUTS:
@@ -613,6 +638,8 @@ class PackedShape:
         layout = self.bits & 15
         if self.bits & SUPER_BLOCKS:
             return ((tiles, cols // SUPER, SUPER_LAYOUTS[layout]), np.uint8), None, None
+        if self.bits & GROUP_BLOCKS:
+            return ((tiles, cols // 32, group_block_bytes(self.bits)), np.uint8), None, None
         per_block, block_bytes = LAYOUTS[layout]
         table = ((tiles, cols // self.group, TILE), np.float16)
         return ((tiles, cols // per_block, block_bytes), np.uint8), table, table if self.m_tile_bytes else None
@@ -664,7 +691,8 @@ def pack_gguf(type_name: str, blocks: np.ndarray, cols: int, rows_out: Optional[
 
 
 def dequantize_super_rows(part: Part, ids: np.ndarray) -> np.ndarray:
-    """fp32 [n, inputs]: rows `ids` of a super-block weight, as gguf-py dequantizes the file's blocks."""
+    """fp32 [n, inputs]: rows `ids` of a super-block weight, as gguf-py dequantizes the file's blocks (or
+    of a group-block weight: q d + m, as the separate tables' lookups compute)."""
     ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
     if ids.size and (ids.min() < 0 or ids.max() >= part.out):
         raise ValueError(f"row ids must be in 0 .. {part.out - 1}, got {int(ids.min())} .. {int(ids.max())}")

@@ -178,7 +178,7 @@ class _Rows:
 
     def __init__(self, part: native_c.Part, rows: int, columns: int) -> None:
         self.part, self.rows, self.columns = part, rows, columns
-        self.super = bool(part.bits & native_c.SUPER_BLOCKS)  # a K type at the file's bytes
+        self.super = native_c.own_layout(part.bits)  # scales among the values: the C library reads its rows
         self.layout = part.bits & 15
         log2 = (part.bits >> native_c.OFFSET_SHIFT) & 15
         self.offset = 1 << log2 if log2 else 0  # a symmetric type: m = -offset d

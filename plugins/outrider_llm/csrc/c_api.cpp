@@ -144,6 +144,20 @@ int64_t layout_block(int bits, bool has_m, const char** why) {
 // with `where`'s name.
 int check_weight(const uint8_t* w, const void* d, const void* m, int64_t out, int64_t in, int64_t group, int bits,
                  const Where& where, char* err, int64_t err_size) {
+  if (bits >= 0 && is_group_blocks(bits)) {  // a simple type's group blocks: w alone, groups of 32
+    if ((bits & ~(kGroupBlocks | 15 | (15 << kOffsetShift))) != 0 || group_block_bytes(bits) == 0)
+      return fail(err, err_size, "%s: bits 0x%x: a group-block layout is 64 | 4, 5 or 8 (| log2(offset) << 8)",
+                  Name(where).text, static_cast<unsigned>(bits));
+    if (w == nullptr || d != nullptr || m != nullptr)
+      return fail(err, err_size, "%s: a group-block weight is w alone (d and m NULL)", Name(where).text);
+    if (out <= 0 || out % kTile != 0)
+      return fail(err, err_size, "%s: outputs must be a positive multiple of 16, got %lld", Name(where).text,
+                  static_cast<ll>(out));
+    if (in <= 0 || in % 32 != 0 || group != 32)
+      return fail(err, err_size, "%s: a group-block weight takes inputs in multiples of 32 and group 32, got %lld, %lld",
+                  Name(where).text, static_cast<ll>(in), static_cast<ll>(group));
+    return 0;
+  }
   if (bits >= 0 && is_super(bits)) {  // a K type at the file's bytes: w alone, groups of 256
     const int layout = bits & 15;
     if (bits != (kSuperBlocks | layout) || super_block_bytes(layout) == 0)
@@ -452,12 +466,18 @@ int outrider_pack_gguf(int type, const uint8_t* src, int64_t src_rows, int64_t c
 int outrider_dequantize_super_rows(const uint8_t* w, int bits, int64_t in, const int64_t* ids, int64_t n, float* out,
                                    char* err, int64_t err_size) {
   const int layout = bits & 15;
-  if (bits != (kSuperBlocks | layout) || super_block_bytes(layout) == 0 || in <= 0 || in % kSuper != 0 || n < 0)
-    return fail(err, err_size, "dequantize_super_rows: bits 0x%x, %lld inputs: expected a super-block layout of "
-                "inputs in multiples of 256", static_cast<unsigned>(bits), static_cast<ll>(in));
-  if (n > 0 && (w == nullptr || ids == nullptr || out == nullptr))
-    return fail(err, err_size, "dequantize_super_rows: w, ids and out must be given");
-  dequantize_super_rows(w, layout, in, ids, n, out);
+  const bool group_blocks = bits >= 0 && is_group_blocks(bits) && group_block_bytes(bits) != 0 && in > 0 && in % 32 == 0;
+  if (!group_blocks && (bits != (kSuperBlocks | layout) || super_block_bytes(layout) == 0 || in <= 0 ||
+                        in % kSuper != 0))
+    return fail(err, err_size, "dequantize_rows: bits 0x%x, %lld inputs: expected a super-block layout of inputs in "
+                "multiples of 256 or a group-block layout of inputs in multiples of 32", static_cast<unsigned>(bits),
+                static_cast<ll>(in));
+  if (n < 0 || (n > 0 && (w == nullptr || ids == nullptr || out == nullptr)))
+    return fail(err, err_size, "dequantize_rows: w, ids and out must be given");
+  if (group_blocks)
+    dequantize_group_rows(w, bits, in, ids, n, out);
+  else
+    dequantize_super_rows(w, layout, in, ids, n, out);
   return 0;
 }
 

@@ -26,6 +26,8 @@ extern "C" {
 #define OUTRIDER_API __attribute__((visibility("default")))
 
 #define OUTRIDER_F32_TABLES 16 /* kernels.h kF32Scales */
+#define OUTRIDER_GROUP_BLOCKS 64 /* kernels.h kGroupBlocks: | 4, 5 or 8 (| log2(offset) << 8), Q4_0 .. Q8_0 with
+                                  their scales beside their values, group 32, w [out/16, in/32, bytes], d and m NULL */
 #define OUTRIDER_SUPER_BLOCKS 32 /* kernels.h kSuperBlocks: | 4 Q4_K, 5 Q5_K, 6 Q6_K at the file's bytes, group 256,
                                   w [out/16, in/256, 2368 | 2880 | 3360], d and m NULL */
 #define OUTRIDER_OFFSET_SHIFT 8 /* kernels.h kOffsetShift */
@@ -131,7 +133,7 @@ OUTRIDER_API int outrider_pack_gguf(int type, const uint8_t* src, int64_t src_ro
                                     const int64_t* row_map, int64_t rows_out, int five_bit, uint8_t* w, uint8_t* d,
                                     uint8_t* m, char* err, int64_t err_size);
 /* fp32 [n, in] rows `ids` of a super-block weight (bits OUTRIDER_SUPER_BLOCKS | layout): as gguf-py
- * dequantizes the file's blocks. ids must be < the weight's outputs (checked by the caller). */
+ * dequantizes the file's blocks; or of a group-block weight (OUTRIDER_GROUP_BLOCKS | ...): q d + m. ids must be < the weight's outputs (checked by the caller). */
 OUTRIDER_API int outrider_dequantize_super_rows(const uint8_t* w, int bits, int64_t in, const int64_t* ids, int64_t n,
                                                 float* out, char* err, int64_t err_size);
 

@@ -4,9 +4,9 @@
 //
 // What each type becomes (every value and scale copied, none recomputed, so the packed weights are
 // exactly the file's):
-//   Q4_0, Q4_1        the 4-bit layout, group 32, fp16 d (Q4_1: and m; Q4_0: offset 8, no m);
-//   Q5_0, Q5_1        the 5-bit layout (or the 8-bit one where five_bit is false), group 32, offset 16 / m;
-//   Q8_0              the 8-bit layout (q + 128), group 32, offset 128;
+//   Q4_0, Q4_1        4-bit group blocks (kernels.h kGroupBlocks): fp16 d (Q4_1: and m; Q4_0: offset 8);
+//   Q5_0, Q5_1        5-bit group blocks (8-bit ones where five_bit is false), offset 16 / m;
+//   Q8_0              8-bit group blocks (q + 128), offset 128;
 //   Q4_K, Q5_K, Q6_K  their super-block layouts (kernels.h kSuperBlocks).
 
 #include <cstring>
@@ -205,18 +205,23 @@ bool packed_shape(int type, int64_t cols, bool five_bit, PackedShape* shape, con
     return false;
   }
   const int64_t groups = cols / 32;
+  int bits = 0;
   switch (type) {
-    case kQ4_0: *shape = {with_offset(4, 3), 32, cols / 8 * 64, groups * 32, 0}; break;
-    case kQ4_1: *shape = {4, 32, cols / 8 * 64, groups * 32, groups * 32}; break;
+    case kQ4_0: bits = with_offset(4, 3); break;
+    case kQ4_1: bits = 4; break;
+    case kQ5_0: bits = with_offset(five_bit ? 5 : 8, 4); break;
+    case kQ5_1: bits = five_bit ? 5 : 8; break;
+    case kQ8_0: bits = with_offset(8, 7); break;
+    default: break;
+  }
+  switch (type) {
+    case kQ4_0:
+    case kQ4_1:
     case kQ5_0:
-      *shape = five_bit ? PackedShape{with_offset(5, 4), 32, cols / 8 * 80, groups * 32, 0}
-                        : PackedShape{with_offset(8, 4), 32, cols / 4 * 64, groups * 32, 0};
-      break;
     case kQ5_1:
-      *shape = five_bit ? PackedShape{5, 32, cols / 8 * 80, groups * 32, groups * 32}
-                        : PackedShape{8, 32, cols / 4 * 64, groups * 32, groups * 32};
+    case kQ8_0:
+      *shape = {kGroupBlocks | bits, 32, groups * group_block_bytes(kGroupBlocks | bits), 0, 0};
       break;
-    case kQ8_0: *shape = {with_offset(8, 7), 32, cols / 4 * 64, groups * 32, 0}; break;
     default: {
       const int layout = type == kQ4_K ? 4 : type == kQ5_K ? 5 : 6;
       *shape = {kSuperBlocks | layout, kSuper, cols / kSuper * super_block_bytes(layout), 0, 0};
@@ -247,6 +252,30 @@ void pack_gguf_tiles(int type, const PackedShape& shape, const uint8_t* src, int
       }
     }
     uint8_t* wt = w + t * shape.w_tile_bytes;
+    if (is_group_blocks(shape.bits)) {
+      const int64_t block_bytes = group_block_bytes(shape.bits);
+      const bool has_m = ((shape.bits >> kOffsetShift) & 15) == 0;
+      for (int64_t g = 0; g < cols / 32; ++g) {
+        uint8_t* out = wt + g * block_bytes;
+        for (int i = 0; i < 16; ++i) {
+          std::memcpy(out + 2 * i, &rows[i].d[g], 2);
+          if (has_m) std::memcpy(out + 32 + 2 * i, &rows[i].m[g], 2);
+        }
+        uint8_t* values = out + (has_m ? 64 : 32);
+        if (layout == 8) {
+          for (int64_t k = 0; k < 8; ++k)
+            for (int i = 0; i < 16; ++i)
+              for (int p = 0; p < 4; ++p) values[64 * k + 4 * i + p] = rows[i].q[32 * g + 4 * k + p];
+        } else {
+          const int oct_bytes = layout == 5 ? 80 : 64;
+          for (int64_t o = 0; o < 4; ++o) {
+            nibble_oct(rows, 4 * g + o, values + o * oct_bytes);
+            if (layout == 5) fifth_bits(rows, 4 * g + o, values + o * oct_bytes + 64);
+          }
+        }
+      }
+      continue;
+    }
     if (is_super(shape.bits)) {
       const int64_t block_bytes = super_block_bytes(layout), octs = kSuper / 8;
       const int oct_bytes = layout == 4 ? 64 : layout == 5 ? 80 : 96;
@@ -297,6 +326,34 @@ void pack_gguf_tiles(int type, const PackedShape& shape, const uint8_t* src, int
         dt[16 * g + i] = rows[i].d[g];
         if (mt != nullptr) mt[16 * g + i] = rows[i].m[g];
       }
+  }
+}
+
+void dequantize_group_rows(const uint8_t* w, int bits, int64_t in, const int64_t* ids, int64_t n, float* out) {
+  const int64_t block_bytes = group_block_bytes(bits), groups = in / 32;
+  const int layout = bits & 15, log2_offset = (bits >> kOffsetShift) & 15;
+  for (int64_t r = 0; r < n; ++r) {
+    const int64_t t = ids[r] / 16, i = ids[r] % 16;
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* block = w + (t * groups + g) * block_bytes;
+      const float d = half_to_float(read_u16(block + 2 * i));
+      // As the separate tables' lookups (native_model._Rows): w = q d + m, m = -offset d for a symmetric type.
+      const float m = log2_offset ? -static_cast<float>(1 << log2_offset) * d : half_to_float(read_u16(block + 32 + 2 * i));
+      const uint8_t* values = block + (log2_offset ? 32 : 64);
+      float* y = out + r * in + g * 32;
+      for (int k = 0; k < 32; ++k) {
+        int q;
+        if (layout == 8) {
+          q = values[64 * (k / 4) + 4 * i + k % 4];
+        } else {
+          const int oct_bytes = layout == 5 ? 80 : 64, half = (k % 8) / 4, p = k % 4, lane = static_cast<int>(4 * i + p);
+          const uint8_t* oct = values + (k / 8) * oct_bytes;
+          q = half ? oct[lane] >> 4 : oct[lane] & 15;
+          if (layout == 5) q |= ((oct[64 + 8 * half + lane / 8] >> (lane % 8)) & 1) << 4;
+        }
+        y[k] = static_cast<float>(q) * d + m;
+      }
+    }
   }
 }
 

@@ -408,6 +408,119 @@ void matmul_super(const int8_t* xq, const float* scale, const int32_t* bsum, int
     matmul_super_layout<A, 6>(xq, scale, bsum, rows, in, w, t0, t1, y, y_stride);
 }
 
+// ---- the simple types with their scales beside their values (kernels.h kGroupBlocks) --------------
+
+// dot_rows' arithmetic, operation for operation, over group blocks: R rows x one tile.
+template <class A, int Bits, bool HasM, int R>
+void group_dot(const int32_t* const* x_words, const float* const* x_scale, const float* const* x_sum,
+               const int32_t* const* x_isum, int64_t groups, const uint8_t* w, float neg_offset, float* const* y) {
+  using F = typename A::F;
+  using I = typename A::I;
+  using W = typename A::W;
+  constexpr int64_t kHeader = HasM ? 64 : 32;
+  constexpr int64_t kBytes = kHeader + (Bits == 4 ? 256 : Bits == 5 ? 320 : 512);
+  F out[R];
+  for (int r = 0; r < R; ++r) out[r] = A::fzero();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* block = w + g * kBytes;
+    const uint8_t* values = block + kHeader;
+    I acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = A::izero();
+    for (int o = 0; o < 4; ++o) {
+      W lo, hi;
+      if constexpr (Bits == 4) {
+        const W v = A::wload(values + o * 64);
+        lo = A::lo_nibbles(v);
+        hi = A::hi_nibbles(v);
+      } else if constexpr (Bits == 5) {
+        const W v = A::wload(values + o * 80);
+        lo = A::with_high_bits(A::lo_nibbles(v), values + o * 80 + 64);
+        hi = A::with_high_bits(A::hi_nibbles(v), values + o * 80 + 72);
+      } else {
+        lo = A::wload(values + o * 128);
+        hi = A::wload(values + o * 128 + 64);
+      }
+      const int64_t j = g * 4 + o;
+      for (int r = 0; r < R; ++r) {
+        if (Bits != 8) {
+          acc[r] = A::dot4(acc[r], lo, x_words[r][2 * j]);
+          acc[r] = A::dot4(acc[r], hi, x_words[r][2 * j + 1]);
+        } else {
+          acc[r] = A::dot8(acc[r], lo, x_words[r][2 * j]);
+          acc[r] = A::dot8(acc[r], hi, x_words[r][2 * j + 1]);
+        }
+      }
+    }
+    if (Bits == 8 && A::kDot8Offset)
+      for (int r = 0; r < R; ++r) acc[r] = A::iadd(acc[r], A::iset(128 * x_isum[r][g]));
+    const F scale = A::load_half(reinterpret_cast<const uint16_t*>(block));
+    const F minimum = HasM ? A::load_half(reinterpret_cast<const uint16_t*>(block + 32))
+                           : A::mul(scale, A::fset(neg_offset));
+    for (int r = 0; r < R; ++r) {
+      out[r] = A::fma(A::cvt(acc[r]), A::mul(scale, A::fset(x_scale[r][g])), out[r]);
+      out[r] = A::fma(minimum, A::fset(x_sum[r][g]), out[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) A::fstore(y[r], out[r]);
+}
+
+template <class A, int Bits, bool HasM>
+void matmul_groups_layout(const int8_t* xq, const float* scale, const float* sum, const int32_t* isum, int64_t rows,
+                          int64_t in, const uint8_t* w, float neg_offset, int64_t t0, int64_t t1, float* y,
+                          int64_t y_stride) {
+  constexpr int kRows = A::kSuperRows;
+  constexpr int64_t kBytes = (HasM ? 64 : 32) + (Bits == 4 ? 256 : Bits == 5 ? 320 : 512);
+  const int32_t* words = reinterpret_cast<const int32_t*>(xq);
+  const int64_t groups = in / 32, tile_bytes = groups * kBytes;
+  const int32_t* x_words[kRows];
+  const float* x_scale[kRows];
+  const float* x_sum[kRows];
+  const int32_t* x_isum[kRows];
+  float* y_rows[kRows];
+  for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
+    const int n = static_cast<int>(min64(kRows, rows - r0));
+    for (int r = 0; r < n; ++r) {
+      x_words[r] = words + (r0 + r) * in / 4;
+      x_scale[r] = scale + (r0 + r) * groups;
+      x_sum[r] = sum + (r0 + r) * groups;
+      x_isum[r] = isum + (r0 + r) * groups;
+    }
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int r = 0; r < n; ++r) y_rows[r] = y + (r0 + r) * y_stride + t * 16;
+      const uint8_t* wt = w + t * tile_bytes;
+      switch (n) {
+#define OUTRIDER_GROUP_CASE(N) \
+  case N: if constexpr (N <= kRows) group_dot<A, Bits, HasM, N>(x_words, x_scale, x_sum, x_isum, groups, wt, neg_offset, y_rows); break;
+        OUTRIDER_GROUP_CASE(1)
+        OUTRIDER_GROUP_CASE(2)
+        OUTRIDER_GROUP_CASE(3)
+        OUTRIDER_GROUP_CASE(4)
+        OUTRIDER_GROUP_CASE(5)
+        OUTRIDER_GROUP_CASE(6)
+        OUTRIDER_GROUP_CASE(7)
+        OUTRIDER_GROUP_CASE(8)
+#undef OUTRIDER_GROUP_CASE
+        default: break;
+      }
+    }
+  }
+}
+
+template <class A>
+void matmul_groups(const int8_t* xq, const float* scale, const float* sum, const int32_t* isum, int64_t rows,
+                   int64_t in, const uint8_t* w, int bits, int64_t t0, int64_t t1, float* y, int64_t y_stride) {
+  const float neg_offset = outrider_native::minimum_offset(bits);
+  const bool has_m = neg_offset == 0.f;
+  switch ((bits & 15) * 2 + (has_m ? 1 : 0)) {
+    case 8: matmul_groups_layout<A, 4, false>(xq, scale, sum, isum, rows, in, w, neg_offset, t0, t1, y, y_stride); break;
+    case 9: matmul_groups_layout<A, 4, true>(xq, scale, sum, isum, rows, in, w, neg_offset, t0, t1, y, y_stride); break;
+    case 10: matmul_groups_layout<A, 5, false>(xq, scale, sum, isum, rows, in, w, neg_offset, t0, t1, y, y_stride); break;
+    case 11: matmul_groups_layout<A, 5, true>(xq, scale, sum, isum, rows, in, w, neg_offset, t0, t1, y, y_stride); break;
+    case 16: matmul_groups_layout<A, 8, false>(xq, scale, sum, isum, rows, in, w, neg_offset, t0, t1, y, y_stride); break;
+    default: matmul_groups_layout<A, 8, true>(xq, scale, sum, isum, rows, in, w, neg_offset, t0, t1, y, y_stride); break;
+  }
+}
+
 // ---- attention ---------------------------------------------------------------------------------
 
 // Loads 16 lanes of p[0..n) with zeros after (n < 16), and the matching store.
@@ -581,5 +694,5 @@ void add_rows(float* x, const float* y, int64_t count) {
 
 // The table entry for `A`, with its own matmul (the generic one unless the file has a faster one).
 #define OUTRIDER_KERNELS(A, MATMUL) \
-  { A::kName, quantize_rows<A>, MATMUL, matmul_super<A>, attend_group<A, float>, attend_group<A, uint16_t>, \
+  { A::kName, quantize_rows<A>, MATMUL, matmul_super<A>, matmul_groups<A>, attend_group<A, float>, attend_group<A, uint16_t>, \
     rms_norm_rows<A>, swiglu_rows<A>, add_rows<A> }

@@ -45,6 +45,20 @@ inline float minimum_offset(int bits) {  // -offset, or 0 where m is a table
 constexpr int kSuperBlocks = 32;
 constexpr int64_t kSuper = 256;
 inline bool is_super(int bits) { return (bits & kSuperBlocks) != 0; }
+
+// The simple GGUF types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) with each group's scales beside its values:
+// bits = kGroupBlocks | 4, 5 or 8 (| log2(offset) << kOffsetShift for a symmetric type, which has no
+// minimums); per tile of 16 outputs and group of 32 inputs: d[16] fp16, m[16] fp16 (not for a
+// symmetric type), then the group's values in the 4-, 5- or 8-bit layout below (4 x 64, 4 x 80 or 8 x
+// 64 bytes): the file's bits a weight, and one stream of bytes a tile. Computed as the separate tables'
+// layout is (matmul_tiles), operation for operation: the same results bit for bit.
+constexpr int kGroupBlocks = 64;
+inline bool is_group_blocks(int bits) { return (bits & kGroupBlocks) != 0; }
+inline int64_t group_block_bytes(int bits) {
+  const int layout = bits & 15;
+  const int64_t values = layout == 4 ? 256 : layout == 5 ? 320 : layout == 8 ? 512 : 0;
+  return values == 0 ? 0 : values + ((bits >> kOffsetShift) & 15 ? 32 : 64);
+}
 inline int64_t super_block_bytes(int layout) {
   return layout == 4 ? 2368 : layout == 5 ? 2880 : layout == 6 ? 3360 : 0;
 }
@@ -73,6 +87,9 @@ struct KernelSet {
   // row and 256), bsum: int32 sums of xq per row and 16 inputs.
   void (*matmul_super)(const int8_t* xq, const float* scale, const int32_t* bsum, int64_t rows, int64_t in,
                        const uint8_t* w, int layout, int64_t t0, int64_t t1, float* y, int64_t y_stride);
+  // The same for a group-block layout (kGroupBlocks | ...): activations as matmul_tiles takes them, group 32.
+  void (*matmul_groups)(const int8_t* xq, const float* scale, const float* sum, const int32_t* isum, int64_t rows,
+                        int64_t in, const uint8_t* w, int bits, int64_t t0, int64_t t1, float* y, int64_t y_stride);
   // One row and KV head: `group` query heads (q[g * dim ..]) over the keys and values at `pos`
   // (count of them; rows of `dim` floats); scores: scratch of group * (count + 16) floats.
   void (*attend_group)(const float* q, int64_t group, int64_t dim, const float* keys, const float* values,
@@ -170,8 +187,10 @@ bool packed_shape(int type, int64_t cols, bool five_bit, PackedShape* shape, con
 void pack_gguf_tiles(int type, const PackedShape& shape, const uint8_t* src, int64_t src_rows, int64_t cols,
                      const int64_t* row_map, int64_t t0, int64_t t1, uint8_t* w, uint8_t* d, uint8_t* m);
 
-// fp32 [n, in] rows `ids` (tile * 16 + lane) of a super-block weight, as gguf-py dequantizes the file.
+// fp32 [n, in] rows `ids` (tile * 16 + lane) of a super-block weight, as gguf-py dequantizes the file,
+// or of a group-block weight (bits: its code), as q d + m (the separate tables' row lookups).
 void dequantize_super_rows(const uint8_t* w, int layout, int64_t in, const int64_t* ids, int64_t n, float* out);
+void dequantize_group_rows(const uint8_t* w, int bits, int64_t in, const int64_t* ids, int64_t n, float* out);
 
 // The chunk table's checks (an error message, or empty when it fits).
 const char* check_chunks(const int64_t* chunks, int64_t chunk_count, int64_t total, int64_t slots, int64_t capacity,

@@ -96,6 +96,7 @@ void a8_matmul(const float* x, int64_t rows, int64_t in, int64_t group, const ui
     a8_matmul_super(x, rows, in, w, bits & 15, out, y, y_stride);
     return;
   }
+  if (is_group_blocks(bits)) group = 32;
   const int64_t groups = in / group;
   // Per-thread scratch, kept between calls (an allocation per call costs more than a small matmul).
   thread_local std::vector<int32_t> xq_store;  // int32 words: 4-byte aligned int8 rows
@@ -111,7 +112,10 @@ void a8_matmul(const float* x, int64_t rows, int64_t in, int64_t group, const ui
   const float* up = sum.data();
   const int32_t* ip = isum.data();
   parallel_for(out / kTile, [&](int64_t begin, int64_t end) {
-    ks.matmul_tiles(xq, sp, up, ip, rows, in, group, w, d, m, out, bits, begin, end, y, y_stride);
+    if (is_group_blocks(bits))
+      ks.matmul_groups(xq, sp, up, ip, rows, in, w, bits, begin, end, y, y_stride);
+    else
+      ks.matmul_tiles(xq, sp, up, ip, rows, in, group, w, d, m, out, bits, begin, end, y, y_stride);
   });
 }
 
