@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 CSRC = Path(__file__).resolve().parent.parent / "plugins" / "outrider_llm" / "csrc"
-CORE = ["check_kernels.cpp", "ops.cpp", "dispatch.cpp"] + sorted(p.name for p in CSRC.glob("isa_*.cpp"))
+CORE = ["check_kernels.cpp", "ops.cpp", "layers.cpp", "dispatch.cpp"] + sorted(p.name for p in CSRC.glob("isa_*.cpp"))
 FLAGS = ["-O2", "-std=c++17", "-ffp-contract=off", "-Wno-maybe-uninitialized"]
 IS_X86 = platform.machine() in ("x86_64", "AMD64")
 

@@ -11,13 +11,8 @@
 // Pointers are taken as given: the binding owns the memory and sizes it (native_c.py checks the
 // arrays' dtypes, contiguity and shapes against these sizes).
 //
-// outrider_llama_layers generalizes ops.cpp's w4a8_layers: each matrix is 1 to 3 parts side by
-// side (q | k | v in their own GGUF block types, gate | up), each its own a8_matmul writing its
-// column slice of the matrix's output, any of the 4-, 5- and 8-bit layouts with fp16 or fp32
-// tables and symmetric offsets; plus Qwen2's qkv bias and Qwen3's per-head q and k RMSNorm. Per
-// layer: RMSNorm -> qkv -> + bias -> q, k norms -> RoPE -> attention -> o -> + x -> RMSNorm ->
-// gate_up -> SwiGLU -> down -> + x. With one 4-bit fp16 part a matrix and neither bias nor norms
-// it runs exactly w4a8_layers' operations in its order: the same result, bit for bit.
+// outrider_llama_layers checks its layer table and runs the one decoder layer body (layers.cpp),
+// which the torch binding's w4a8_layers runs too.
 
 #include "c_api.h"
 
@@ -250,16 +245,6 @@ int check_matrix(const OutriderMatrix& matrix, int64_t width, int64_t in, int64_
   return 0;
 }
 
-// y [rows, width] = x [rows, in] @ the matrix's parts, each into its column slice.
-void matrix_matmul(const OutriderMatrix& matrix, const float* x, int64_t rows, int64_t in, float* y, int64_t width) {
-  int64_t column = 0;
-  for (int p = 0; p < matrix.count; ++p) {
-    const OutriderPart& part = matrix.parts[p];
-    a8_matmul(x, rows, in, part.group, part.w, part.d, part.m, part.out, part.bits, y + column, width);
-    column += part.out;
-  }
-}
-
 template <class Fn>
 int guarded(char* err, int64_t err_size, Fn&& fn) {
   try {
@@ -393,38 +378,10 @@ int outrider_llama_layers(float* x, int64_t rows, int64_t hidden, const float* c
   }
   if (rows == 0) return 0;
   return guarded(err, err_size, [&] {
-    const KernelSet& ks = active_kernels();
-    const int64_t widest = std::max(std::max(hidden, inter), q_width);
-    const bool* vis = reinterpret_cast<const bool*>(visible);
-    thread_local std::vector<float> h, qkv, attn, out, gate_up;
-    h.resize(rows * widest);
-    qkv.resize(rows * width);
-    attn.resize(rows * q_width);
-    out.resize(rows * hidden);
-    gate_up.resize(rows * 2 * inter);
-    for (int64_t li = 0; li < num_layers; ++li) {
-      const OutriderLayer& L = layers[li];
-      ks.rms_norm_rows(x, L.attn_norm, eps, rows, hidden, h.data());
-      matrix_matmul(L.qkv, h.data(), rows, hidden, qkv.data(), width);
-      for (int64_t r = 0; r < rows; ++r) {
-        float* row = qkv.data() + r * width;
-        if (L.qkv_bias != nullptr) ks.add_rows(row, L.qkv_bias, width);
-        if (L.q_norm != nullptr) ks.rms_norm_rows(row, L.q_norm, eps, num_heads, dim, row);  // in place
-        if (L.k_norm != nullptr) ks.rms_norm_rows(row + q_width, L.k_norm, eps, num_kv_heads, dim, row + q_width);
-        if (L.q_scale != 0.f)
-          for (int64_t k = 0; k < q_width; ++k) row[k] *= L.q_scale;
-      }
-      rope_rows(qkv.data(), cos, sin, rows, num_heads + num_kv_heads, dim, width);
-      attend(qkv.data(), rows, kv_layer(kv[li]), chunks, chunk_count, vis, visible_width, num_heads, num_kv_heads,
-             dim, attn.data());
-      matrix_matmul(L.o, attn.data(), rows, q_width, out.data(), hidden);
-      ks.add_rows(x, out.data(), rows * hidden);
-      ks.rms_norm_rows(x, L.mlp_norm, eps, rows, hidden, h.data());
-      matrix_matmul(L.gate_up, h.data(), rows, hidden, gate_up.data(), 2 * inter);
-      ks.swiglu_rows(gate_up.data(), rows, inter, h.data());
-      matrix_matmul(L.down, h.data(), rows, inter, out.data(), hidden);
-      ks.add_rows(x, out.data(), rows * hidden);
-    }
+    std::vector<KvLayer> caches(num_layers);
+    for (int64_t li = 0; li < num_layers; ++li) caches[li] = kv_layer(kv[li]);
+    decoder_layers(x, rows, hidden, cos, sin, caches.data(), layers, num_layers, chunks, chunk_count,
+                   reinterpret_cast<const bool*>(visible), visible_width, num_heads, num_kv_heads, dim, inter, eps);
     return 0;
   });
 }

@@ -16,6 +16,8 @@
 #include <cstdint>
 #include <functional>
 
+#include "c_api.h"  // the layer table's plain C structs (OutriderLayer), which the layer body reads
+
 namespace outrider_native {
 
 constexpr int64_t kTile = 16;  // outputs per weight tile (and the width of every vector below)
@@ -155,7 +157,15 @@ void attend(const float* qkv, int64_t total, const KvLayer& kv, const int64_t* c
             const bool* visible, int64_t visible_width, int64_t num_heads, int64_t num_kv_heads, int64_t dim,
             float* out);
 
-// Every decoder layer of a step on w4a8 weights (w4a8_layers: see ops.cpp).
+// Every decoder layer of a step (layers.cpp): the one layer body both bindings run. kv: one per layer;
+// chunks and visible as attend's. The caller has checked the table (c_api.cpp's checks).
+void decoder_layers(float* x, int64_t rows, int64_t hidden, const float* cos, const float* sin, const KvLayer* kv,
+                    const OutriderLayer* layers, int64_t num_layers, const int64_t* chunks, int64_t chunk_count,
+                    const bool* visible, int64_t visible_width, int64_t num_heads, int64_t num_kv_heads, int64_t dim,
+                    int64_t inter, float eps);
+
+// Every decoder layer of a step on w4a8 weights (the torch ops' form: decoder_layers with one 4-bit
+// part a matrix, fp16 tables, groups of `group`).
 struct LayerWeights {
   const float* attn_norm;
   const float* mlp_norm;

@@ -20,12 +20,10 @@
 //   visible [T, W] (W >= n of every chunk): row start + r sees fed token c of its chunk when
 //           visible[start + r, c]; null means causal (c <= r) for every chunk.
 //
-// w4a8_layers: every decoder layer of a Llama step in one call (RMSNorm, the int8 quantization
-// of activations, the four matmuls, RoPE, attention, SwiGLU and the residual adds). With the
-// matmuls this fast, a one-token step of SmolLM2 spent a third of its time dispatching torch's
-// ~30 small operations per layer; here a layer is plain loops over a few KB of activations.
-// Every row is computed on its own, in a fixed order: its result never depends on the other rows
-// of the step, on the thread count, or (kernels.h) on the instruction set.
+// w4a8_layers: every decoder layer of a Llama step in one call, for the torch binding: the one layer
+// body (layers.cpp) on 4-bit weights. With the matmuls this fast, a one-token step of SmolLM2 spent
+// a third of its time dispatching torch's ~30 small operations per layer; here a layer is plain
+// loops over a few KB of activations.
 
 #include <algorithm>
 #include <cstdio>
@@ -229,31 +227,22 @@ void w4a8_layers(float* x, int64_t rows, int64_t hidden, const float* cos, const
                  const LayerWeights* layers, int64_t num_layers, const int64_t* chunks, int64_t chunk_count,
                  const bool* visible, int64_t visible_width, int64_t group, int64_t num_heads, int64_t num_kv_heads,
                  int64_t dim, int64_t inter, float eps) {
-  if (rows == 0) return;
-  const KernelSet& ks = active_kernels();
-  const int64_t q_width = num_heads * dim, width = (num_heads + 2 * num_kv_heads) * dim;
-  const int64_t widest = std::max(std::max(hidden, inter), q_width);
-  thread_local std::vector<float> h, qkv, attn, out, gate_up;
-  h.resize(rows * widest);
-  qkv.resize(rows * width);
-  attn.resize(rows * q_width);
-  out.resize(rows * hidden);
-  gate_up.resize(rows * 2 * inter);
+  const int64_t width = (num_heads + 2 * num_kv_heads) * dim;
+  const int64_t outs[4] = {width, hidden, 2 * inter, hidden};
+  std::vector<OutriderLayer> table(num_layers);
   for (int64_t li = 0; li < num_layers; ++li) {
-    const LayerWeights& L = layers[li];
-    ks.rms_norm_rows(x, L.attn_norm, eps, rows, hidden, h.data());
-    a8_matmul(h.data(), rows, hidden, group, L.w[0], L.d[0], L.m[0], width, 4, qkv.data());
-    rope_rows(qkv.data(), cos, sin, rows, num_heads + num_kv_heads, dim, width);
-    attend(qkv.data(), rows, kv[li], chunks, chunk_count, visible, visible_width, num_heads, num_kv_heads, dim,
-           attn.data());
-    a8_matmul(attn.data(), rows, q_width, group, L.w[1], L.d[1], L.m[1], hidden, 4, out.data());
-    ks.add_rows(x, out.data(), rows * hidden);
-    ks.rms_norm_rows(x, L.mlp_norm, eps, rows, hidden, h.data());
-    a8_matmul(h.data(), rows, hidden, group, L.w[2], L.d[2], L.m[2], 2 * inter, 4, gate_up.data());
-    ks.swiglu_rows(gate_up.data(), rows, inter, h.data());
-    a8_matmul(h.data(), rows, inter, group, L.w[3], L.d[3], L.m[3], hidden, 4, out.data());
-    ks.add_rows(x, out.data(), rows * hidden);
+    OutriderLayer& L = table[li];
+    L = OutriderLayer{};
+    L.attn_norm = layers[li].attn_norm;
+    L.mlp_norm = layers[li].mlp_norm;
+    OutriderMatrix* matrices[4] = {&L.qkv, &L.o, &L.gate_up, &L.down};
+    for (int j = 0; j < 4; ++j) {
+      matrices[j]->count = 1;
+      matrices[j]->parts[0] = OutriderPart{layers[li].w[j], layers[li].d[j], layers[li].m[j], outs[j], group, 4};
+    }
   }
+  decoder_layers(x, rows, hidden, cos, sin, kv, table.data(), num_layers, chunks, chunk_count, visible, visible_width,
+                 num_heads, num_kv_heads, dim, inter, eps);
 }
 
 }  // namespace outrider_native
