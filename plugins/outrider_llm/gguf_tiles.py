@@ -329,24 +329,22 @@ def covered(path: Path) -> str:
 
 def load_gguf_tiles(gguf_path: "str | Path", cache: Any = None, in_child: bool = True) -> Any:
     """The "llama-gguf-tiles" artifact of a GGUF, built once from the mapped file (see the module
-    docstring); NotCovered where it holds what this packing does not take (nothing is built then),
-    GGUFError for a file the backend cannot serve."""
+    docstring); NotCovered where it holds what this packing does not take (found before anything is
+    packed; nothing is kept), GGUFError for a file the backend cannot serve. A warm start reads no
+    more of the file than its cache key needs."""
     from outrider.artifacts import ArtifactCache
 
     path = Path(gguf_path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file {path} does not exist")
-    why = covered(path)
-    if why:
-        raise NotCovered(why)
     cache = cache or ArtifactCache()
     five_bit = native_c.five_bit_layout(native_c.kernels())
 
     def make(directory: Path, progress: Any) -> dict:
         from .conversion import convert, convert_in_child
 
+        figures = build(path, directory, five_bit)  # NotCovered before it writes anything
         (convert_in_child if in_child else convert)("tokenizer", path, directory)
-        figures = build(path, directory, five_bit)
         log.info("%s: packed from the file's blocks (%s), %.0f MB of tiles", path.name,
                  ", ".join(f"{k} x{v}" for k, v in sorted(figures["block_types"].items())),
                  figures["weight_bytes"] / 1e6)
