@@ -266,3 +266,32 @@ speculative:
         plain = client.generate("ktypes", prompt=prompt, max_tokens=12, speculative=False)
         drafted = client.generate("ktypes", prompt=prompt, max_tokens=12, speculative=True)
         assert plain.token_ids == drafted.token_ids and len(plain.token_ids) > 0
+
+
+@pytest.mark.parametrize("arch,kind", [("llama", "Q4_K"), ("qwen2", "Q8_0"), ("phi3", "F16")])
+def test_the_fast_header_reader_reads_what_gguf_py_reads(arch, kind, tmp_path):
+    """gguf_reading.GGUFFile (what the packing reads a file with) against gguf-py's GGUFReader: every
+    metadata value, every tensor's type, shape, offset and bytes, and the config made of them."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from gguf import GGUFReader
+    from gguf_models import write_tiny_gguf
+    from outrider_llm.gguf_reading import GGUFFile, _config_from_gguf, _field
+
+    shape = dict(hidden_size=256, intermediate_size=512) if kind.endswith("K") else {}
+    path, _ = write_tiny_gguf(tmp_path, arch, seed=1, matrix_type=kind, **shape)
+    fast, reference = GGUFFile(path), GGUFReader(str(path))
+    assert [t.name for t in fast.tensors] == [t.name for t in reference.tensors]
+    for a, b in zip(fast.tensors, reference.tensors):
+        assert (a.tensor_type, list(a.shape), a.data_offset, a.n_bytes) == \
+            (b.tensor_type, [int(n) for n in b.shape], b.data_offset, b.n_bytes), a.name
+        assert np.array_equal(np.asarray(a.data).reshape(-1).view(np.uint8),
+                              np.asarray(b.data).reshape(-1).view(np.uint8)), a.name
+    for key in reference.fields:
+        if not key.startswith("GGUF."):
+            assert _field(fast, key) == _field(reference, key), key
+    assert _config_from_gguf(fast, path) == _config_from_gguf(reference, path)
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(path.read_bytes()[:-4096])
+    with pytest.raises(ValueError, match="runs past the end"):
+        GGUFFile(truncated)

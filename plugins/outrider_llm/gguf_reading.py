@@ -6,7 +6,7 @@ straight into the native model's tiles (gguf_tiles.py)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from .artifact import GGUFError
 from .config import LlamaConfig
@@ -129,3 +129,136 @@ def gguf_tokenizer(path: Path) -> Any:
     hf_logging.disable_progress_bar()
     hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
     return hf.backend_tokenizer
+
+
+# ---- a GGUF's header, read fast ---------------------------------------------------------------
+
+_SCALARS = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1", 10: "<u8", 11: "<i8",
+            12: "<f8"}
+_STRING, _ARRAY = 8, 9
+
+
+class GGUFField:
+    """One metadata value: `contents()` as gguf-py's ReaderField gives it; a string array's items are
+    decoded only when asked for (a tokenizer's 128k-280k strings are skipped at parse)."""
+
+    def __init__(self, value: Any, strings: "Optional[tuple[Any, list[int]]]" = None) -> None:
+        self._value, self._strings = value, strings
+
+    @property
+    def data(self) -> Any:  # what len() is taken of
+        return self._strings[1] if self._strings is not None else self._value
+
+    def contents(self) -> Any:
+        if self._strings is not None:
+            buffer, starts = self._strings
+            return [bytes(buffer[s + 8:s + 8 + int.from_bytes(buffer[s:s + 8], "little")]).decode("utf-8", "replace")
+                    for s in starts]
+        return self._value
+
+
+class GGUFTensor:
+    """A tensor's header and its bytes in the mapped file (`data`: uint8 [rows, row bytes] for a block
+    type, or the dense values in their dtype), as gguf-py's ReaderTensor holds them."""
+
+    def __init__(self, name: str, shape: list[int], tensor_type: Any, data_offset: int, n_bytes: int,
+                 data: Any) -> None:
+        self.name, self.shape, self.tensor_type = name, shape, tensor_type
+        self.data_offset, self.n_bytes, self.data = data_offset, n_bytes, data
+
+
+class GGUFFile:
+    """The metadata and tensors of a GGUF, the file mapped read-only (`data`, an np.memmap): what
+    gguf-py's GGUFReader gives (`fields`, `tensors`), in a fraction of its time, because a string
+    array is walked, not decoded into one numpy array per item (GGUFReader took 5.3 s on a 128k-token
+    vocabulary here)."""
+
+    def __init__(self, path: "str | Path") -> None:
+        import numpy as np
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        self.path = Path(path)
+        self.data = np.memmap(self.path, dtype=np.uint8, mode="r")
+        buffer = memoryview(self.data)
+        if bytes(buffer[:4]) != b"GGUF":
+            raise GGUFError(f"{self.path}: not a GGUF file (no GGUF magic)")
+        version = int.from_bytes(buffer[4:8], "little")
+        if version not in (2, 3):
+            raise GGUFError(f"{self.path}: GGUF version {version} (this reader takes 2 and 3)")
+        tensor_count = int.from_bytes(buffer[8:16], "little")
+        kv_count = int.from_bytes(buffer[16:24], "little")
+        at = 24
+
+        def u32() -> int:
+            nonlocal at
+            at += 4
+            return int.from_bytes(buffer[at - 4:at], "little")
+
+        def u64() -> int:
+            nonlocal at
+            at += 8
+            return int.from_bytes(buffer[at - 8:at], "little")
+
+        def string() -> str:
+            nonlocal at
+            n = u64()
+            at += n
+            return bytes(buffer[at - n:at]).decode("utf-8", "replace")
+
+        def value(kind: int) -> Any:
+            nonlocal at
+            if kind == _STRING:
+                return string()
+            dtype = np.dtype(_SCALARS[kind])
+            at += dtype.itemsize
+            item = np.frombuffer(buffer[at - dtype.itemsize:at], dtype=dtype)[0].item()
+            return bool(item) if kind == 7 else item
+
+        self.fields: dict[str, GGUFField] = {}
+        for _ in range(kv_count):
+            key = string()
+            kind = u32()
+            if kind != _ARRAY:
+                self.fields[key] = GGUFField(value(kind))
+                continue
+            item_kind, count = u32(), u64()
+            if item_kind == _STRING:
+                starts = []
+                for _ in range(count):
+                    starts.append(at)
+                    at += 8 + int.from_bytes(buffer[at:at + 8], "little")
+                self.fields[key] = GGUFField(None, (buffer, starts))
+            elif item_kind in _SCALARS:
+                dtype = np.dtype(_SCALARS[item_kind])
+                items = np.frombuffer(buffer[at:at + count * dtype.itemsize], dtype=dtype)
+                at += count * dtype.itemsize
+                self.fields[key] = GGUFField(items.tolist())
+            else:
+                raise GGUFError(f"{self.path}: metadata {key!r} is an array of type {item_kind} (nested arrays "
+                                f"are not read)")
+        infos = []
+        for _ in range(tensor_count):
+            name = string()
+            dims = [u64() for _ in range(u32())]
+            infos.append((name, dims, u32(), u64()))
+        alignment = int(self.fields["general.alignment"].contents()) if "general.alignment" in self.fields else 32
+        start = -(-at // alignment) * alignment
+        self.tensors: list[GGUFTensor] = []
+        for name, dims, kind, offset in infos:
+            tensor_type = GGMLQuantizationType(kind)
+            block, size = GGML_QUANT_SIZES[tensor_type]
+            elements = 1
+            for n in dims:
+                elements *= n
+            n_bytes = elements // block * size
+            begin = start + offset
+            if begin + n_bytes > len(self.data):
+                raise GGUFError(f"{self.path}: tensor {name!r} runs past the end of the file (truncated?)")
+            raw = self.data[begin:begin + n_bytes]
+            if tensor_type.name in ("F32", "F16", "F64"):
+                values = raw.view({"F32": np.float32, "F16": np.float16, "F64": np.float64}[tensor_type.name])
+                data = values.reshape(list(reversed(dims)))
+            else:
+                rows = elements // dims[0]
+                data = raw.reshape(rows, -1)
+            self.tensors.append(GGUFTensor(name, dims, tensor_type, begin, n_bytes, data))

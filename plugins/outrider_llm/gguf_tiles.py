@@ -2,7 +2,7 @@
 
 The first start of a GGUF on the torch-free runtime (native_model.py) used to convert the whole file
 in numpy into an artifact of its blocks, then pack that into tiles: two passes at 3.4-4x the file's
-size in memory. Here the file is mapped (gguf-py's reader) and each tensor goes from its blocks as
+size in memory. Here the file is mapped (gguf_reading.GGUFFile) and each tensor goes from its blocks as
 they lie in the file to its tiles through the C packer (csrc/gguf_pack.cpp), a bounded chunk of rows
 at a time, written at its place in the tiles file; the file's pages a tensor used are dropped from
 this process once it is packed. So a first start holds about one chunk besides what it maps, and
@@ -31,7 +31,8 @@ import numpy as np
 
 from . import native_c
 from .artifact import CACHE_FORMAT, META_FILE, TOKENIZER_FILE, GGUFError
-from .gguf_reading import (_FUSED, _LAYER_NAMES, _PERMUTED_QK, _TOP_NAMES, _config_from_gguf, _field, _fused_parts)
+from .gguf_reading import (_FUSED, _LAYER_NAMES, _PERMUTED_QK, _TOP_NAMES, GGUFFile, _config_from_gguf, _field,
+                           _fused_parts)
 
 log = logging.getLogger("outrider.llm")
 
@@ -257,9 +258,7 @@ def _pack_matrix(out: _TilesFile, pieces: list[Piece], drop: _Dropper, five_bit:
 def build(path: Path, directory: Path, five_bit: bool) -> dict:
     """Writes the tiles artifact of the GGUF at `path` into `directory` but for its tokenizer (the
     caller's, see `load_gguf_tiles`); returns its figures. NotCovered before anything is written."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(path))
+    reader = GGUFFile(path)
     p = plan(reader, path)
     config = p.config
     drop = _Dropper(reader)
@@ -318,10 +317,8 @@ def build(path: Path, directory: Path, five_bit: bool) -> dict:
 
 def covered(path: Path) -> str:
     """Why the GGUF at `path` cannot be packed here ("" when it can): read from its header."""
-    from gguf import GGUFReader
-
     try:
-        plan(GGUFReader(str(path)), path)
+        plan(GGUFFile(path), path)
     except NotCovered as exc:
         return str(exc)
     return ""
