@@ -295,3 +295,18 @@ def test_the_fast_header_reader_reads_what_gguf_py_reads(arch, kind, tmp_path):
     truncated.write_bytes(path.read_bytes()[:-4096])
     with pytest.raises(ValueError, match="runs past the end"):
         GGUFFile(truncated)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "phi3"])
+def test_the_files_tokenizer_is_what_autotokenizer_builds(arch, tmp_path):
+    """gguf_tokenizer calls transformers' GGUF tokenizer converter directly where it can: the same
+    tokenizer, serialized, as AutoTokenizer.from_pretrained(gguf_file=...) gives."""
+    pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from gguf_models import write_tiny_gguf
+    from outrider_llm.gguf_reading import gguf_tokenizer
+
+    path, _ = write_tiny_gguf(tmp_path, arch, seed=1, matrix_type="Q8_0")
+    reference = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                           local_files_only=True).backend_tokenizer
+    assert gguf_tokenizer(path).to_str() == reference.to_str()
