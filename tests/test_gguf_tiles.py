@@ -50,6 +50,22 @@ def _dequantized(kind: str, blocks: np.ndarray, rows: int, cols: int) -> np.ndar
     return np.asarray(gguf.dequantize(blocks, gguf.GGMLQuantizationType[kind]), dtype=np.float32).reshape(rows, cols)
 
 
+def _on_every_kernel_set(native_c, compute) -> dict:
+    """compute() on every kernel set this CPU runs, by name (the active set restored after)."""
+    results = {}
+    active = native_c.kernels()
+    try:
+        for name in native_c.kernel_sets():
+            try:
+                native_c.select(name)
+            except ValueError:
+                continue  # a set this CPU does not run
+            results[name] = compute()
+    finally:
+        native_c.select(active)
+    return results
+
+
 def _served_bits(part, rows: int, cols: int) -> float:
     nbytes = part.w.nbytes + sum(0 if a is None else a.nbytes for a in (part.d, part.m))
     return nbytes * 8 / (rows * cols)
@@ -70,17 +86,7 @@ def test_every_type_is_served_at_the_files_bytes_and_multiplies_by_its_weights(k
     assert FILE_BITS[kind] <= bits <= FILE_BITS[kind] * 1.03, (kind, bits)
     x = np.random.default_rng(7).standard_normal((5, cols)).astype(np.float32)
     want = x.astype(np.float64) @ weights.T.astype(np.float64)
-    results = {}
-    active = native_c.kernels()
-    try:
-        for name in native_c.kernel_sets():
-            try:
-                native_c.select(name)
-            except ValueError:
-                continue  # a set this CPU does not run
-            results[name] = part.matmul(x)
-    finally:
-        native_c.select(active)
+    results = _on_every_kernel_set(native_c, lambda: part.matmul(x))
     reference = results["scalar"]
     for name, got in results.items():
         assert np.array_equal(got, reference), f"{name} differs from the scalar reference on {kind}"
@@ -112,16 +118,8 @@ def test_the_simple_types_group_blocks_compute_what_the_separate_tables_do(kind,
     packed = native_c.pack_gguf(kind, blocks, cols, five_bit=five_bit)
     assert packed.bits == tables.bits | native_c.GROUP_BLOCKS and packed.d is None and packed.m is None
     x = np.random.default_rng(4).standard_normal((9, cols)).astype(np.float32)
-    active = native_c.kernels()
-    try:
-        for name in native_c.kernel_sets():
-            try:
-                native_c.select(name)
-            except ValueError:
-                continue
-            assert np.array_equal(packed.matmul(x), tables.matmul(x)), name
-    finally:
-        native_c.select(active)
+    same = _on_every_kernel_set(native_c, lambda: np.array_equal(packed.matmul(x), tables.matmul(x)))
+    assert same and all(same.values()), same
     ids = np.array([0, 31, 5, 17])
     assert np.array_equal(_Rows(packed, rows, cols)(ids), _Rows(tables, rows, cols)(ids))
 

@@ -233,9 +233,7 @@ def _pack_matrix(out: _TilesFile, pieces: list[Piece], drop: _Dropper, five_bit:
         _, cols = _matrix_rows(group[0].tensor)
         shape = native_c.packed_shape(group[0].type_name, cols, five_bit)
         total = rows_out if rows_out is not None else sum(len(p.rows) for p in group)
-        w_spec, d_spec, m_spec = shape.arrays(total // native_c.TILE, cols)
-        refs = [out.reserve(spec[1], spec[0]) if spec is not None else None for spec in (w_spec, d_spec, m_spec)]
-        tile_bytes = [shape.w_tile_bytes, shape.d_tile_bytes, shape.m_tile_bytes]
+        ref = out.reserve(np.uint8, shape.w_shape(total // native_c.TILE, cols))
         chunk_rows = max(native_c.TILE, CHUNK_BYTES // max(1, shape.w_tile_bytes) * native_c.TILE)
         tile = 0
         for piece in group:
@@ -246,12 +244,10 @@ def _pack_matrix(out: _TilesFile, pieces: list[Piece], drop: _Dropper, five_bit:
             for start in range(0, len(rows), chunk_rows):
                 part = native_c.pack_gguf(piece.type_name, blocks, cols, rows_out=min(chunk_rows, len(rows) - start),
                                           row_map=rows[start:start + chunk_rows], five_bit=five_bit)
-                for ref, array, size in zip(refs, (part.w, part.d, part.m), tile_bytes):
-                    if ref is not None:
-                        out.write(ref, array, tile * size)
+                out.write(ref, part.w, tile * shape.w_tile_bytes)
                 tile += part.out // native_c.TILE
             drop(piece.tensor)
-        parts.append({"w": refs[0], "d": refs[1], "m": refs[2], "bits": shape.bits, "group": shape.group})
+        parts.append({"w": ref, "d": None, "m": None, "bits": shape.bits, "group": shape.group})
     return parts
 
 

@@ -110,8 +110,8 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "outrider_swiglu": (_INT, [_P, _I64, _I64, _P, _P, _I64]),
     "outrider_add": (None, [_P, _P, _I64]),
     "outrider_attend": (_INT, [_P, _I64, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _P, _P, _I64]),
-    "outrider_packed_shape": (_INT, [_INT, _I64, _INT, _P, _P, _P, _P, _P, _P, _I64]),
-    "outrider_pack_gguf": (_INT, [_INT, _P, _I64, _I64, _P, _I64, _INT, _P, _P, _P, _P, _I64]),
+    "outrider_packed_shape": (_INT, [_INT, _I64, _INT, _P, _P, _P, _P, _I64]),
+    "outrider_pack_gguf": (_INT, [_INT, _P, _I64, _I64, _P, _I64, _INT, _P, _P, _I64]),
     "outrider_dequantize_super_rows": (_INT, [_P, _INT, _I64, _P, _I64, _P, _P, _I64]),
     "outrider_llama_layers": (_INT, [_P, _I64, _I64, _P, _P, _P, _P, _I64, _P, _I64, _P, _I64, _I64, _I64, _I64,
                                      _I64, ctypes.c_float, _P, _I64]),
@@ -624,46 +624,34 @@ def llama_layers(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, kv: Union[KvCa
 
 @dataclass(frozen=True)
 class PackedShape:
-    """How a GGUF type packs for rows of `cols` inputs: the bits code, group, and bytes per tile of 16
-    outputs of w, d and m (0: no such table)."""
+    """How a GGUF type packs for rows of `cols` inputs (super blocks or group blocks: w alone): the bits
+    code, group, and bytes of w per tile of 16 outputs."""
 
     bits: int
     group: int
     w_tile_bytes: int
-    d_tile_bytes: int
-    m_tile_bytes: int
 
-    def arrays(self, tiles: int, cols: int) -> tuple[tuple, Optional[tuple], Optional[tuple]]:
-        """(shape and dtype) of w, d and m for `tiles` tiles: what `Part` takes."""
-        layout = self.bits & 15
-        if self.bits & SUPER_BLOCKS:
-            return ((tiles, cols // SUPER, SUPER_LAYOUTS[layout]), np.uint8), None, None
-        if self.bits & GROUP_BLOCKS:
-            return ((tiles, cols // 32, group_block_bytes(self.bits)), np.uint8), None, None
-        per_block, block_bytes = LAYOUTS[layout]
-        table = ((tiles, cols // self.group, TILE), np.float16)
-        return ((tiles, cols // per_block, block_bytes), np.uint8), table, table if self.m_tile_bytes else None
+    def w_shape(self, tiles: int, cols: int) -> tuple[int, int, int]:
+        """The shape of w (uint8) for `tiles` tiles: what `Part` takes."""
+        return tiles, cols // self.group, self.w_tile_bytes // (cols // self.group)
 
 
 def packed_shape(type_name: str, cols: int, five_bit: bool = True) -> PackedShape:
     """How the GGUF block type `type_name` packs for rows of `cols` inputs; ValueError naming why not."""
     if type_name not in PACKED_TYPES:
         raise ValueError(f"GGUF type {type_name} is not one the kernels take as it is ({', '.join(PACKED_TYPES)})")
-    bits, group = ctypes.c_int32(), ctypes.c_int64()
-    sizes = [ctypes.c_int64() for _ in range(3)]
+    bits, group, tile_bytes = ctypes.c_int32(), ctypes.c_int64(), ctypes.c_int64()
     err = ctypes.create_string_buffer(_ERR_SIZE)
     _raise(_lib().outrider_packed_shape(PACKED_TYPES[type_name], int(cols), int(five_bit), ctypes.byref(bits),
-                                        ctypes.byref(group), *(ctypes.byref(v) for v in sizes), err, _ERR_SIZE), err)
-    return PackedShape(bits.value, group.value, *(v.value for v in sizes))
+                                        ctypes.byref(group), ctypes.byref(tile_bytes), err, _ERR_SIZE), err)
+    return PackedShape(bits.value, group.value, tile_bytes.value)
 
 
 def pack_gguf(type_name: str, blocks: np.ndarray, cols: int, rows_out: Optional[int] = None,
-              row_map: Optional[np.ndarray] = None, five_bit: bool = True,
-              out: Optional[tuple[np.ndarray, Optional[np.ndarray], Optional[np.ndarray]]] = None) -> Part:
+              row_map: Optional[np.ndarray] = None, five_bit: bool = True) -> Part:
     """The `Part` of a GGUF tensor's raw blocks (uint8 [rows, row bytes], gguf-py's `tensor.data`, a view
     of the mapped file: read in place), rows_out rows (default: the tensor's, padded to 16; row r is source
-    row row_map[r], zeros where that is -1). `out`: the arrays to pack into (e.g. views of an output
-    file), as `PackedShape.arrays` shapes them."""
+    row row_map[r], zeros where that is -1)."""
     src = np.asarray(blocks)
     if src.dtype != np.uint8 or src.ndim != 2 or not src.flags.c_contiguous:
         raise ValueError(f"pack_gguf: blocks must be C-contiguous uint8 [rows, row bytes], got {src.dtype} "
@@ -673,21 +661,11 @@ def pack_gguf(type_name: str, blocks: np.ndarray, cols: int, rows_out: Optional[
     rows_out = rows_out if rows_out is not None else -(-src_rows // TILE) * TILE
     if row_map is not None:
         row_map = _array(np.ascontiguousarray(row_map, dtype=np.int64), np.int64, (rows_out,), "pack_gguf: row_map")
-    specs = shape.arrays(rows_out // TILE, cols)
-    if out is None:
-        out = tuple(None if spec is None else np.empty(spec[0], spec[1]) for spec in specs)  # type: ignore[assignment]
-    for array, spec, what in zip(out, specs, ("w", "d", "m")):
-        if spec is None:
-            if array is not None:
-                raise ValueError(f"pack_gguf: {type_name} has no {what} table")
-            continue
-        _array(array, spec[1], spec[0], f"pack_gguf: out {what}", writeable=True)
+    w = np.empty(shape.w_shape(max(0, rows_out // TILE), cols), np.uint8)
     err = ctypes.create_string_buffer(_ERR_SIZE)
-    w, d, m = out
     _raise(_lib().outrider_pack_gguf(PACKED_TYPES[type_name], src.ctypes.data, src_rows, int(cols),
-                                     _address(row_map), rows_out, int(five_bit), w.ctypes.data, _address(d),
-                                     _address(m), err, _ERR_SIZE), err)
-    return Part(w, d, m, shape.bits, shape.group)
+                                     _address(row_map), rows_out, int(five_bit), w.ctypes.data, err, _ERR_SIZE), err)
+    return Part(w, None, None, shape.bits, shape.group)
 
 
 def dequantize_super_rows(part: Part, ids: np.ndarray) -> np.ndarray:

@@ -387,7 +387,7 @@ int outrider_llama_layers(float* x, int64_t rows, int64_t hidden, const float* c
 }
 
 int outrider_packed_shape(int type, int64_t cols, int five_bit, int32_t* bits, int64_t* group, int64_t* w_tile_bytes,
-                          int64_t* d_tile_bytes, int64_t* m_tile_bytes, char* err, int64_t err_size) {
+                          char* err, int64_t err_size) {
   PackedShape shape{};
   const char* why = "";
   if (!packed_shape(type, cols, five_bit != 0, &shape, &why))
@@ -395,14 +395,11 @@ int outrider_packed_shape(int type, int64_t cols, int five_bit, int32_t* bits, i
   *bits = shape.bits;
   *group = shape.group;
   *w_tile_bytes = shape.w_tile_bytes;
-  *d_tile_bytes = shape.d_tile_bytes;
-  *m_tile_bytes = shape.m_tile_bytes;
   return 0;
 }
 
 int outrider_pack_gguf(int type, const uint8_t* src, int64_t src_rows, int64_t cols, const int64_t* row_map,
-                       int64_t rows_out, int five_bit, uint8_t* w, uint8_t* d, uint8_t* m, char* err,
-                       int64_t err_size) {
+                       int64_t rows_out, int five_bit, uint8_t* w, char* err, int64_t err_size) {
   PackedShape shape{};
   const char* why = "";
   if (!packed_shape(type, cols, five_bit != 0, &shape, &why))
@@ -410,11 +407,10 @@ int outrider_pack_gguf(int type, const uint8_t* src, int64_t src_rows, int64_t c
   if (rows_out <= 0 || rows_out % kTile != 0 || src_rows < 0)
     return fail(err, err_size, "pack_gguf: rows_out must be a positive multiple of 16, got %lld (%lld source rows)",
                 static_cast<ll>(rows_out), static_cast<ll>(src_rows));
-  if (src == nullptr || w == nullptr || (shape.d_tile_bytes && d == nullptr) || (shape.m_tile_bytes && m == nullptr))
-    return fail(err, err_size, "pack_gguf: src, w and the type's tables must be given");
+  if (src == nullptr || w == nullptr) return fail(err, err_size, "pack_gguf: src and w must be given");
   return guarded(err, err_size, [&] {
     parallel_for(rows_out / kTile, [&](int64_t begin, int64_t end) {
-      pack_gguf_tiles(type, shape, src, src_rows, cols, row_map, begin, end, w, d, m);
+      pack_gguf_tiles(type, shape, src, src_rows, cols, row_map, begin, end, w);
     });
     return 0;
   });

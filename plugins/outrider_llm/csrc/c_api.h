@@ -120,18 +120,18 @@ OUTRIDER_API int outrider_llama_layers(float* x, int64_t rows, int64_t hidden, c
                                        int64_t inter, float eps, char* err, int64_t err_size);
 
 /* GGUF tensors into the kernels' layouts (gguf_pack.cpp), from the file's blocks as they are (a mapped
- * file: nothing is copied but one tile's values at a time). `type` is GGML's type id (Q4_0 2, Q4_1 3,
- * Q5_0 6, Q5_1 7, Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14); `five_bit` 0 packs Q5_0/Q5_1 in the 8-bit layout.
- * outrider_packed_shape: the bits code, group and bytes per tile of 16 outputs of w, d and m (0: none). */
+ * file: nothing is copied but one tile's values at a time): K types as super blocks, the simple types as
+ * group blocks, w alone either way. `type` is GGML's type id (Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8,
+ * Q4_K 12, Q5_K 13, Q6_K 14); `five_bit` 0 packs Q5_0/Q5_1 in 8-bit group blocks.
+ * outrider_packed_shape: the bits code, group and bytes of w per tile of 16 outputs. */
 OUTRIDER_API int outrider_packed_shape(int type, int64_t cols, int five_bit, int32_t* bits, int64_t* group,
-                                       int64_t* w_tile_bytes, int64_t* d_tile_bytes, int64_t* m_tile_bytes, char* err,
-                                       int64_t err_size);
+                                       int64_t* w_tile_bytes, char* err, int64_t err_size);
 /* Packs `rows_out` rows (a multiple of 16) of src (src_rows rows of the type's blocks, `cols` inputs each):
- * output row r is source row row_map[r] (row_map NULL: r; < 0 or past src_rows: zeros). w, d, m sized
+ * output row r is source row row_map[r] (row_map NULL: r; < 0 or past src_rows: zeros). w sized
  * rows_out / 16 x the tile bytes of outrider_packed_shape. */
 OUTRIDER_API int outrider_pack_gguf(int type, const uint8_t* src, int64_t src_rows, int64_t cols,
-                                    const int64_t* row_map, int64_t rows_out, int five_bit, uint8_t* w, uint8_t* d,
-                                    uint8_t* m, char* err, int64_t err_size);
+                                    const int64_t* row_map, int64_t rows_out, int five_bit, uint8_t* w, char* err,
+                                    int64_t err_size);
 /* fp32 [n, in] rows `ids` of a super-block weight (bits OUTRIDER_SUPER_BLOCKS | layout): as gguf-py
  * dequantizes the file's blocks; or of a group-block weight (OUTRIDER_GROUP_BLOCKS | ...): q d + m. ids must be < the weight's outputs (checked by the caller). */
 OUTRIDER_API int outrider_dequantize_super_rows(const uint8_t* w, int bits, int64_t in, const int64_t* ids, int64_t n,

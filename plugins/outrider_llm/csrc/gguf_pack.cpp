@@ -18,28 +18,6 @@ namespace outrider_native {
 
 namespace {
 
-float half_to_float(uint16_t h) {  // IEEE binary16 -> binary32, exact
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
-  uint32_t exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF, bits;
-  if (exponent == 0x1F) {
-    bits = sign | 0x7F800000u | (mantissa << 13);
-  } else if (exponent != 0) {
-    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
-  } else if (mantissa == 0) {
-    bits = sign;
-  } else {
-    exponent = 113;
-    while (!(mantissa & 0x400)) {
-      mantissa <<= 1;
-      --exponent;
-    }
-    bits = sign | (exponent << 23) | ((mantissa & 0x3FF) << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
 uint16_t read_u16(const uint8_t* p) {
   uint16_t v;
   std::memcpy(&v, p, 2);
@@ -169,7 +147,7 @@ void nibble_oct(const Row* rows, int64_t j, uint8_t* out) {
       out[4 * i + p] = static_cast<uint8_t>((rows[i].q[8 * j + p] & 15) | ((rows[i].q[8 * j + 4 + p] & 15) << 4));
 }
 
-// Bit `shift` of each lane's value (lane L = 4i + p) into the 8 + 8 byte plane of the 5-bit layout.
+// Bit 4 of each lane's value (lane L = 4i + p) into the 8 + 8 byte plane of the 5-bit layout.
 void fifth_bits(const Row* rows, int64_t j, uint8_t* out) {
   std::memset(out, 0, 16);
   for (int half = 0; half < 2; ++half)
@@ -204,34 +182,21 @@ bool packed_shape(int type, int64_t cols, bool five_bit, PackedShape* shape, con
     *why = "has rows that are not a whole number of its blocks";
     return false;
   }
-  const int64_t groups = cols / 32;
-  int bits = 0;
   switch (type) {
-    case kQ4_0: bits = with_offset(4, 3); break;
-    case kQ4_1: bits = 4; break;
-    case kQ5_0: bits = with_offset(five_bit ? 5 : 8, 4); break;
-    case kQ5_1: bits = five_bit ? 5 : 8; break;
-    case kQ8_0: bits = with_offset(8, 7); break;
-    default: break;
+    case kQ4_0: *shape = {kGroupBlocks | with_offset(4, 3), 32, 0}; break;
+    case kQ4_1: *shape = {kGroupBlocks | 4, 32, 0}; break;
+    case kQ5_0: *shape = {kGroupBlocks | with_offset(five_bit ? 5 : 8, 4), 32, 0}; break;
+    case kQ5_1: *shape = {kGroupBlocks | (five_bit ? 5 : 8), 32, 0}; break;
+    case kQ8_0: *shape = {kGroupBlocks | with_offset(8, 7), 32, 0}; break;
+    default: *shape = {kSuperBlocks | (type == kQ4_K ? 4 : type == kQ5_K ? 5 : 6), kSuper, 0};
   }
-  switch (type) {
-    case kQ4_0:
-    case kQ4_1:
-    case kQ5_0:
-    case kQ5_1:
-    case kQ8_0:
-      *shape = {kGroupBlocks | bits, 32, groups * group_block_bytes(kGroupBlocks | bits), 0, 0};
-      break;
-    default: {
-      const int layout = type == kQ4_K ? 4 : type == kQ5_K ? 5 : 6;
-      *shape = {kSuperBlocks | layout, kSuper, cols / kSuper * super_block_bytes(layout), 0, 0};
-    }
-  }
+  shape->w_tile_bytes = cols / shape->group * (is_super(shape->bits) ? super_block_bytes(shape->bits & 15)
+                                                                      : group_block_bytes(shape->bits));
   return true;
 }
 
 void pack_gguf_tiles(int type, const PackedShape& shape, const uint8_t* src, int64_t src_rows, int64_t cols,
-                     const int64_t* row_map, int64_t t0, int64_t t1, uint8_t* w, uint8_t* d, uint8_t* m) {
+                     const int64_t* row_map, int64_t t0, int64_t t1, uint8_t* w) {
   const BlockType bt = block_type(type);
   const int64_t row_bytes = cols / bt.elements * bt.bytes;
   const int layout = shape.bits & 15;
@@ -274,9 +239,7 @@ void pack_gguf_tiles(int type, const PackedShape& shape, const uint8_t* src, int
           }
         }
       }
-      continue;
-    }
-    if (is_super(shape.bits)) {
+    } else {  // super blocks
       const int64_t block_bytes = super_block_bytes(layout), octs = kSuper / 8;
       const int oct_bytes = layout == 4 ? 64 : layout == 5 ? 80 : 96;
       for (int64_t b = 0; b < cols / kSuper; ++b) {
@@ -304,28 +267,7 @@ void pack_gguf_tiles(int type, const PackedShape& shape, const uint8_t* src, int
           if (layout == 6) crumbs(rows, j, oct + 64);
         }
       }
-      continue;
     }
-    if (layout == 8) {
-      for (int64_t k = 0; k < cols / 4; ++k)
-        for (int i = 0; i < 16; ++i)
-          for (int p = 0; p < 4; ++p) wt[64 * k + 4 * i + p] = rows[i].q[4 * k + p];
-    } else {
-      const int oct_bytes = layout == 5 ? 80 : 64;
-      for (int64_t j = 0; j < cols / 8; ++j) {
-        nibble_oct(rows, j, wt + j * oct_bytes);
-        if (layout == 5) fifth_bits(rows, j, wt + j * oct_bytes + 64);
-      }
-    }
-    // Tables [tiles, groups, 16] of the file's fp16 values.
-    const int64_t groups = cols / 32;
-    uint16_t* dt = reinterpret_cast<uint16_t*>(d + t * shape.d_tile_bytes);
-    uint16_t* mt = m != nullptr && shape.m_tile_bytes ? reinterpret_cast<uint16_t*>(m + t * shape.m_tile_bytes) : nullptr;
-    for (int64_t g = 0; g < groups; ++g)
-      for (int i = 0; i < 16; ++i) {
-        dt[16 * g + i] = rows[i].d[g];
-        if (mt != nullptr) mt[16 * g + i] = rows[i].m[g];
-      }
   }
 }
 

@@ -282,7 +282,7 @@ void super_dot(const int32_t* const* x_words, const float* const* x_scale, const
   using I = typename A::I;
   using W = typename A::W;
   using S = SuperShape<Layout>;
-  constexpr int64_t kBytes = Layout == 4 ? 2368 : Layout == 5 ? 2880 : 3360;
+  constexpr int64_t kBytes = outrider_native::super_block_bytes(Layout);
   F out[R][T];
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < T; ++t) out[r][t] = A::fzero();
@@ -347,8 +347,7 @@ template <class A, int Layout, int R>
 void super_rows(const int32_t* const* x_words, const float* const* x_scale, const int32_t* const* x_bsum,
                 int64_t blocks, const uint8_t* w, int64_t t0, int64_t t1, float* const* y_rows0) {
   constexpr int T = super_tiles(A::kSuperTiles, R);
-  constexpr int64_t kBytes = Layout == 4 ? 2368 : Layout == 5 ? 2880 : 3360;
-  const int64_t tile_bytes = blocks * kBytes;
+  const int64_t tile_bytes = blocks * outrider_native::super_block_bytes(Layout);
   float* y_rows[R];
   for (int64_t t = t0; t < t1;) {
     for (int r = 0; r < R; ++r) y_rows[r] = y_rows0[r] + t * 16;
@@ -410,6 +409,11 @@ void matmul_super(const int8_t* xq, const float* scale, const int32_t* bsum, int
 
 // ---- the simple types with their scales beside their values (kernels.h kGroupBlocks) --------------
 
+// A group-block code of `Bits` with a minimums table (HasM) or an offset (which one does not change the size).
+constexpr int group_code(int bits, bool has_m) {
+  return outrider_native::kGroupBlocks | bits | (has_m ? 0 : 1 << outrider_native::kOffsetShift);
+}
+
 // dot_rows' arithmetic, operation for operation, over group blocks: R rows x one tile.
 template <class A, int Bits, bool HasM, int R>
 void group_dot(const int32_t* const* x_words, const float* const* x_scale, const float* const* x_sum,
@@ -418,7 +422,7 @@ void group_dot(const int32_t* const* x_words, const float* const* x_scale, const
   using I = typename A::I;
   using W = typename A::W;
   constexpr int64_t kHeader = HasM ? 64 : 32;
-  constexpr int64_t kBytes = kHeader + (Bits == 4 ? 256 : Bits == 5 ? 320 : 512);
+  constexpr int64_t kBytes = outrider_native::group_block_bytes(group_code(Bits, HasM));
   F out[R];
   for (int r = 0; r < R; ++r) out[r] = A::fzero();
   for (int64_t g = 0; g < groups; ++g) {
@@ -469,9 +473,8 @@ void matmul_groups_layout(const int8_t* xq, const float* scale, const float* sum
                           int64_t in, const uint8_t* w, float neg_offset, int64_t t0, int64_t t1, float* y,
                           int64_t y_stride) {
   constexpr int kRows = A::kSuperRows;
-  constexpr int64_t kBytes = (HasM ? 64 : 32) + (Bits == 4 ? 256 : Bits == 5 ? 320 : 512);
   const int32_t* words = reinterpret_cast<const int32_t*>(xq);
-  const int64_t groups = in / 32, tile_bytes = groups * kBytes;
+  const int64_t groups = in / 32, tile_bytes = groups * outrider_native::group_block_bytes(group_code(Bits, HasM));
   const int32_t* x_words[kRows];
   const float* x_scale[kRows];
   const float* x_sum[kRows];

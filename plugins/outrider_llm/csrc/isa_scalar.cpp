@@ -125,27 +125,7 @@ struct Scalar {
     std::memcpy(&f, &bits, 4);
     return f;
   }
-  static float half_to_float(uint16_t h) {  // IEEE binary16 -> binary32, exact
-    const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
-    uint32_t exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF, bits;
-    if (exponent == 0x1F) {
-      bits = sign | 0x7F800000u | (mantissa << 13);
-    } else if (exponent != 0) {
-      bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
-    } else if (mantissa == 0) {
-      bits = sign;
-    } else {  // subnormal: normalise
-      exponent = 113;
-      while (!(mantissa & 0x400)) {
-        mantissa <<= 1;
-        --exponent;
-      }
-      bits = sign | (exponent << 23) | ((mantissa & 0x3FF) << 13);
-    }
-    float f;
-    std::memcpy(&f, &bits, 4);
-    return f;
-  }
+  static float half_to_float(uint16_t h) { return outrider_native::half_to_float(h); }  // exact
 };
 
 #include "isa_generic.h"

@@ -56,12 +56,12 @@ inline bool is_super(int bits) { return (bits & kSuperBlocks) != 0; }
 // layout is (matmul_tiles), operation for operation: the same results bit for bit.
 constexpr int kGroupBlocks = 64;
 inline bool is_group_blocks(int bits) { return (bits & kGroupBlocks) != 0; }
-inline int64_t group_block_bytes(int bits) {
+constexpr int64_t group_block_bytes(int bits) {
   const int layout = bits & 15;
   const int64_t values = layout == 4 ? 256 : layout == 5 ? 320 : layout == 8 ? 512 : 0;
   return values == 0 ? 0 : values + ((bits >> kOffsetShift) & 15 ? 32 : 64);
 }
-inline int64_t super_block_bytes(int layout) {
+constexpr int64_t super_block_bytes(int layout) {
   return layout == 4 ? 2368 : layout == 5 ? 2880 : layout == 6 ? 3360 : 0;
 }
 
@@ -139,8 +139,10 @@ void a8_matmul(const float* x, int64_t rows, int64_t in, int64_t group, const ui
 void a8_matmul(const float* x, int64_t rows, int64_t in, int64_t group, const uint8_t* w, const void* d,
                const void* m, int64_t out, int bits, float* y, int64_t y_stride);
 
-// fp32 -> IEEE fp16, rounded to nearest even (ops.cpp; the fp16 KV cache's writes).
+// fp32 -> IEEE fp16, rounded to nearest even (ops.cpp; the fp16 KV cache's writes), and fp16 -> fp32,
+// exact (the scalar reference's lanes, the packer's row lookups).
 uint16_t float_to_half(float value);
+float half_to_float(uint16_t h);
 
 // RoPE in place on the first `heads` heads of each row of qkv (rows of `width` floats):
 // p' = p * cos + rotate_half(p) * sin, sin carrying rotate_half's sign (ops.cpp).
@@ -183,19 +185,19 @@ void w4a8_layers(float* x, int64_t rows, int64_t hidden, const float* cos, const
 // GGML's type ids of the block types packed here.
 enum GgmlType : int { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
 
-// How `type` is packed for `cols` inputs: the bits code, group, and bytes per tile of w, d and m (d, m
-// 0 for a super-block layout, m 0 for a symmetric type); false (with `why`) where it cannot be.
+// How `type` is packed for `cols` inputs (super blocks or group blocks: w alone): the bits code, group,
+// and bytes per tile of w; false (with `why`) where it cannot be.
 struct PackedShape {
   int bits;
-  int64_t group, w_tile_bytes, d_tile_bytes, m_tile_bytes;
+  int64_t group, w_tile_bytes;
 };
 bool packed_shape(int type, int64_t cols, bool five_bit, PackedShape* shape, const char** why);
 
 // Tiles [t0, t1) of a tensor of GGUF blocks src (src_rows rows of `cols` inputs) in the layout of
 // `shape`: output row r is source row row_map[r] (row_map null: r), zeros where that is < 0 or r >=
-// src_rows without a map. w, d, m: the whole output's arrays.
+// src_rows without a map. w: the whole output.
 void pack_gguf_tiles(int type, const PackedShape& shape, const uint8_t* src, int64_t src_rows, int64_t cols,
-                     const int64_t* row_map, int64_t t0, int64_t t1, uint8_t* w, uint8_t* d, uint8_t* m);
+                     const int64_t* row_map, int64_t t0, int64_t t1, uint8_t* w);
 
 // fp32 [n, in] rows `ids` (tile * 16 + lane) of a super-block weight, as gguf-py dequantizes the file,
 // or of a group-block weight (bits: its code), as q d + m (the separate tables' row lookups).

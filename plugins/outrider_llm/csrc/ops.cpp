@@ -34,6 +34,28 @@
 
 namespace outrider_native {
 
+float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  uint32_t exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF, bits;
+  if (exponent == 0x1F) {
+    bits = sign | 0x7F800000u | (mantissa << 13);
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  } else if (mantissa == 0) {
+    bits = sign;
+  } else {  // subnormal: normalise
+    exponent = 113;
+    while (!(mantissa & 0x400)) {
+      mantissa <<= 1;
+      --exponent;
+    }
+    bits = sign | (exponent << 23) | ((mantissa & 0x3FF) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
 uint16_t float_to_half(float value) {
   uint32_t x;
   std::memcpy(&x, &value, 4);
@@ -56,61 +78,44 @@ uint16_t float_to_half(float value) {
   return static_cast<uint16_t>(sign | h);
 }
 
-// A GGUF K type's super-block layout (kernels.h): activations in int8 per 256 inputs (one scale each)
-// with their int32 sums per 16, which carry the minimums (Q6_K: its offset of 32) to the result.
-static void a8_matmul_super(const float* x, int64_t rows, int64_t in, const uint8_t* w, int layout, int64_t out,
-                            float* y, int64_t y_stride) {
-  const KernelSet& ks = active_kernels();
-  const int64_t blocks = in / kSuper, sums = in / 16;
-  thread_local std::vector<int32_t> xq_store;
-  thread_local std::vector<float> scale, sum;
-  thread_local std::vector<int32_t> isum, bsum;
-  xq_store.resize((rows * in + 3) / 4);
-  scale.resize(rows * blocks);
-  sum.resize(rows * blocks);
-  isum.resize(rows * blocks);
-  bsum.resize(rows * sums);
-  int8_t* xq = reinterpret_cast<int8_t*>(xq_store.data());
-  ks.quantize_rows(x, rows, in, kSuper, xq, scale.data(), sum.data(), isum.data());
-  for (int64_t i = 0; i < rows * sums; ++i) {
-    int32_t total = 0;
-    for (int k = 0; k < 16; ++k) total += xq[16 * i + k];
-    bsum[i] = total;
-  }
-  const float* sp = scale.data();
-  const int32_t* bp = bsum.data();
-  parallel_for(out / kTile, [&](int64_t begin, int64_t end) {
-    ks.matmul_super(xq, sp, bp, rows, in, w, layout, begin, end, y, y_stride);
-  });
-}
-
 // Row r of y at y + r * y_stride (y_stride >= out): a part of a wider output fills its column
 // slice (c_api.cpp's parts side by side). Declared in c_api.cpp beside its use.
+// A K type's super blocks take activations in int8 per 256 inputs (one scale each) with their int32
+// sums per 16, which carry the minimums (Q6_K: its offset of 32) to the result; group blocks per 32.
 void a8_matmul(const float* x, int64_t rows, int64_t in, int64_t group, const uint8_t* w, const void* d,
                const void* m, int64_t out, int bits, float* y, int64_t y_stride) {
   if (rows == 0) return;
   const KernelSet& ks = active_kernels();
-  if (is_super(bits)) {
-    a8_matmul_super(x, rows, in, w, bits & 15, out, y, y_stride);
-    return;
-  }
-  if (is_group_blocks(bits)) group = 32;
+  const bool super = is_super(bits), group_blocks = is_group_blocks(bits);
+  if (super) group = kSuper;
+  if (group_blocks) group = 32;
   const int64_t groups = in / group;
   // Per-thread scratch, kept between calls (an allocation per call costs more than a small matmul).
   thread_local std::vector<int32_t> xq_store;  // int32 words: 4-byte aligned int8 rows
   thread_local std::vector<float> scale, sum;
-  thread_local std::vector<int32_t> isum;
+  thread_local std::vector<int32_t> isum, bsum;
   xq_store.resize((rows * in + 3) / 4);
   scale.resize(rows * groups);
   sum.resize(rows * groups);
   isum.resize(rows * groups);
   int8_t* xq = reinterpret_cast<int8_t*>(xq_store.data());
   ks.quantize_rows(x, rows, in, group, xq, scale.data(), sum.data(), isum.data());
+  if (super) {
+    bsum.resize(rows * in / 16);
+    for (int64_t i = 0; i < rows * in / 16; ++i) {
+      int32_t total = 0;
+      for (int k = 0; k < 16; ++k) total += xq[16 * i + k];
+      bsum[i] = total;
+    }
+  }
   const float* sp = scale.data();
   const float* up = sum.data();
   const int32_t* ip = isum.data();
+  const int32_t* bp = bsum.data();
   parallel_for(out / kTile, [&](int64_t begin, int64_t end) {
-    if (is_group_blocks(bits))
+    if (super)
+      ks.matmul_super(xq, sp, bp, rows, in, w, bits & 15, begin, end, y, y_stride);
+    else if (group_blocks)
       ks.matmul_groups(xq, sp, up, ip, rows, in, w, bits, begin, end, y, y_stride);
     else
       ks.matmul_tiles(xq, sp, up, ip, rows, in, group, w, d, m, out, bits, begin, end, y, y_stride);
