@@ -26,34 +26,52 @@ from pathlib import Path
 KINDS = ("native", "float", "tokenizer")  # tokenizer: tokenizer.json alone (gguf_tiles.py packs the rest)
 
 
+class ChildConversion:
+    """`convert(kind, gguf, directory)` running in a child Python from construction on, so the caller
+    can do other work meanwhile (the tokenizer is built on the second core while the tiles are packed);
+    `result()` waits for its figures or raises its error here, `cancel()` stops it."""
+
+    def __init__(self, kind: str, gguf: Path, directory: Path) -> None:
+        import outrider
+
+        self.kind, self.gguf = kind, gguf
+        # The child imports both packages from where this process found them (a test's sys.path, an
+        # editable install or site-packages alike).
+        roots = [str(Path(__file__).resolve().parent.parent), str(Path(outrider.__file__).resolve().parent.parent)]
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(roots + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+        self._proc = subprocess.Popen([sys.executable, "-m", "outrider_llm.conversion", kind, str(gguf), str(directory)],
+                                      stdout=subprocess.PIPE, stderr=None, env=env, text=True)
+
+    def cancel(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.kill()
+        self._proc.communicate()
+
+    def result(self) -> dict:
+        from .artifact import GGUFError  # not .loading: this process may serve without torch
+
+        stdout, _ = self._proc.communicate()
+        answer = None
+        for line in reversed(stdout.splitlines()):
+            try:
+                answer = json.loads(line)
+                break
+            except ValueError:
+                continue
+        if not isinstance(answer, dict):
+            raise RuntimeError(f"converting {self.gguf} ({self.kind}): the conversion process exited with code "
+                               f"{self._proc.returncode} and no answer (killed for memory?)")
+        if "error" in answer:
+            if answer["error"] == "GGUFError":
+                raise GGUFError(answer["message"])
+            raise RuntimeError(f"converting {self.gguf} ({self.kind}) failed: {answer['error']}: {answer['message']}")
+        return answer["figures"]
+
+
 def convert_in_child(kind: str, gguf: Path, directory: Path) -> dict:
     """Run `convert(kind, gguf, directory)` in a child Python; its figures, or its error raised here."""
-    from .artifact import GGUFError  # not .loading: this process may serve without torch
-
-    import outrider
-
-    # The child imports both packages from where this process found them (a test's sys.path, an
-    # editable install or site-packages alike).
-    roots = [str(Path(__file__).resolve().parent.parent), str(Path(outrider.__file__).resolve().parent.parent)]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(roots + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    proc = subprocess.run([sys.executable, "-m", "outrider_llm.conversion", kind, str(gguf), str(directory)],
-                          stdout=subprocess.PIPE, stderr=None, env=env, text=True)
-    answer = None
-    for line in reversed(proc.stdout.splitlines()):
-        try:
-            answer = json.loads(line)
-            break
-        except ValueError:
-            continue
-    if not isinstance(answer, dict):
-        raise RuntimeError(f"converting {gguf} ({kind}): the conversion process exited with code "
-                           f"{proc.returncode} and no answer (killed for memory?)")
-    if "error" in answer:
-        if answer["error"] == "GGUFError":
-            raise GGUFError(answer["message"])
-        raise RuntimeError(f"converting {gguf} ({kind}) failed: {answer['error']}: {answer['message']}")
-    return answer["figures"]
+    return ChildConversion(kind, gguf, directory).result()
 
 
 def convert(kind: str, gguf: Path, directory: Path) -> dict:

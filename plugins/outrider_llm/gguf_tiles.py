@@ -334,10 +334,21 @@ def load_gguf_tiles(gguf_path: "str | Path", cache: Any = None, in_child: bool =
     five_bit = native_c.five_bit_layout(native_c.kernels())
 
     def make(directory: Path, progress: Any) -> dict:
-        from .conversion import convert, convert_in_child
+        from .conversion import ChildConversion, convert
 
-        figures = build(path, directory, five_bit)  # NotCovered before it writes anything
-        (convert_in_child if in_child else convert)("tokenizer", path, directory)
+        if not in_child:
+            figures = build(path, directory, five_bit)  # NotCovered before it writes anything
+            convert("tokenizer", path, directory)
+        else:
+            # The tokenizer (3-4 s, most of it importing transformers) is built on the other core
+            # while this one packs the tiles.
+            tokenizer = ChildConversion("tokenizer", path, directory)
+            try:
+                figures = build(path, directory, five_bit)
+            except BaseException:
+                tokenizer.cancel()
+                raise
+            tokenizer.result()
         log.info("%s: packed from the file's blocks (%s), %.0f MB of tiles", path.name,
                  ", ".join(f"{k} x{v}" for k, v in sorted(figures["block_types"].items())),
                  figures["weight_bytes"] / 1e6)
