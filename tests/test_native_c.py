@@ -400,7 +400,7 @@ def test_bad_layer_stacks_and_steps_raise_naming_the_layer_and_matrix(lib) -> No
         nc.LayerStack(with_layer1(o=[good[1].o] * 4), **config)
     with pytest.raises(ValueError, match=r"layer 1 k_norm must be float32 \[16\]"):
         nc.LayerStack(with_layer1(k_norm=np.ones(8, np.float32)), **config)
-    with pytest.raises(ValueError, match="attend: head_dim must be 16, 32, 64 or 128 and heads a positive multiple "
+    with pytest.raises(ValueError, match="attend: head_dim must be 16, 32, 64, 128 or 256 and heads a positive multiple "
                                          "of kv heads, got 16, 3, 2"):
         lib.attend(np.zeros((1, 7 * DIM), np.float32), np.zeros((2, 1, 2, 4, DIM), np.float32),
                    np.array([[0, 0, 1, 0]]), None, 3, 2)

@@ -83,7 +83,9 @@ class _Matrix(ctypes.Structure):
 class _Layer(ctypes.Structure):
     _fields_ = [("attn_norm", ctypes.c_void_p), ("mlp_norm", ctypes.c_void_p), ("qkv", _Matrix), ("o", _Matrix),
                 ("gate_up", _Matrix), ("down", _Matrix), ("qkv_bias", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
-                ("k_norm", ctypes.c_void_p), ("q_scale", ctypes.c_float)]
+                ("k_norm", ctypes.c_void_p), ("q_scale", ctypes.c_float), ("activation", ctypes.c_int32),
+                ("attn_post_norm", ctypes.c_void_p), ("mlp_post_norm", ctypes.c_void_p), ("rope_table", ctypes.c_int64),
+                ("window", ctypes.c_int64)]
 
 
 class _Kv(ctypes.Structure):
@@ -108,13 +110,14 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "outrider_a8_matmul": (_INT, [_P, _I64, _I64, _I64, _P, _P, _P, _I64, _INT, _P, _I64, _P, _I64]),
     "outrider_rms_norm": (_INT, [_P, _P, ctypes.c_float, _I64, _I64, _P, _P, _I64]),
     "outrider_swiglu": (_INT, [_P, _I64, _I64, _P, _P, _I64]),
+    "outrider_geglu": (_INT, [_P, _I64, _I64, _P, _P, _I64]),
     "outrider_add": (None, [_P, _P, _I64]),
     "outrider_attend": (_INT, [_P, _I64, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _P, _P, _I64]),
     "outrider_packed_shape": (_INT, [_INT, _I64, _INT, _P, _P, _P, _P, _I64]),
     "outrider_pack_gguf": (_INT, [_INT, _P, _I64, _I64, _P, _I64, _INT, _P, _P, _I64]),
     "outrider_dequantize_super_rows": (_INT, [_P, _INT, _I64, _P, _I64, _P, _P, _I64]),
-    "outrider_llama_layers": (_INT, [_P, _I64, _I64, _P, _P, _P, _P, _I64, _P, _I64, _P, _I64, _I64, _I64, _I64,
-                                     _I64, ctypes.c_float, _P, _I64]),
+    "outrider_llama_layers": (_INT, [_P, _I64, _I64, _P, _P, _I64, _P, _P, _P, _I64, _P, _I64, _P, _I64, _I64, _I64,
+                                     _I64, _I64, ctypes.c_float, _P, _I64]),
 }
 
 
@@ -366,9 +369,12 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float, y: Optional[np.ndarray] =
     return y
 
 
-def swiglu(gate_up: np.ndarray, y: Optional[np.ndarray] = None) -> np.ndarray:
-    """float32 [rows, inter] = silu(gate) * up of gate_up [rows, 2 inter] = [gate | up]."""
+def swiglu(gate_up: np.ndarray, y: Optional[np.ndarray] = None, activation: str = "silu") -> np.ndarray:
+    """float32 [rows, inter] = act(gate) * up of gate_up [rows, 2 inter] = [gate | up]; act "silu"
+    (SwiGLU) or "gelu_tanh" (GeGLU: GELU's tanh approximation)."""
     lib = _lib()
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"swiglu: activation {activation!r}, expected one of {', '.join(ACTIVATIONS)}")
     _array(gate_up, np.float32, (None, None), "swiglu: gate_up")
     rows, width = gate_up.shape
     if width % 2:
@@ -377,7 +383,8 @@ def swiglu(gate_up: np.ndarray, y: Optional[np.ndarray] = None) -> np.ndarray:
     y = np.empty((rows, inter), np.float32) if y is None else _array(y, np.float32, (rows, inter), "swiglu: y",
                                                                     writeable=True)
     err = ctypes.create_string_buffer(_ERR_SIZE)
-    _raise(lib.outrider_swiglu(_address(gate_up), rows, inter, _address(y), err, _ERR_SIZE), err)
+    fn = lib.outrider_swiglu if activation == "silu" else lib.outrider_geglu
+    _raise(fn(_address(gate_up), rows, inter, _address(y), err, _ERR_SIZE), err)
     return y
 
 
@@ -501,6 +508,8 @@ class Part:
 
 
 PartsLike = Union[Part, Sequence[Part]]
+#: a layer's MLP activation -> the C ABI's code (OUTRIDER_SILU, OUTRIDER_GELU_TANH)
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 
 
 @dataclass
@@ -522,6 +531,12 @@ class Layer:
     #: 0: q comes pre-scaled by 1/sqrt(D) (in its weights or q_norm's); else q is multiplied by it after
     #: the bias and q_norm (a matrix at the file's bytes, whose scales cannot take it exactly)
     q_scale: float = 0.0
+    #: Gemma 2/3: RMSNorm [hidden] of the attention's and the MLP's output before each is added to x
+    attn_post_norm: Optional[np.ndarray] = None
+    mlp_post_norm: Optional[np.ndarray] = None
+    activation: str = "silu"  # or "gelu_tanh" (GeGLU)
+    rope_table: int = 0  # which of the step's RoPE tables rotates q and k (Gemma 3's sliding layers: their own)
+    window: int = 0  # a sliding layer's window: a key this many positions or more before its query is not seen
 
 
 def _parts(parts: PartsLike) -> list[Part]:
@@ -551,7 +566,13 @@ class LayerStack:
                 setattr(entry, name, array.ctypes.data)
                 self._keep.append(array)
             entry.q_scale = float(layer.q_scale)
-            for name, size in (("qkv_bias", width), ("q_norm", head_dim), ("k_norm", head_dim)):
+            if layer.activation not in ACTIVATIONS:
+                raise ValueError(f"layer {li}: activation {layer.activation!r}, expected one of "
+                                 f"{', '.join(ACTIVATIONS)}")
+            entry.activation = ACTIVATIONS[layer.activation]
+            entry.rope_table, entry.window = int(layer.rope_table), int(layer.window)
+            for name, size in (("qkv_bias", width), ("q_norm", head_dim), ("k_norm", head_dim),
+                               ("attn_post_norm", self.hidden), ("mlp_post_norm", self.hidden)):
                 value = getattr(layer, name)
                 if value is not None:
                     setattr(entry, name, _array(value, np.float32, (size,), f"layer {li} {name}").ctypes.data)
@@ -571,18 +592,23 @@ class LayerStack:
                     self._keep.append(part)
         # The C checks of every part (divisibility, widths) now, at load, not at the first step: a
         # call of no rows on a stand-in cache checks the layer table and computes nothing.
+        self.rope_tables = 1 + max(int(layer.rope_table) for layer in self.layers)
+        self.windowed = any(int(layer.window) > 0 for layer in self.layers)
         stand_in = np.zeros((len(self.layers), 2, 1, num_kv_heads, 1, head_dim), np.float32)
-        self(np.empty((0, self.hidden), np.float32), np.empty((0, head_dim), np.float32),
-             np.empty((0, head_dim), np.float32), KvCaches(stand_in, num_kv_heads), np.empty((0, 4), np.int64))
+        empty = np.empty((self.rope_tables, 0, head_dim), np.float32)
+        self(np.empty((0, self.hidden), np.float32), empty, empty, KvCaches(stand_in, num_kv_heads),
+             np.empty((0, 4), np.int64), positions=np.empty(0, np.int64))
 
     def __len__(self) -> int:
         return len(self.layers)
 
     def __call__(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, kv: Union[KvCaches, np.ndarray],
-                 chunks: np.ndarray, visible: Optional[np.ndarray] = None) -> None:
-        """Every layer on x float32 [rows, hidden] in place: cos and sin float32 [rows, D]; kv a
-        `KvCaches` (build it once) or its [layers, 2, slots, KV, capacity, D] array; chunks and visible
-        as `attend`'s, for every layer."""
+                 chunks: np.ndarray, visible: Optional[np.ndarray] = None,
+                 positions: Optional[np.ndarray] = None) -> None:
+        """Every layer on x float32 [rows, hidden] in place: cos and sin float32 [rows, D], or
+        [rope tables, rows, D] where layers rotate by tables of their own; kv a `KvCaches` (build it
+        once) or its [layers, 2, slots, KV, capacity, D] array; chunks and visible as `attend`'s, for
+        every layer; positions int64 [rows], each row's position (needed where a layer has a window)."""
         lib = _lib()
         if not isinstance(kv, KvCaches):
             kv = KvCaches(kv, self.num_kv_heads)
@@ -592,20 +618,27 @@ class LayerStack:
                              f"{kv.num_kv_heads} x {kv.dim}")
         _array(x, np.float32, (None, self.hidden), "llama_layers: x", writeable=True)
         rows = x.shape[0]
-        _array(cos, np.float32, (rows, self.head_dim), "llama_layers: cos")
-        _array(sin, np.float32, (rows, self.head_dim), "llama_layers: sin")
+        tables = (self.rope_tables, rows, self.head_dim) if cos.ndim == 3 or self.rope_tables > 1 else \
+            (rows, self.head_dim)
+        _array(cos, np.float32, tables, "llama_layers: cos")
+        _array(sin, np.float32, tables, "llama_layers: sin")
+        pos = 0
+        if positions is not None:
+            pos = _array(positions, np.int64, (rows,), "llama_layers: positions").ctypes.data
+        elif self.windowed and rows:
+            raise ValueError("llama_layers: a layer with a sliding window needs the rows' positions")
         ch, count, vis, width = _chunk_args(chunks, visible, rows, "llama_layers")
         err = ctypes.create_string_buffer(_ERR_SIZE)
-        _raise(lib.outrider_llama_layers(x.ctypes.data, rows, self.hidden, cos.ctypes.data, sin.ctypes.data, kv.table,
-                                         self.table, len(self.layers), ch, count, vis, width, self.num_heads,
-                                         self.num_kv_heads, self.head_dim, self.inter, self.eps, err, _ERR_SIZE),
+        _raise(lib.outrider_llama_layers(x.ctypes.data, rows, self.hidden, cos.ctypes.data, sin.ctypes.data,
+                                         self.rope_tables, pos, kv.table, self.table, len(self.layers), ch, count,
+                                         vis, width, self.num_heads, self.num_kv_heads, self.head_dim, self.inter, self.eps, err, _ERR_SIZE),
                err)
 
 
 def llama_layers(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, kv: Union[KvCaches, np.ndarray],
                  layers: Union[LayerStack, Sequence[Layer]], chunks: np.ndarray, visible: Optional[np.ndarray] = None,
                  *, num_heads: Optional[int] = None, num_kv_heads: Optional[int] = None,
-                 eps: Optional[float] = None) -> None:
+                 eps: Optional[float] = None, positions: Optional[np.ndarray] = None) -> None:
     """Every decoder layer of a step on x in place (`LayerStack.__call__`). `layers` a `LayerStack`
     (built once: the fast way), or `Layer`s with num_heads, num_kv_heads and eps (a stack is built
     for this call; head_dim is kv's D)."""
@@ -617,7 +650,7 @@ def llama_layers(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, kv: Union[KvCa
     elif any(given is not None and given != have for given, have in
              ((num_heads, layers.num_heads), (num_kv_heads, layers.num_kv_heads), (eps, layers.eps))):
         raise ValueError("llama_layers: num_heads, num_kv_heads and eps differ from the LayerStack's")
-    layers(x, cos, sin, kv, chunks, visible)
+    layers(x, cos, sin, kv, chunks, visible, positions)
 
 
 # ---- GGUF blocks as they are (gguf_pack.cpp) ---------------------------------------------------------

@@ -187,11 +187,11 @@ int check_weight(const uint8_t* w, const void* d, const void* m, int64_t out, in
 
 int check_heads(int64_t dim, int64_t num_heads, int64_t num_kv_heads, const Where& where, char* err,
                 int64_t err_size) {
-  if ((dim == 16 || dim == 32 || dim == 64 || dim == 128) && num_kv_heads > 0 && num_heads > 0 &&
+  if ((dim == 16 || dim == 32 || dim == 64 || dim == 128 || dim == 256) && num_kv_heads > 0 && num_heads > 0 &&
       num_heads % num_kv_heads == 0)
     return 0;
   return fail(err, err_size,
-              "%s: head_dim must be 16, 32, 64 or 128 and heads a positive multiple of kv heads, got %lld, %lld, %lld",
+              "%s: head_dim must be 16, 32, 64, 128 or 256 and heads a positive multiple of kv heads, got %lld, %lld, %lld",
               Name(where).text, static_cast<ll>(dim), static_cast<ll>(num_heads), static_cast<ll>(num_kv_heads));
 }
 
@@ -323,6 +323,16 @@ int outrider_swiglu(const float* gate_up, int64_t rows, int64_t inter, float* y,
   return 0;
 }
 
+int outrider_geglu(const float* gate_up, int64_t rows, int64_t inter, float* y, char* err, int64_t err_size) {
+  if (rows < 0 || inter <= 0 || inter % 16 != 0)
+    return fail(err, err_size, "geglu: the intermediate size must be a positive multiple of 16 (got %lld, %lld rows)",
+                static_cast<ll>(inter), static_cast<ll>(rows));
+  if (rows > 0 && (gate_up == nullptr || y == nullptr))
+    return fail(err, err_size, "geglu: gate_up and y must be given");
+  if (rows > 0) active_kernels().geglu_rows(gate_up, rows, inter, y);
+  return 0;
+}
+
 void outrider_add(float* x, const float* y, int64_t n) {
   if (n > 0 && x != nullptr && y != nullptr) active_kernels().add_rows(x, y, n);
 }
@@ -345,7 +355,7 @@ int outrider_attend(const float* qkv, int64_t total, const OutriderKv* kv, const
 }
 
 int outrider_llama_layers(float* x, int64_t rows, int64_t hidden, const float* cos, const float* sin,
-                          const OutriderKv* kv, const OutriderLayer* layers, int64_t num_layers,
+                          int64_t rope_tables, const int64_t* positions, const OutriderKv* kv, const OutriderLayer* layers, int64_t num_layers,
                           const int64_t* chunks, int64_t chunk_count, const uint8_t* visible, int64_t visible_width,
                           int64_t num_heads, int64_t num_kv_heads, int64_t dim, int64_t inter, float eps, char* err,
                           int64_t err_size) {
@@ -356,6 +366,7 @@ int outrider_llama_layers(float* x, int64_t rows, int64_t hidden, const float* c
   if (hidden <= 0 || hidden % 16 != 0 || inter <= 0 || inter % 16 != 0)
     return fail(err, err_size, "llama_layers: hidden (%lld) and intermediate (%lld) must be positive multiples of 16",
                 static_cast<ll>(hidden), static_cast<ll>(inter));
+  if (rope_tables < 1) return fail(err, err_size, "llama_layers: %lld RoPE tables", static_cast<ll>(rope_tables));
   if (num_layers == 0) return 0;
   if (layers == nullptr || kv == nullptr) return fail(err, err_size, "llama_layers: no layers or KV caches given");
   if (rows > 0 && (x == nullptr || cos == nullptr || sin == nullptr))
@@ -366,6 +377,15 @@ int outrider_llama_layers(float* x, int64_t rows, int64_t hidden, const float* c
     const Where what{nullptr, li};  // "layer 3"
     if (L.attn_norm == nullptr || L.mlp_norm == nullptr)
       return fail(err, err_size, "layer %lld: both norm weights must be given", static_cast<ll>(li));
+    if (L.activation != OUTRIDER_SILU && L.activation != OUTRIDER_GELU_TANH)
+      return fail(err, err_size, "layer %lld: activation %d (expected %d SiLU or %d GELU tanh)", static_cast<ll>(li),
+                  L.activation, OUTRIDER_SILU, OUTRIDER_GELU_TANH);
+    if (L.rope_table < 0 || L.rope_table >= rope_tables)
+      return fail(err, err_size, "layer %lld: RoPE table %lld of %lld", static_cast<ll>(li),
+                  static_cast<ll>(L.rope_table), static_cast<ll>(rope_tables));
+    if (L.window < 0 || (L.window > 0 && rows > 0 && positions == nullptr))
+      return fail(err, err_size, "layer %lld: a window of %lld needs the rows' positions", static_cast<ll>(li),
+                  static_cast<ll>(L.window));
     if (check_kv(&kv[li], dim, what, err, err_size)) return 1;
     // The table against every layer's cache (each may have its own slots and capacity).
     if (li == 0 || kv[li].slots != kv[li - 1].slots || kv[li].capacity != kv[li - 1].capacity)
@@ -380,7 +400,7 @@ int outrider_llama_layers(float* x, int64_t rows, int64_t hidden, const float* c
   return guarded(err, err_size, [&] {
     std::vector<KvLayer> caches(num_layers);
     for (int64_t li = 0; li < num_layers; ++li) caches[li] = kv_layer(kv[li]);
-    decoder_layers(x, rows, hidden, cos, sin, caches.data(), layers, num_layers, chunks, chunk_count,
+    decoder_layers(x, rows, hidden, cos, sin, rope_tables, positions, caches.data(), layers, num_layers, chunks, chunk_count,
                    reinterpret_cast<const bool*>(visible), visible_width, num_heads, num_kv_heads, dim, inter, eps);
     return 0;
   });

@@ -51,12 +51,19 @@ typedef struct {
   int32_t count;
 } OutriderMatrix;
 
-/* One decoder layer (Llama; Qwen2 with qkv_bias; Qwen3 with q_norm and k_norm). Norm weights fp32.
+/* One decoder layer (Llama; Qwen2 with qkv_bias; Qwen3 with q_norm and k_norm; Gemma 3 with the
+ * post norms, GeGLU, its own RoPE table and a window on its sliding layers). Norm weights fp32.
  *   qkv [(H + 2 KV) D, hidden], o [hidden, H D], gate_up [2 inter, hidden], down [hidden, inter];
  *   qkv_bias: NULL or fp32 [(H + 2 KV) D], added after the qkv matmul;
  *   q_norm, k_norm: NULL or fp32 [D]: RMSNorm of each q (k) head after the bias, before RoPE, with
  *   the layer norms' eps. Attention takes q pre-scaled by 1/sqrt(D): in the q weights, or (with
- *   q_norm) in q_norm's weights. */
+ *   q_norm) in q_norm's weights.
+ *   attn_post_norm, mlp_post_norm: NULL or fp32 [hidden]: RMSNorm of the attention's (the MLP's)
+ *   output before it is added to x (Gemma 2 and 3's sandwich norms).
+ *   activation: OUTRIDER_SILU (SwiGLU) or OUTRIDER_GELU_TANH (GeGLU, GELU's tanh approximation).
+ *   rope_table: which of the step's RoPE tables rotates this layer's q and k (Gemma 3's sliding layers
+ *   have their own base).
+ *   window: 0, or the sliding window: a key `window` or more positions before its query is not seen. */
 typedef struct {
   const float* attn_norm;
   const float* mlp_norm;
@@ -65,7 +72,15 @@ typedef struct {
   const float* q_norm;
   const float* k_norm;
   float q_scale; /* 0: q comes pre-scaled (above); else q is multiplied by it after the bias and q_norm */
+  int32_t activation;
+  const float* attn_post_norm;
+  const float* mlp_post_norm;
+  int64_t rope_table;
+  int64_t window;
 } OutriderLayer;
+
+#define OUTRIDER_SILU 0
+#define OUTRIDER_GELU_TANH 1
 
 /* One layer's KV cache: data [2, slots, KV, capacity, D] (rows of D contiguous) with the strides of
  * its first three dimensions in floats (kernels.h KvLayer). */
@@ -97,9 +112,12 @@ OUTRIDER_API int outrider_a8_matmul(const float* x, int64_t rows, int64_t in, in
 /* y [rows, hidden] = x / sqrt(mean(x^2) + eps) * w (hidden a multiple of 16; y may be x). */
 OUTRIDER_API int outrider_rms_norm(const float* x, const float* w, float eps, int64_t rows, int64_t hidden, float* y,
                                    char* err, int64_t err_size);
-/* y [rows, inter] = silu(gate) * up of gate_up [rows, 2 inter] = [gate | up] (inter a multiple of 16). */
+/* y [rows, inter] = act(gate) * up of gate_up [rows, 2 inter] = [gate | up] (inter a multiple of 16);
+ * act: silu, or with gelu_tanh GELU's tanh approximation (GeGLU). */
 OUTRIDER_API int outrider_swiglu(const float* gate_up, int64_t rows, int64_t inter, float* y, char* err,
                                  int64_t err_size);
+OUTRIDER_API int outrider_geglu(const float* gate_up, int64_t rows, int64_t inter, float* y, char* err,
+                                int64_t err_size);
 /* x[i] += y[i], i < n. */
 OUTRIDER_API void outrider_add(float* x, const float* y, int64_t n);
 
@@ -111,9 +129,12 @@ OUTRIDER_API int outrider_attend(const float* qkv, int64_t total, const Outrider
                                  int64_t num_heads, int64_t num_kv_heads, int64_t dim, float* out, char* err,
                                  int64_t err_size);
 
-/* Every decoder layer of a step, x [rows, hidden] in place (see c_api.cpp): cos and sin [rows, D];
+/* Every decoder layer of a step, x [rows, hidden] in place (see c_api.cpp): cos and sin [rope_tables,
+ * rows, D] (a layer rotates by its rope_table); positions: NULL, or int64 [rows], each row's position
+ * (required where a layer has a window: a committed key's position is its row in the cache);
  * kv and layers: one per layer; chunks and visible as outrider_attend's, for every layer. */
 OUTRIDER_API int outrider_llama_layers(float* x, int64_t rows, int64_t hidden, const float* cos, const float* sin,
+                                       int64_t rope_tables, const int64_t* positions,
                                        const OutriderKv* kv, const OutriderLayer* layers, int64_t num_layers,
                                        const int64_t* chunks, int64_t chunk_count, const uint8_t* visible,
                                        int64_t visible_width, int64_t num_heads, int64_t num_kv_heads, int64_t dim,

@@ -198,7 +198,7 @@ void check_set(const KernelSet& set) {
   }
 
   // Attention of one row and KV head over a subset of the keys.
-  for (int64_t dim : {16, 32, 64, 128}) {
+  for (int64_t dim : {16, 32, 64, 128, 256}) {
     for (int64_t group : {1, 3, 4, 5}) {
       for (int64_t count : {1, 7, 16, 17, 33, 300}) {
         const int64_t keys = count + 11;
@@ -228,7 +228,7 @@ void check_set(const KernelSet& set) {
     }
   }
 
-  // RMSNorm, SwiGLU (gates far enough out to reach exp's clamps), the residual add.
+  // RMSNorm, SwiGLU and GeGLU (gates far enough out to reach exp's clamps), the residual add.
   {
     const int64_t rows = 3, hidden = 576, inter = 1536;
     const std::vector<float> x = floats(rows * hidden, -5.f, 5.f), w = floats(hidden, -1.f, 1.f);
@@ -243,6 +243,11 @@ void check_set(const KernelSet& set) {
       ks.swiglu_rows(gu.data(), rows, inter, y.data());
       return y;
     };
+    auto geglu = [&](const KernelSet& ks) {
+      std::vector<float> y(rows * inter);
+      ks.geglu_rows(gu.data(), rows, inter, y.data());
+      return y;
+    };
     auto add = [&](const KernelSet& ks) {
       std::vector<float> y(x);
       ks.add_rows(y.data(), gu.data(), 37);
@@ -250,6 +255,7 @@ void check_set(const KernelSet& set) {
     };
     expect_same(std::string(set.name) + " rms_norm", norm(set), norm(kScalar));
     expect_same(std::string(set.name) + " swiglu", swiglu(set), swiglu(kScalar));
+    expect_same(std::string(set.name) + " geglu", geglu(set), geglu(kScalar));
     expect_same(std::string(set.name) + " add", add(set), add(kScalar));
   }
 

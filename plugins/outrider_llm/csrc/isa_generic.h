@@ -650,7 +650,8 @@ void attend_group(const float* q, int64_t group, int64_t dim, const T* keys, con
     case 16: attend_group_c<A, 1, T>(q, group, keys, values, pos, count, scores, out); break;
     case 32: attend_group_c<A, 2, T>(q, group, keys, values, pos, count, scores, out); break;
     case 64: attend_group_c<A, 4, T>(q, group, keys, values, pos, count, scores, out); break;
-    default: attend_group_c<A, 8, T>(q, group, keys, values, pos, count, scores, out); break;  // 128 (checked by ops)
+    case 128: attend_group_c<A, 8, T>(q, group, keys, values, pos, count, scores, out); break;
+    default: attend_group_c<A, 16, T>(q, group, keys, values, pos, count, scores, out); break;  // 256 (checked by ops)
   }
 }
 
@@ -688,6 +689,24 @@ void swiglu_rows(const float* gate_up, int64_t rows, int64_t inter, float* y) {
   }
 }
 
+// y = gelu_tanh(gate) * up per row (GeGLU, Gemma's MLP): gelu_tanh(g) = 0.5 g (1 + tanh(u)), u =
+// sqrt(2 / pi) (g + 0.044715 g^3), computed as g sigmoid(2u) (the same function: 0.5 (1 + tanh(u)) =
+// 1 / (1 + exp(-2u))), so one exp a lane as in SwiGLU.
+template <class A>
+void geglu_rows(const float* gate_up, int64_t rows, int64_t inter, float* y) {
+  using F = typename A::F;
+  const F one = A::fset(1.f), c = A::fset(-2.f * 0.7978845608028654f), cube = A::fset(0.044715f);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* g = gate_up + r * 2 * inter;
+    for (int64_t k = 0; k < inter; k += 16) {
+      const F gate = A::fload(g + k);
+      const F inner = A::fma(A::mul(cube, A::mul(gate, gate)), gate, gate);  // g + 0.044715 g^3
+      const F sig = A::div(one, A::add(one, exp16<A>(A::mul(c, inner))));
+      A::fstore(y + r * inter + k, A::mul(A::mul(gate, sig), A::fload(g + inter + k)));
+    }
+  }
+}
+
 template <class A>
 void add_rows(float* x, const float* y, int64_t count) {
   int64_t k = 0;
@@ -698,4 +717,4 @@ void add_rows(float* x, const float* y, int64_t count) {
 // The table entry for `A`, with its own matmul (the generic one unless the file has a faster one).
 #define OUTRIDER_KERNELS(A, MATMUL) \
   { A::kName, quantize_rows<A>, MATMUL, matmul_super<A>, matmul_groups<A>, attend_group<A, float>, attend_group<A, uint16_t>, \
-    rms_norm_rows<A>, swiglu_rows<A>, add_rows<A> }
+    rms_norm_rows<A>, swiglu_rows<A>, geglu_rows<A>, add_rows<A> }

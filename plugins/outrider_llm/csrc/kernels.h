@@ -101,6 +101,7 @@ struct KernelSet {
                            const int64_t* pos, int64_t count, float* scores, float* out);
   void (*rms_norm_rows)(const float* x, const float* w, float eps, int64_t rows, int64_t hidden, float* y);
   void (*swiglu_rows)(const float* gate_up, int64_t rows, int64_t inter, float* y);  // silu(gate) * up
+  void (*geglu_rows)(const float* gate_up, int64_t rows, int64_t inter, float* y);   // gelu_tanh(gate) * up
   void (*add_rows)(float* x, const float* y, int64_t count);                            // x += y
 };
 
@@ -155,13 +156,17 @@ struct KvLayer {
   int64_t slots, capacity, s_half, s_slot, s_head;  // strides in elements
   bool f16 = false;  // K and V stored as IEEE fp16 (rounded to nearest even as written), read widened
 };
+// window > 0: a row at position p (positions[row]) sees no key at position p - window or before (a
+// committed key's position is its row in the cache; a fed one's, its row's).
 void attend(const float* qkv, int64_t total, const KvLayer& kv, const int64_t* chunks, int64_t chunk_count,
             const bool* visible, int64_t visible_width, int64_t num_heads, int64_t num_kv_heads, int64_t dim,
-            float* out);
+            float* out, int64_t window = 0, const int64_t* positions = nullptr);
 
 // Every decoder layer of a step (layers.cpp): the one layer body both bindings run. kv: one per layer;
-// chunks and visible as attend's. The caller has checked the table (c_api.cpp's checks).
-void decoder_layers(float* x, int64_t rows, int64_t hidden, const float* cos, const float* sin, const KvLayer* kv,
+// chunks and visible as attend's; cos and sin [rope_tables, rows, dim]; positions: each row's (needed by
+// a layer with a window). The caller has checked the table (c_api.cpp's checks).
+void decoder_layers(float* x, int64_t rows, int64_t hidden, const float* cos, const float* sin, int64_t rope_tables,
+                    const int64_t* positions, const KvLayer* kv,
                     const OutriderLayer* layers, int64_t num_layers, const int64_t* chunks, int64_t chunk_count,
                     const bool* visible, int64_t visible_width, int64_t num_heads, int64_t num_kv_heads, int64_t dim,
                     int64_t inter, float eps);

@@ -3,9 +3,10 @@
 //
 // Each matrix is 1 to 3 parts side by side (q | k | v in their own GGUF block types, gate | up), each
 // its own a8_matmul writing its column slice of the matrix's output, in any layout the kernels take;
-// plus Qwen2's qkv bias, Qwen3's per-head q and k RMSNorm and q's scale. Per layer: RMSNorm -> qkv ->
-// + bias -> q, k norms -> q scale -> RoPE -> attention -> o -> + x -> RMSNorm -> gate_up -> SwiGLU ->
-// down -> + x. Every row is computed on its own, in a fixed order: its result never depends on the
+// plus Qwen2's qkv bias, Qwen3's per-head q and k RMSNorm and q's scale, Gemma 3's post norms, GeGLU,
+// RoPE table and sliding window. Per layer: RMSNorm -> qkv -> + bias -> q, k norms -> q scale -> RoPE
+// (the layer's table) -> attention (within the layer's window) -> o -> [post norm] -> + x -> RMSNorm ->
+// gate_up -> SwiGLU or GeGLU -> down -> [post norm] -> + x. Every row is computed on its own, in a fixed order: its result never depends on the
 // other rows of the step, on the thread count, or (kernels.h) on the instruction set.
 
 #include <algorithm>
@@ -29,7 +30,8 @@ void matrix_matmul(const OutriderMatrix& matrix, const float* x, int64_t rows, i
 
 }  // namespace
 
-void decoder_layers(float* x, int64_t rows, int64_t hidden, const float* cos, const float* sin, const KvLayer* kv,
+void decoder_layers(float* x, int64_t rows, int64_t hidden, const float* cos, const float* sin, int64_t rope_tables,
+                    const int64_t* positions, const KvLayer* kv,
                     const OutriderLayer* layers, int64_t num_layers, const int64_t* chunks, int64_t chunk_count,
                     const bool* vis, int64_t visible_width, int64_t num_heads, int64_t num_kv_heads, int64_t dim,
                     int64_t inter, float eps) {
@@ -55,15 +57,19 @@ void decoder_layers(float* x, int64_t rows, int64_t hidden, const float* cos, co
       if (L.q_scale != 0.f)
         for (int64_t k = 0; k < q_width; ++k) row[k] *= L.q_scale;
     }
-    rope_rows(qkv.data(), cos, sin, rows, num_heads + num_kv_heads, dim, width);
+    const int64_t table = L.rope_table > 0 && L.rope_table < rope_tables ? L.rope_table : 0;
+    rope_rows(qkv.data(), cos + table * rows * dim, sin + table * rows * dim, rows, num_heads + num_kv_heads, dim,
+              width);
     attend(qkv.data(), rows, kv[li], chunks, chunk_count, vis, visible_width, num_heads, num_kv_heads,
-           dim, attn.data());
+           dim, attn.data(), L.window, positions);
     matrix_matmul(L.o, attn.data(), rows, q_width, out.data(), hidden);
+    if (L.attn_post_norm != nullptr) ks.rms_norm_rows(out.data(), L.attn_post_norm, eps, rows, hidden, out.data());
     ks.add_rows(x, out.data(), rows * hidden);
     ks.rms_norm_rows(x, L.mlp_norm, eps, rows, hidden, h.data());
     matrix_matmul(L.gate_up, h.data(), rows, hidden, gate_up.data(), 2 * inter);
-    ks.swiglu_rows(gate_up.data(), rows, inter, h.data());
+    (L.activation == OUTRIDER_GELU_TANH ? ks.geglu_rows : ks.swiglu_rows)(gate_up.data(), rows, inter, h.data());
     matrix_matmul(L.down, h.data(), rows, inter, out.data(), hidden);
+    if (L.mlp_post_norm != nullptr) ks.rms_norm_rows(out.data(), L.mlp_post_norm, eps, rows, hidden, out.data());
     ks.add_rows(x, out.data(), rows * hidden);
   }
 }

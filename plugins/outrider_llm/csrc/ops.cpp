@@ -154,7 +154,7 @@ const char* check_chunks(const int64_t* ch, int64_t count, int64_t total, int64_
 
 void attend(const float* qkv, int64_t total, const KvLayer& kv, const int64_t* ch, int64_t count,
             const bool* visible, int64_t visible_width, int64_t num_heads, int64_t num_kv_heads, int64_t dim,
-            float* out) {
+            float* out, int64_t window, const int64_t* positions) {
   const KernelSet& ks = active_kernels();
   const int64_t width = (num_heads + 2 * num_kv_heads) * dim, q_width = num_heads * dim;
   const int64_t group = num_heads / num_kv_heads;
@@ -189,9 +189,14 @@ void attend(const float* qkv, int64_t total, const KvLayer& kv, const int64_t* c
       const int64_t r = row - start;
       pos.resize(length + n);
       int64_t seen = 0;
-      for (int64_t i = 0; i < length; ++i) pos[seen++] = i;
+      // A sliding layer's row at position p sees keys at positions above p - window: committed key i is
+      // at position i, a fed one at its row's.
+      const int64_t first = window > 0 ? positions[row] - window + 1 : 0;
+      for (int64_t i = first > 0 ? first : 0; i < length; ++i) pos[seen++] = i;
       for (int64_t j = 0; j < n; ++j)
-        if (visible == nullptr ? j <= r : visible[row * visible_width + j]) pos[seen++] = length + j;
+        if ((visible == nullptr ? j <= r : visible[row * visible_width + j]) &&
+            (window <= 0 || positions[start + j] >= first))
+          pos[seen++] = length + j;
       if (seen == 0) continue;  // sees nothing (a visible row without its own token): zeros
       scores.resize(group * (seen + 16));
       const int64_t at = slot * kv.s_slot + kv_head * kv.s_head;
@@ -246,8 +251,8 @@ void w4a8_layers(float* x, int64_t rows, int64_t hidden, const float* cos, const
       matrices[j]->parts[0] = OutriderPart{layers[li].w[j], layers[li].d[j], layers[li].m[j], outs[j], group, 4};
     }
   }
-  decoder_layers(x, rows, hidden, cos, sin, kv, table.data(), num_layers, chunks, chunk_count, visible, visible_width,
-                 num_heads, num_kv_heads, dim, inter, eps);
+  decoder_layers(x, rows, hidden, cos, sin, 1, nullptr, kv, table.data(), num_layers, chunks, chunk_count, visible,
+                 visible_width, num_heads, num_kv_heads, dim, inter, eps);
 }
 
 }  // namespace outrider_native
