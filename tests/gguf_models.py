@@ -284,3 +284,123 @@ def write_block_gguf(path: Path, hidden: int, layers: int, ffn: int, vocab: int,
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+# ---- Gemma 3 ----------------------------------------------------------------------------------------
+
+GEMMA3_LAYER = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+}
+GEMMA_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+
+
+def sentencepiece_fields() -> tuple[list[str], list[float], list[int]]:
+    """(tokens, scores, token types) of a small SentencePiece vocabulary as Gemma's GGUF lays it out:
+    pad 0, eos 1, bos 2, unk 3 and the turn markers (CONTROL), the 256 byte pieces <0xNN> (BYTE), then
+    pieces with "▁" for spaces, scored by length (longer merges first, as a trained model's)."""
+    pieces = ["▁", "e", "t", "a", "o", "i", "n", "s", "r", "h", "l", "d", "▁t", "▁a", "he", "in", "er", "▁the",
+              "▁s", "on", "at", "en", "▁w", "is", "or", "▁o", "▁i", "it", "▁h", "an", "▁b", "ou", "▁c", "ll",
+              "▁m", "ar", "▁f", "le", "▁p", "es", "▁and", "ing", "▁is", "▁of", "▁in", "▁to", "▁hello", "▁world"]
+    tokens = GEMMA_SPECIALS + [f"<0x{b:02X}>" for b in range(256)] + pieces
+    scores = [0.0] * len(GEMMA_SPECIALS) + [0.0] * 256 + [-float(i) for i in range(len(pieces))]
+    types = [3] * len(GEMMA_SPECIALS) + [6] * 256 + [1] * len(pieces)
+    types[3] = 2  # unk: UNKNOWN
+    return tokens, scores, types
+
+
+def write_tiny_gemma3_gguf(directory: Path, seed: int = 0, types: Optional[dict[str, str]] = None,
+                           matrix_type: str = "Q8_0", chat_template: Optional[str] = None,
+                           **overrides) -> tuple[Path, object]:
+    """A random Gemma 3 text model as `directory/tiny-gemma3.gguf`, written as llama.cpp's
+    convert_hf_to_gguf.py writes Gemma 3 (norm weights stored as 1 + w, no Q/K permutation, the
+    SentencePiece vocabulary, no chat template unless given); returns (path, the transformers model).
+    Seven layers, so that layer 5 attends globally and the rest within `sliding_window` (8 by default:
+    a test of 20 tokens crosses it); head_dim 256 as Gemma's. Matrices in `matrix_type` or per tensor
+    name suffix in `types` (the native runtime serves a Gemma 3 from block types only)."""
+    import gguf
+    import torch
+    import transformers
+
+    tokens, scores, token_types = sentencepiece_fields()
+    settings = dict(vocab_size=len(tokens), hidden_size=128, intermediate_size=256, num_hidden_layers=7,
+                    num_attention_heads=2, num_key_value_heads=1, head_dim=256, max_position_embeddings=512,
+                    rms_norm_eps=1e-6, sliding_window=8,
+                    query_pre_attn_scalar=256, final_logit_softcapping=None, attn_logit_softcapping=None,
+                    pad_token_id=0, eos_token_id=1, bos_token_id=2, hidden_activation="gelu_pytorch_tanh",
+                    tie_word_embeddings=True)
+    settings.update(overrides)
+    config = transformers.Gemma3TextConfig(**settings)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = transformers.Gemma3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.08)
+            elif "norm" in name:
+                p.uniform_(-0.3, 0.3)  # Gemma's norms compute x (1 + w)
+            else:
+                p.normal_(0.0, 0.05)
+    path = Path(directory) / "tiny-gemma3.gguf"
+    writer = gguf.GGUFWriter(str(path), "gemma3")
+    writer.add_name("tiny-gemma3")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    # transformers 5.x: a RoPE per layer type (its defaults: Gemma 3's 1e6 global, 10,000 local)
+    writer.add_rope_freq_base(float(config.rope_parameters["full_attention"]["rope_theta"]))
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_sliding_window(config.sliding_window)
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(token_types)
+    writer.add_pad_token_id(0)
+    writer.add_eos_token_id(1)
+    writer.add_bos_token_id(2)
+    writer.add_unk_token_id(3)
+    writer.add_add_bos_token(True)
+    writer.add_add_eos_token(False)
+    writer.add_add_space_prefix(False)
+    if chat_template:
+        writer.add_chat_template(chat_template)
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight":
+            continue  # tied
+        values = tensor.float().numpy()
+        if name.endswith("norm.weight"):
+            values = values + np.float32(1)  # convert_hf_to_gguf.py's Gemma norm shift
+        if name == "model.embed_tokens.weight":
+            out = "token_embd.weight"
+        elif name == "model.norm.weight":
+            out = "output_norm.weight"
+        else:
+            parts = name.split(".")
+            out = f"blk.{parts[2]}.{GEMMA3_LAYER['.'.join(parts[3:-1])]}.{parts[-1]}"
+        kind = next((t for suffix, t in (types or {}).items() if out.endswith(suffix)), matrix_type)
+        if values.ndim == 2 and kind != "F32":
+            qtype = gguf.GGMLQuantizationType[kind]
+            if kind == "F16":
+                data = values.astype(np.float16)
+            elif kind in RANDOM_BLOCKS:
+                data = random_blocks(kind, *values.shape, seed=len(out))
+            else:
+                data = gguf.quants.quantize(values, qtype)
+            writer.add_tensor(out, data, raw_dtype=qtype)
+        else:
+            writer.add_tensor(out, np.ascontiguousarray(values, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path, model

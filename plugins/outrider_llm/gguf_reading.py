@@ -8,6 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
+import numpy as np
+
 from .artifact import GGUFError
 from .config import LlamaConfig
 
@@ -37,13 +39,22 @@ _LAYER_NAMES = {
     "attn_k_norm": "self_attn.k_norm",
 }
 # Architectures served, and what the others would need (the error names it).
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma3")
+# Served by the torch-free native model alone (from the file's blocks, gguf_tiles.py): the torch
+# model and the artifact conversion do not have their layer body.
+NATIVE_ONLY = ("gemma3",)
+# Gemma 3's layer pieces (GGUF names after "blk.N."): the two norms after attention and the MLP.
+GEMMA_POST_NORMS = ("post_attention_norm", "post_ffw_norm")
+# Gemma 3: every sixth layer attends globally (llama.cpp's set_swa_pattern(6)) and the sliding ones
+# rotate by RoPE base 10,000, neither stored in the file.
+GEMMA3_SWA_PATTERN = 6
+GEMMA3_LOCAL_ROPE_THETA = 10000.0
 # llama.cpp writes Q/K rows of these interleaved for its RoPE (qwen2/qwen3 use NEOX order: as is).
 _PERMUTED_QK = ("llama",)
 _MISSING = {
     "gemma": "GeGLU, embeddings scaled by sqrt(hidden_size) and norms of (1 + w)",
-    "gemma2": "GeGLU, (1 + w) norms around each block, logit soft-capping and sliding-window layers",
-    "gemma3": "GeGLU, (1 + w) norms around each block, q/k norms, sliding-window layers with their own RoPE base",
+    "gemma2": "attention and final logit soft-capping in the native kernels (its other pieces, GeGLU, the post "
+              "norms and sliding-window layers, are Gemma 3's, which is served)",
     "qwen2moe": "mixture-of-experts layers", "qwen3moe": "mixture-of-experts layers",
     "mistral3": "its vision tower and Mistral 3's RoPE scaling",
 }
@@ -77,11 +88,27 @@ def _config_from_gguf(reader: Any, path: Path) -> LlamaConfig:
                          f"backend runs none, linear, and Llama 3's rope_freqs")
     window = key("attention.sliding_window")
     window = int(window) if window and int(window) < int(key("context_length", 2048)) else None
+    layers = int(key("block_count"))
+    gemma: dict[str, Any] = {}
+    if arch == "gemma3":
+        for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if key(name):
+                raise GGUFError(f"{path}: {arch}.{name} = {key(name)}: logit soft-capping is not supported (Gemma 3 "
+                                f"has none; this file says otherwise)")
+        pattern = int(key("attention.sliding_window_pattern", GEMMA3_SWA_PATTERN) or GEMMA3_SWA_PATTERN)
+        gemma = dict(post_norms=True, activation="gelu_tanh", embed_scale=float(np.sqrt(np.float32(hidden))),
+                     swa_layers=[(i + 1) % pattern != 0 for i in range(layers)] if window else None,
+                     swa_window=window, swa_rope_theta=GEMMA3_LOCAL_ROPE_THETA if window else None)
+        # 27B (62 layers) scales queries by hidden / heads, the others by their head size (llama.cpp, HF's
+        # query_pre_attn_scalar)
+        if layers == 62:
+            gemma["query_scale"] = float((hidden // heads) ** -0.5)
+        window = None  # not phi3's cap: the native model attends within each sliding layer's window
     return LlamaConfig(
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(key("feed_forward_length")),
-        num_layers=int(key("block_count")),
+        num_layers=layers,
         num_heads=heads,
         num_kv_heads=int(key("attention.head_count_kv", heads)),
         head_dim=int(key("attention.key_length") or key("rope.dimension_count") or hidden // heads),
@@ -96,6 +123,7 @@ def _config_from_gguf(reader: Any, path: Path) -> LlamaConfig:
         qk_norm="blk.0.attn_q_norm.weight" in names,
         rope_scaling_factor=factor if scaling == "linear" else 1.0,
         sliding_window=window,
+        **gemma,
     )
 
 

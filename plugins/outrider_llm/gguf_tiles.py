@@ -31,13 +31,14 @@ import numpy as np
 
 from . import native_c
 from .artifact import CACHE_FORMAT, META_FILE, TOKENIZER_FILE, GGUFError
-from .gguf_reading import (_FUSED, _LAYER_NAMES, _PERMUTED_QK, _TOP_NAMES, GGUFFile, _config_from_gguf, _field,
-                           _fused_parts)
+from .chat_templates import BUILTIN_TEMPLATES
+from .gguf_reading import (_FUSED, _LAYER_NAMES, _PERMUTED_QK, _TOP_NAMES, GEMMA_POST_NORMS, NATIVE_ONLY, GGUFFile,
+                           _config_from_gguf, _field, _fused_parts)
 
 log = logging.getLogger("outrider.llm")
 
 KIND = "llama-gguf-tiles"
-FORMAT = 1  # part of the artifact's key: bumped when what `build` writes changes
+FORMAT = 2  # part of the artifact's key: bumped when what `build` writes changes (2: add_bos, Gemma 3)
 ALIGN = 64  # bytes: every array in tiles.bin starts on a cache line (as native_model's)
 CHUNK_BYTES = 32 << 20  # packed bytes per write of a large tensor: what a first start holds besides the maps
 _DENSE = ("F32", "F16", "BF16")
@@ -112,6 +113,9 @@ def plan(reader: Any, path: Path) -> Plan:
             continue
         layer = int(parts[1])
         kind = parts[2]
+        if config.post_norms and kind in GEMMA_POST_NORMS:
+            out.layers[layer][kind] = tensor
+            continue
         if kind not in _LAYER_NAMES and kind not in _FUSED:
             raise GGUFError(f"{path}: tensor {tensor.name!r} is not part of a {config.architecture} layer the llm "
                             f"backend knows ({', '.join(sorted(_LAYER_NAMES))})")
@@ -138,6 +142,16 @@ _MATRICES = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up":
 
 
 def _check(p: Plan, path: Path) -> None:
+    try:
+        _check_covered(p, path)
+    except NotCovered as exc:
+        if p.config.architecture in NATIVE_ONLY:  # no older way serves it
+            raise GGUFError(f"{path}: {exc}: {p.config.architecture} is served from the file's blocks alone, which "
+                            f"needs every matrix in {', '.join(native_c.PACKED_TYPES)}") from None
+        raise
+
+
+def _check_covered(p: Plan, path: Path) -> None:
     for i, entry in enumerate(p.layers):
         for names in _MATRICES.values():
             for name in names:
@@ -145,10 +159,11 @@ def _check(p: Plan, path: Path) -> None:
                 if piece is None:
                     raise GGUFError(f"{path}: layer {i} has no {name} weight")
                 if piece.type_name not in native_c.PACKED_TYPES:
-                    raise NotCovered(f"layer {i} {name} is {piece.type_name}, not a type the kernels take as it is")
+                    raise NotCovered(f"layer {i} {name} ({piece.tensor.name}) is {piece.type_name}, not a type the "
+                                     f"kernels take as it is")
                 if len(piece.rows) % native_c.TILE:
                     raise NotCovered(f"layer {i} {name} has {len(piece.rows)} rows, not whole tiles of 16")
-        for name in ("attn_norm", "ffn_norm"):
+        for name in ("attn_norm", "ffn_norm") + (GEMMA_POST_NORMS if p.config.post_norms else ()):
             if name not in entry:
                 raise GGUFError(f"{path}: layer {i} has no {name}")
     for what, tensor in (("token embeddings", p.embed), ("output", p.head)):
@@ -260,13 +275,19 @@ def build(path: Path, directory: Path, five_bit: bool) -> dict:
     drop = _Dropper(reader)
     out = _TilesFile(directory / "tiles.bin")
     served: dict[str, int] = {}
-    q_scale = config.head_dim ** -0.5
+    q_scale = config.query_scale or config.head_dim ** -0.5
     layers = []
     try:
-        for entry in p.layers:
+        for i, entry in enumerate(p.layers):
             layer: dict[str, Any] = {"attn_norm": out.dense(_dense(entry["attn_norm"])),
                                      "mlp_norm": out.dense(_dense(entry["ffn_norm"])),
-                                     "qkv_bias": None, "q_norm": None, "k_norm": None, "q_scale": q_scale}
+                                     "qkv_bias": None, "q_norm": None, "k_norm": None, "q_scale": q_scale,
+                                     "activation": config.activation}
+            if config.post_norms:  # GGUF holds Gemma's norms as 1 + w already, as every other norm here
+                layer["attn_post_norm"] = out.dense(_dense(entry["post_attention_norm"]))
+                layer["mlp_post_norm"] = out.dense(_dense(entry["post_ffw_norm"]))
+            if config.swa_layers and config.swa_layers[i]:
+                layer["window"], layer["rope_table"] = int(config.swa_window), 1
             for name, members in _MATRICES.items():
                 pieces = [entry[m] for m in members]
                 for piece in pieces:
@@ -294,7 +315,13 @@ def build(path: Path, directory: Path, five_bit: bool) -> dict:
     finally:
         out.close()
     eos = config.eos_token_id
-    meta = {"chat_template": _field(reader, "tokenizer.chat_template"), "bos_token_id": config.bos_token_id,
+    template = _field(reader, "tokenizer.chat_template")
+    if not template and config.architecture in BUILTIN_TEMPLATES:
+        template = BUILTIN_TEMPLATES[config.architecture]
+        log.info("%s: no chat template in the file: %s's own (as llama.cpp keeps it built in)", path.name,
+                 config.architecture)
+    meta = {"chat_template": template, "bos_token_id": config.bos_token_id,
+            "add_bos": bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
             "eos_token_ids": [eos] if eos is not None else [], "source": str(path), "block_types": served,
             "converted": {}, "config": config.to_dict(), "format": CACHE_FORMAT}
     (directory / META_FILE).write_text(json.dumps(meta))

@@ -33,7 +33,7 @@ from .artifact import (  # noqa: F401  (re-exported: loading was their home)
     artifact_tokenizer, load_native_artifact, load_weights_artifact, read_artifact_meta, smollm2_gguf_path,
 )
 from .gguf_reading import (  # noqa: F401  (re-exported: loading was their home)
-    _FUSED, _LAYER_NAMES, _MISSING, _PERMUTED_QK, _TOP_NAMES, ARCHITECTURES, _config_from_gguf, _field, _fused_parts,
+    _FUSED, _LAYER_NAMES, _MISSING, _PERMUTED_QK, _TOP_NAMES, ARCHITECTURES, NATIVE_ONLY, _config_from_gguf, _field, _fused_parts,
     _unpermute_rows, gguf_tokenizer as _gguf_tokenizer,
 )
 from .model import LlamaConfig, LlamaModel, release_free_memory, tune_malloc
@@ -158,6 +158,10 @@ def _read_gguf(path: Path, native: bool = False) -> tuple[LlamaConfig, dict[str,
     reader = GGUFReader(str(path))
     config = _config_from_gguf(reader, path)
     arch = config.architecture
+    if arch in NATIVE_ONLY:
+        raise GGUFError(f"{path}: {arch} is served by the torch-free native runtime alone, from the file's own blocks "
+                        f"(on a CPU, with options.runtime auto or native, weights: file and no quantize: section): the "
+                        f"torch model does not have its layer body")
     eos = config.eos_token_id
     state_dict: dict[str, torch.Tensor] = {}
     converted: dict[str, list[str]] = {}
@@ -190,6 +194,7 @@ def _read_gguf(path: Path, native: bool = False) -> tuple[LlamaConfig, dict[str,
         _add_tensor(state_dict, tensor, [(hf, slice(None))], native, converted, served, config, arch, parts)
     meta = {
         "chat_template": _field(reader, "tokenizer.chat_template"),
+        "add_bos": bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
         "bos_token_id": config.bos_token_id,
         "eos_token_ids": [eos] if eos is not None else [],
         "source": str(path),

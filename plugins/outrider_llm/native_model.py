@@ -35,14 +35,14 @@ from outrider.generation.contract import Chunk, ForwardOutput
 from . import native_c
 from .artifact import (BLOCKS_FORMAT, META_FILE, TOKENIZER_FILE, WEIGHTS_FILE, _artifact_dir, artifact_tokenizer,
                        read_artifact_meta)
-from .config import FINGERPRINT_ROW_STRIDE, LlamaConfig, rope_tables, weights_fingerprint
+from .config import FINGERPRINT_ROW_STRIDE, LlamaConfig, local_rope_config, rope_tables, weights_fingerprint
 from .gguf_blocks import AffineGroups
 from .heap import tune_malloc
 from .kv_cache import NumpySlotKVCache
 
 log = logging.getLogger("outrider.llm")
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")  # from an artifact; Gemma 3 from its file alone (gguf_tiles.py)
 # The packed model, mapped at start: its kernels' tiles as one file (see `load_tiles`).
 TILES_KIND = "llama-native-tiles"
 TILES_FORMAT = 2  # part of that artifact's key: bumped when what `_save_tiles` writes changes (2: the torch model's fingerprint)
@@ -370,6 +370,9 @@ class NativeLlama:
 
     def _rope_table(self, size: int) -> None:
         self._cos, self._sin_signed = rope_tables(self.config, size)  # the torch model's tables
+        if self.layers.rope_tables > 1:  # Gemma 3's sliding layers: table 1, their own base
+            local = rope_tables(local_rope_config(self.config), size)
+            self._cos, self._sin_signed = np.stack([self._cos, local[0]]), np.stack([self._sin_signed, local[1]])
 
     # ---- CausalLM ----------------------------------------------------------------------------
 
@@ -383,8 +386,11 @@ class NativeLlama:
         return NumpySlotKVCache(self.config, num_slots, max_length, dtype=self.kv_dtype)
 
     def embed(self, tokens: Any) -> np.ndarray:
-        """fp32 [n, hidden] input embeddings of token ids."""
-        return self.embed_rows(np.asarray(tokens, dtype=np.int64).reshape(-1))
+        """fp32 [n, hidden] input embeddings of token ids (Gemma's scaled by sqrt(hidden))."""
+        rows = self.embed_rows(np.asarray(tokens, dtype=np.int64).reshape(-1))
+        if self.config.embed_scale != 1.0:
+            rows *= np.float32(self.config.embed_scale)
+        return rows
 
     def lm_head(self, hidden: Any) -> np.ndarray:
         """fp32 [n, vocab] logits of fp32 [n, hidden] (after the final norm)."""
@@ -452,17 +458,17 @@ class NativeLlama:
             for _, first, n, _, _, _, mask in table:
                 visible[first:first + n, :n] = np.tril(np.ones((n, n), dtype=bool)) if mask is None else mask
         top = int(positions.max())
-        if top >= self._cos.shape[0]:
-            self._rope_table(max(top + 1, 2 * self._cos.shape[0]))
+        if top >= self._cos.shape[-2]:
+            self._rope_table(max(top + 1, 2 * self._cos.shape[-2]))
         if int(positions.min()) < 0:
             raise ValueError("positions must be >= 0")
-        cos = np.ascontiguousarray(self._cos[positions])
-        sin = np.ascontiguousarray(self._sin_signed[positions])
-        x = np.ascontiguousarray(self.embed_rows(tokens))
+        cos = np.ascontiguousarray(self._cos[..., positions, :])
+        sin = np.ascontiguousarray(self._sin_signed[..., positions, :])
+        x = np.ascontiguousarray(self.embed(tokens))
         kv = getattr(cache, "native_table", None)
         if kv is None or kv.keep is not cache.kv:  # the cache grew: its arrays moved
             kv = cache.native_table = native_c.KvCaches(cache.kv, self.config.num_kv_heads)
-        self.layers(x, cos, sin, kv, chunk_table, visible)
+        self.layers(x, cos, sin, kv, chunk_table, visible, positions if self.layers.windowed else None)
         hidden = native_c.rms_norm(x, self.final_norm, self.config.rms_norm_eps)
         for slot, _, n, *_ in table:
             cache._fed[slot] = n
@@ -586,8 +592,10 @@ def _save_tiles(model: NativeLlama, directory: Path) -> None:
 
     layers = []
     for layer in model.layers.layers:
-        entry = {name: ref(getattr(layer, name)) for name in ("attn_norm", "mlp_norm", "qkv_bias", "q_norm", "k_norm")}
-        entry["q_scale"] = float(layer.q_scale)
+        entry = {name: ref(getattr(layer, name)) for name in ("attn_norm", "mlp_norm", "qkv_bias", "q_norm", "k_norm",
+                                                              "attn_post_norm", "mlp_post_norm")}
+        entry.update(q_scale=float(layer.q_scale), activation=layer.activation, rope_table=int(layer.rope_table),
+                     window=int(layer.window))
         for name in ("qkv", "o", "gate_up", "down"):
             entry[name] = [part(p) for p in _parts_of(getattr(layer, name))]
         layers.append(entry)
@@ -625,7 +633,9 @@ def _map_tiles(directory: Path) -> NativeLlama:
     layers = [native_c.Layer(attn_norm=get(e["attn_norm"]), mlp_norm=get(e["mlp_norm"]), qkv=matrix(e["qkv"]),
                              o=matrix(e["o"]), gate_up=matrix(e["gate_up"]), down=matrix(e["down"]),
                              qkv_bias=get(e["qkv_bias"]), q_norm=get(e["q_norm"]), k_norm=get(e["k_norm"]),
-                             q_scale=float(e.get("q_scale", 0.0)))
+                             q_scale=float(e.get("q_scale", 0.0)), attn_post_norm=get(e.get("attn_post_norm")),
+                             mlp_post_norm=get(e.get("mlp_post_norm")), activation=e.get("activation", "silu"),
+                             rope_table=int(e.get("rope_table", 0)), window=int(e.get("window", 0)))
               for e in index["layers"]]
     stack = native_c.LayerStack(layers, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                                 eps=cfg.rms_norm_eps)

@@ -1,0 +1,178 @@
+"""Gemma 3 from its GGUF on the torch-free native runtime (issue 38): tiny random Gemma 3 models written
+as llama.cpp's converter writes them (tests/gguf_models.py), against transformers loading the same
+file; the sliding window of its local layers and their own RoPE base; the SentencePiece tokenizer with
+one BOS; Gemma's turns when the file has no template; a plain manifest serving it with speculation;
+and the refusals of what is not served (a float matrix, the torch model, Gemma 2's soft-capping)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+
+from conftest import write_manifest
+
+pytestmark = pytest.mark.skipif(
+    any(importlib.util.find_spec(m) is None for m in ("torch", "transformers", "gguf")),
+    reason="needs torch, transformers and gguf",
+)
+
+from gguf_models import write_tiny_gemma3_gguf  # noqa: E402
+
+# The file's types as Gemma 3 270M's Q4_K_M holds them: Q5_0 projections, Q8_0 v and embeddings, Q4_K
+# attention output (512 inputs here), Q6_K down projection (256 inputs).
+REAL_MIX = {"attn_output.weight": "Q4_K", "ffn_down.weight": "Q6_K", "attn_v.weight": "Q8_0",
+            "token_embd.weight": "Q8_0"}
+TEXT = "hello world, the cat is in the hat and the hat is on the cat"
+
+
+def _native_c():
+    from outrider_llm import native_c
+
+    if not native_c.library()[0]:
+        pytest.skip(f"native C library not loaded: {native_c.library()[1]}")
+    return native_c
+
+
+def _ours(path, tmp_path):
+    from outrider.artifacts import ArtifactCache
+    from outrider_llm.gguf_tiles import load_gguf_tiles
+    from outrider_llm.native_model import load_tiles
+
+    cache = ArtifactCache(tmp_path / "cache")
+    return load_tiles(load_gguf_tiles(path, cache, in_child=False), cache)
+
+
+def _reference_logits(model, ids):
+    import torch
+
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].numpy()
+
+
+def _from_file(path):
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                              attn_implementation="eager").eval()
+    return model
+
+
+def _prefill(model, ids):
+    from outrider.generation.contract import Chunk
+
+    cache = model.new_cache(1, 128)
+    return model.forward(cache, [Chunk(0, np.array(ids), np.arange(len(ids)))]).logits
+
+
+def _relative(got, want) -> float:
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+@pytest.mark.parametrize("types,matrix_type", [({}, "Q8_0"), ({}, "Q4_0"), (REAL_MIX, "Q5_0")],
+                         ids=["Q8_0", "Q4_0", "real-mix"])
+def test_tiny_gemma3_matches_transformers_on_the_same_file(types, matrix_type, tmp_path):
+    from gguf_models import one_token_logits
+
+    _native_c()
+    path, _ = write_tiny_gemma3_gguf(tmp_path, seed=4, types=types, matrix_type=matrix_type)
+    reference = _from_file(path)
+    model, tokenizer = _ours(path, tmp_path)
+    config = model.config
+    assert (config.architecture, config.activation, config.post_norms) == ("gemma3", "gelu_tanh", True)
+    assert config.swa_layers == [True] * 5 + [False, True] and config.swa_window == 8
+    assert config.sliding_window is None  # not phi3's cap: the context is not limited to the window
+    ids = tokenizer.encode(TEXT)
+    assert ids[0] == 2 and len(ids) > 2 * config.swa_window  # BOS once, and past the window
+    got, want = _prefill(model, ids), _reference_logits(reference, ids)
+    assert _relative(got, want) < 0.06  # the int8 activations' error, as every other architecture's
+    assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.9
+    assert np.array_equal(one_token_logits(model, ids), got)  # a prefill is one-token steps, bit for bit
+
+
+def test_the_sliding_window_and_the_local_rope_base_are_what_make_it_match(tmp_path):
+    """The same weights with the window widened past the text, or with the local layers on the global
+    RoPE base, are visibly further from the reference than the model as the file describes it."""
+    import torch
+    import transformers
+
+    _native_c()
+    path, _ = write_tiny_gemma3_gguf(tmp_path, seed=5, matrix_type="Q8_0")
+    reference = _from_file(path)
+    model, tokenizer = _ours(path, tmp_path)
+    ids = tokenizer.encode(TEXT + " " + TEXT)
+    got = _prefill(model, ids)
+    close = _relative(got, _reference_logits(reference, ids))
+    global_rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 1e6},
+                   "full_attention": {"rope_type": "default", "rope_theta": 1e6}}
+    for change in ({"sliding_window": 512}, {"rope_parameters": global_rope}):
+        config = transformers.Gemma3TextConfig.from_dict({**reference.config.to_dict(), **change})
+        config._attn_implementation = "eager"
+        other = transformers.Gemma3ForCausalLM(config).eval()
+        other.load_state_dict(reference.state_dict())
+        with torch.no_grad():
+            far = _relative(got, other(torch.tensor([ids])).logits[0].numpy())
+        assert far > 3 * close, (change, far, close)
+
+
+def test_tokenizer_bos_once_stops_and_gemmas_turns_when_the_file_has_none(tmp_path):
+    import transformers
+
+    path, _ = write_tiny_gemma3_gguf(tmp_path, seed=6)
+    _native_c()
+    model, tokenizer = _ours(path, tmp_path)
+    hf = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    assert tokenizer.encode(TEXT) == hf.encode(TEXT)  # SentencePiece from the file, BOS added as the file says
+    assert tokenizer.encode(TEXT)[0] == 2 and tokenizer.encode(TEXT)[1] != 2
+    assert {1, 5} <= tokenizer.eos_token_ids  # <eos> and <end_of_turn>
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "hello"}, {"role": "user", "content": "bye"}]
+    text = tokenizer.apply_chat_template(messages)
+    assert text == ("<bos><start_of_turn>user\nBe brief.\n\nhi<end_of_turn>\n<start_of_turn>model\nhello<end_of_turn>\n"
+                    "<start_of_turn>user\nbye<end_of_turn>\n<start_of_turn>model\n")
+    ids = tokenizer.encode(text)
+    assert ids[0] == 2 and ids.count(2) == 1  # the template's <bos>, not a second one
+    assert ids[1] == 4  # <start_of_turn> as one token
+
+
+def test_a_plain_manifest_serves_gemma3_and_speculation_is_exact(tmp_path, server_factory):
+    _native_c()
+    path, _ = write_tiny_gemma3_gguf(tmp_path, seed=7, types=REAL_MIX, matrix_type="Q5_0")
+    manifest = write_manifest(tmp_path, f"""name: gemma
+backend: llm
+model:
+  path: {path}
+options:
+  max_sequences: 2
+  max_length: 128
+  threads: 2
+speculative:
+  drafters: [ngram]
+""", "gemma.yaml")
+    server = server_factory([manifest], ["outrider_llm", "outrider_speculative"],
+                            env={"OUTRIDER_CACHE_DIR": str(tmp_path / "cache")})
+    with server.client(timeout=120) as client:
+        instance = client.health()["models"]["gemma"]["instances"][0]
+        assert instance["backend"]["runtime"] == "native", instance
+        prompt = TEXT + " " + TEXT
+        plain = client.generate("gemma", prompt=prompt, max_tokens=24, speculative=False)
+        drafted = client.generate("gemma", prompt=prompt, max_tokens=24, speculative=True)
+        assert plain.token_ids == drafted.token_ids and len(plain.token_ids) > 0
+        chat = client.generate("gemma", messages=[{"role": "user", "content": "hello"}], max_tokens=4)
+        assert len(chat.token_ids) >= 1
+
+
+def test_what_is_not_served_is_refused_saying_why(tmp_path):
+    """A Gemma 3 with a float matrix (the native runtime serves it from block types alone), the torch
+    model asked for it, and Gemma 2 (soft-capping) each fail once with the reason."""
+    from outrider.artifacts import ArtifactCache
+    from outrider_llm.artifact import GGUFError, load_native_artifact
+    from outrider_llm.gguf_tiles import load_gguf_tiles
+
+    _native_c()
+    path, _ = write_tiny_gemma3_gguf(tmp_path, seed=8, types={"ffn_up.weight": "F16"})
+    with pytest.raises(GGUFError, match=r"blk.0.ffn_up.weight\) is F16.*gemma3 is served from the file's blocks alone"):
+        load_gguf_tiles(path, ArtifactCache(tmp_path / "a"), in_child=False)
+    with pytest.raises(GGUFError, match="gemma3 is served by the torch-free native runtime alone"):
+        load_native_artifact(path, ArtifactCache(tmp_path / "b"))
