@@ -295,16 +295,24 @@ def test_the_fast_header_reader_reads_what_gguf_py_reads(arch, kind, tmp_path):
         GGUFFile(truncated)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "phi3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "phi3", "gemma3"])
 def test_the_files_tokenizer_is_what_autotokenizer_builds(arch, tmp_path):
-    """gguf_tokenizer calls transformers' GGUF tokenizer converter directly where it can: the same
-    tokenizer, serialized, as AutoTokenizer.from_pretrained(gguf_file=...) gives."""
+    """gguf_tokenizer calls transformers' GGUF tokenizer converter directly where it can, on the
+    fields the fast reader gives: the same tokenizer, serialized, as AutoTokenizer.from_pretrained(
+    gguf_file=...) gives (gemma3: SentencePiece with merges recovered from the scores)."""
     pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from gguf_models import write_tiny_gguf
+    from gguf_models import write_tiny_gemma3_gguf, write_tiny_gguf
     from outrider_llm.gguf_reading import gguf_tokenizer
 
-    path, _ = write_tiny_gguf(tmp_path, arch, seed=1, matrix_type="Q8_0")
+    if arch == "gemma3":
+        path, _ = write_tiny_gemma3_gguf(tmp_path, seed=1)
+    else:
+        path, _ = write_tiny_gguf(tmp_path, arch, seed=1, matrix_type="Q8_0")
     reference = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name,
                                                            local_files_only=True).backend_tokenizer
-    assert gguf_tokenizer(path).to_str() == reference.to_str()
+    ours, theirs = json.loads(gguf_tokenizer(path).to_str()), json.loads(reference.to_str())
+    if arch == "gemma3":  # AutoTokenizer's post-processor adds BOS; ChatTokenizer adds it itself (add_bos)
+        assert theirs.pop("post_processor")["single"][0]["SpecialToken"]["id"] == "<bos>"
+        assert ours.pop("post_processor")["single"] == [{"Sequence": {"id": "A", "type_id": 0}}]
+    assert ours == theirs
