@@ -313,14 +313,15 @@ def sentencepiece_fields() -> tuple[list[str], list[float], list[int]]:
 
 
 def write_tiny_gemma3_gguf(directory: Path, seed: int = 0, types: Optional[dict[str, str]] = None,
-                           matrix_type: str = "Q8_0", chat_template: Optional[str] = None,
+                           matrix_type: str = "Q8_0", chat_template: Optional[str] = None, arch: str = "gemma3",
                            **overrides) -> tuple[Path, object]:
-    """A random Gemma 3 text model as `directory/tiny-gemma3.gguf`, written as llama.cpp's
-    convert_hf_to_gguf.py writes Gemma 3 (norm weights stored as 1 + w, no Q/K permutation, the
-    SentencePiece vocabulary, no chat template unless given); returns (path, the transformers model).
-    Seven layers, so that layer 5 attends globally and the rest within `sliding_window` (8 by default:
-    a test of 20 tokens crosses it); head_dim 256 as Gemma's. Matrices in `matrix_type` or per tensor
-    name suffix in `types` (the native runtime serves a Gemma 3 from block types only)."""
+    """A random Gemma 3 text model (or with arch "gemma2" a Gemma 2) as `directory/tiny-<arch>.gguf`,
+    written as llama.cpp's convert_hf_to_gguf.py writes them (norm weights stored as 1 + w, no Q/K
+    permutation, the SentencePiece vocabulary, no chat template unless given, Gemma 2's soft caps);
+    returns (path, the transformers model). Seven layers: Gemma 3's layer 5 attends globally and the
+    rest within `sliding_window` (8 by default: a test of 20 tokens crosses it), Gemma 2's even layers
+    slide; head_dim 256 as Gemma's. Matrices in `matrix_type` or per tensor name suffix in `types`
+    (the native runtime serves Gemma from block types only)."""
     import gguf
     import torch
     import transformers
@@ -328,15 +329,21 @@ def write_tiny_gemma3_gguf(directory: Path, seed: int = 0, types: Optional[dict[
     tokens, scores, token_types = sentencepiece_fields()
     settings = dict(vocab_size=len(tokens), hidden_size=128, intermediate_size=256, num_hidden_layers=7,
                     num_attention_heads=2, num_key_value_heads=1, head_dim=256, max_position_embeddings=512,
-                    rms_norm_eps=1e-6, sliding_window=8,
-                    query_pre_attn_scalar=256, final_logit_softcapping=None, attn_logit_softcapping=None,
+                    rms_norm_eps=1e-6, sliding_window=8, query_pre_attn_scalar=256,
                     pad_token_id=0, eos_token_id=1, bos_token_id=2, hidden_activation="gelu_pytorch_tanh",
                     tie_word_embeddings=True)
+    if arch == "gemma3":
+        settings.update(final_logit_softcapping=None, attn_logit_softcapping=None)
+    else:  # Gemma 2's caps (its defaults are 50 and 30); a small attention cap so that it bites here
+        settings.update(final_logit_softcapping=30.0, attn_logit_softcapping=2.0)
     settings.update(overrides)
-    config = transformers.Gemma3TextConfig(**settings)
+    if arch == "gemma3":
+        config = transformers.Gemma3TextConfig(**settings)
+    else:
+        config = transformers.Gemma2Config(**settings)
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
-    model = transformers.Gemma3ForCausalLM(config).eval()
+    model = (transformers.Gemma3ForCausalLM if arch == "gemma3" else transformers.Gemma2ForCausalLM)(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 2:
@@ -345,9 +352,9 @@ def write_tiny_gemma3_gguf(directory: Path, seed: int = 0, types: Optional[dict[
                 p.uniform_(-0.3, 0.3)  # Gemma's norms compute x (1 + w)
             else:
                 p.normal_(0.0, 0.05)
-    path = Path(directory) / "tiny-gemma3.gguf"
-    writer = gguf.GGUFWriter(str(path), "gemma3")
-    writer.add_name("tiny-gemma3")
+    path = Path(directory) / f"tiny-{arch}.gguf"
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(f"tiny-{arch}")
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(config.num_hidden_layers)
@@ -356,8 +363,13 @@ def write_tiny_gemma3_gguf(directory: Path, seed: int = 0, types: Optional[dict[
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_key_length(config.head_dim)
     writer.add_value_length(config.head_dim)
-    # transformers 5.x: a RoPE per layer type (its defaults: Gemma 3's 1e6 global, 10,000 local)
-    writer.add_rope_freq_base(float(config.rope_parameters["full_attention"]["rope_theta"]))
+    # transformers 5.x: Gemma 3 has a RoPE per layer type (its defaults: 1e6 global, 10,000 local)
+    rope = config.rope_parameters
+    writer.add_rope_freq_base(float(rope["full_attention"]["rope_theta"] if "full_attention" in rope
+                                    else rope["rope_theta"]))
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_sliding_window(config.sliding_window)
     writer.add_tokenizer_model("llama")

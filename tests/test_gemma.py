@@ -1,8 +1,9 @@
-"""Gemma 3 from its GGUF on the torch-free native runtime (issue 38): tiny random Gemma 3 models written
-as llama.cpp's converter writes them (tests/gguf_models.py), against transformers loading the same
-file; the sliding window of its local layers and their own RoPE base; the SentencePiece tokenizer with
-one BOS; Gemma's turns when the file has no template; a plain manifest serving it with speculation;
-and the refusals of what is not served (a float matrix, the torch model, Gemma 2's soft-capping)."""
+"""Gemma 3 and Gemma 2 from their GGUFs on the torch-free native runtime (issue 38): tiny random models
+written as llama.cpp's converter writes them (tests/gguf_models.py), against transformers loading the
+same file; the sliding window of the local layers, Gemma 3's local RoPE base and Gemma 2's soft caps,
+each shown to matter; the SentencePiece tokenizer with one BOS; Gemma's turns when the file has none;
+a plain manifest serving it with speculation; and the refusals of what is not served (a float matrix,
+the torch model)."""
 
 from __future__ import annotations
 
@@ -116,6 +117,42 @@ def test_the_sliding_window_and_the_local_rope_base_are_what_make_it_match(tmp_p
         assert far > 3 * close, (change, far, close)
 
 
+def test_tiny_gemma2_matches_transformers_and_its_soft_caps_are_what_make_it_match(tmp_path):
+    """Gemma 2 on the same body: every other layer sliding, one RoPE, attention scores and logits
+    soft-capped (a cap of 2 on the scores here, so that it bites), no q/k norms."""
+    import torch
+    import transformers
+    from gguf_models import one_token_logits
+
+    _native_c()
+    path, _ = write_tiny_gemma3_gguf(tmp_path, seed=9, types=REAL_MIX, matrix_type="Q5_0", arch="gemma2")
+    loaded = _from_file(path)
+    assert isinstance(loaded, transformers.Gemma2ForCausalLM)
+
+    def with_caps(attn_cap):  # the file's weights (dequantized by transformers) under these caps
+        config = transformers.Gemma2Config.from_dict({**loaded.config.to_dict(), "attn_logit_softcapping": attn_cap,
+                                                      "final_logit_softcapping": 30.0})
+        config._attn_implementation = "eager"
+        model = transformers.Gemma2ForCausalLM(config).eval()
+        model.load_state_dict(loaded.state_dict())
+        return model
+
+    # transformers' GGUF loader leaves Gemma 2's caps at its defaults (50, 30): the file's cap is 2.
+    reference = with_caps(2.0)
+    model, tokenizer = _ours(path, tmp_path)
+    config = model.config
+    assert (config.architecture, config.attn_softcap, config.final_softcap) == ("gemma2", 2.0, 30.0)
+    assert config.swa_layers == [True, False] * 3 + [True] and config.swa_rope_theta is None and not config.qk_norm
+    ids = tokenizer.encode(TEXT + " " + TEXT)
+    got = _prefill(model, ids)
+    close = _relative(got, _reference_logits(reference, ids))
+    assert close < 0.06 and np.abs(got).max() <= 30.0
+    assert np.array_equal(one_token_logits(model, ids), got)
+    with torch.no_grad():
+        far = _relative(got, with_caps(None)(torch.tensor([ids])).logits[0].numpy())
+    assert far > 3 * close, (far, close)
+
+
 def test_tokenizer_bos_once_stops_and_gemmas_turns_when_the_file_has_none(tmp_path):
     import transformers
 
@@ -164,8 +201,8 @@ speculative:
 
 
 def test_what_is_not_served_is_refused_saying_why(tmp_path):
-    """A Gemma 3 with a float matrix (the native runtime serves it from block types alone), the torch
-    model asked for it, and Gemma 2 (soft-capping) each fail once with the reason."""
+    """A Gemma 3 with a float matrix (the native runtime serves it from block types alone), and the
+    conversion for the torch model asked for it, each fail once with the reason."""
     from outrider.artifacts import ArtifactCache
     from outrider_llm.artifact import GGUFError, load_native_artifact
     from outrider_llm.gguf_tiles import load_gguf_tiles
@@ -176,3 +213,66 @@ def test_what_is_not_served_is_refused_saying_why(tmp_path):
         load_gguf_tiles(path, ArtifactCache(tmp_path / "a"), in_child=False)
     with pytest.raises(GGUFError, match="gemma3 is served by the torch-free native runtime alone"):
         load_native_artifact(path, ArtifactCache(tmp_path / "b"))
+
+
+@pytest.fixture
+def ring_model(tmp_path, monkeypatch):
+    """The tiny Gemma 3 (window 8) with passes of 16 rows: its sliding layers' rings hold 32 rows, so
+    a 100-token prompt goes in 7 passes and wraps each ring three times."""
+    from outrider_llm import native_model
+
+    _native_c()
+    monkeypatch.setattr(native_model, "STEP_ROWS", 16)
+    path, _ = write_tiny_gemma3_gguf(tmp_path, seed=10, types=REAL_MIX, matrix_type="Q5_0")
+    model, tokenizer = _ours(path, tmp_path)
+    model.kv_dtype = np.float16
+    return model, tokenizer
+
+
+def test_the_sliding_layers_ring_computes_what_the_whole_cache_does(ring_model):
+    from outrider.generation.contract import Chunk
+    from outrider_llm.kv_cache import NumpySlotKVCache, RingSlotKVCache
+
+    model, tokenizer = ring_model
+    ids = tokenizer.encode(" ".join([TEXT] * 4))[:100]
+    ring, whole = model.new_cache(1, 256), NumpySlotKVCache(model.config, 1, 256, dtype=np.float16)
+    assert isinstance(ring, RingSlotKVCache) and ring.ring_capacity == 32
+    outs = []
+    for cache in (ring, whole):
+        steps = [model.forward(cache, [Chunk(0, np.array(ids), np.arange(len(ids)))]).logits]
+        cache.commit(0, list(range(len(ids))))
+        pos, token = len(ids), int(steps[0][-1].argmax())
+        for _ in range(6):  # one-token steps, then a tree of 4 (root, two children, a grandchild) keeping 2
+            steps.append(model.forward(cache, [Chunk(0, np.array([token]), np.array([pos]))]).logits)
+            cache.commit(0, [0])
+            pos, token = pos + 1, int(steps[-1][-1].argmax())
+        mask = np.array([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=bool)
+        tree = np.array([token, 7, 9, 11])
+        steps.append(model.forward(cache, [Chunk(0, tree, pos + np.array([0, 1, 1, 2]), mask)]).logits)
+        cache.commit(0, [0, 2])
+        steps.append(model.forward(cache, [Chunk(0, np.array([5]), np.array([pos + 2]))]).logits)
+        outs.append(steps)
+    for got, want in zip(*outs):
+        assert np.array_equal(got, want)
+    assert ring.nbytes < whole.nbytes / 2  # 6 of 7 layers hold 32 rows, not 256 (the growth step)
+    assert ring.valid_from(0) > 0
+
+
+def test_speculation_and_the_prefix_cache_are_exact_over_the_ring(ring_model):
+    from outrider.generation.prefix_cache import PrefixCache
+
+    from test_generate import _engine, _run
+
+    model, tokenizer = ring_model
+    prompt = " ".join([TEXT] * 5)  # about 100 tokens: past the rings' 32 rows
+    first = _run(_engine(model, tokenizer, speculative=False), [{"prompt": prompt, "max_tokens": 20}])
+    chat = [prompt, prompt + first.final[0]["text"] + " and the cat"]  # a conversation resent with its answer
+    fresh = _run(_engine(model, tokenizer, speculative=False), [{"prompt": p, "max_tokens": 20} for p in chat])
+    for speculative in (False, True):
+        engine = _engine(model, tokenizer, speculative=speculative)
+        engine.prefix_cache = PrefixCache(1 << 24)
+        got = [_run(engine, [{"prompt": p, "max_tokens": 20}]).final[0] for p in chat]
+        assert [g["token_ids"] for g in got] == [fresh.final[i]["token_ids"] for i in range(2)], speculative
+        assert got[0]["stats"]["cached_tokens"] == 0
+        # the resent chat finds its prompt and answer: the blocks whose last 8 positions the rings held
+        assert got[1]["stats"]["cached_tokens"] >= 96, got[1]["stats"]

@@ -111,8 +111,8 @@ def test_an_architecture_not_claimed_is_refused_naming_what_it_needs(tmp_path):
 
     from outrider_llm.loading import load_weights_artifact
 
-    path = tmp_path / "tiny-gemma2.gguf"
-    writer = gguf.GGUFWriter(str(path), "gemma2")
+    path = tmp_path / "tiny-qwen3moe.gguf"
+    writer = gguf.GGUFWriter(str(path), "qwen3moe")
     writer.add_block_count(1)
     writer.add_tensor("token_embd.weight", np.zeros((8, 32), np.float32))
     writer.write_header_to_file()
@@ -124,7 +124,7 @@ def test_an_architecture_not_claimed_is_refused_naming_what_it_needs(tmp_path):
     with pytest.raises(Exception) as info:
         load_weights_artifact(path, ArtifactCache(tmp_path / "cache"))
     message = str(info.value)
-    assert "'gemma2' is not supported" in message and "qwen3" in message and "soft-capping" in message
+    assert "'qwen3moe' is not supported" in message and "gemma3" in message and "mixture-of-experts" in message
 
 
 def test_ngram_speculation_is_exact_on_another_architecture(tmp_path):

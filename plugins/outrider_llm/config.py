@@ -36,7 +36,7 @@ class LlamaConfig:
     #: phi3 (and Mistral v0.1): each token attends to the last N only. The forward attends over the
     #: whole context, so the llm backend caps a sequence at N tokens, where the two are the same.
     sliding_window: Optional[int] = None
-    # Gemma 3 (the native model alone computes these):
+    # Gemma 2 and 3 (the native model alone computes these):
     post_norms: bool = False  # RMSNorm of the attention's and the MLP's outputs before each residual add
     activation: str = "silu"  # "gelu_tanh": GeGLU, GELU's tanh approximation
     embed_scale: float = 1.0  # the input embeddings times this (Gemma: sqrt(hidden)), in fp32
@@ -45,7 +45,9 @@ class LlamaConfig:
     #: swa_layers[i], with RoPE of base `swa_rope_theta` (unscaled); the other layers see everything
     swa_layers: Optional[list] = None
     swa_window: Optional[int] = None
-    swa_rope_theta: Optional[float] = None
+    swa_rope_theta: Optional[float] = None  # None: the sliding layers rotate as the others (Gemma 2)
+    attn_softcap: Optional[float] = None  # Gemma 2: attention scores soft-capped to cap * tanh(score / cap)
+    final_softcap: Optional[float] = None  # Gemma 2: the logits the same
 
     def to_dict(self) -> dict:
         """Plain JSON-able fields."""

@@ -39,11 +39,11 @@ _LAYER_NAMES = {
     "attn_k_norm": "self_attn.k_norm",
 }
 # Architectures served, and what the others would need (the error names it).
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
 # Served by the torch-free native model alone (from the file's blocks, gguf_tiles.py): the torch
 # model and the artifact conversion do not have their layer body.
-NATIVE_ONLY = ("gemma3",)
-# Gemma 3's layer pieces (GGUF names after "blk.N."): the two norms after attention and the MLP.
+NATIVE_ONLY = ("gemma2", "gemma3")
+# Gemma 2 and 3's layer pieces (GGUF names after "blk.N."): the two norms after attention and the MLP.
 GEMMA_POST_NORMS = ("post_attention_norm", "post_ffw_norm")
 # Gemma 3: every sixth layer attends globally (llama.cpp's set_swa_pattern(6)) and the sliding ones
 # rotate by RoPE base 10,000, neither stored in the file.
@@ -52,9 +52,7 @@ GEMMA3_LOCAL_ROPE_THETA = 10000.0
 # llama.cpp writes Q/K rows of these interleaved for its RoPE (qwen2/qwen3 use NEOX order: as is).
 _PERMUTED_QK = ("llama",)
 _MISSING = {
-    "gemma": "GeGLU, embeddings scaled by sqrt(hidden_size) and norms of (1 + w)",
-    "gemma2": "attention and final logit soft-capping in the native kernels (its other pieces, GeGLU, the post "
-              "norms and sliding-window layers, are Gemma 3's, which is served)",
+    "gemma": "Gemma 1's layer (Gemma 2's without the post norms), which is not wired up",
     "qwen2moe": "mixture-of-experts layers", "qwen3moe": "mixture-of-experts layers",
     "mistral3": "its vision tower and Mistral 3's RoPE scaling",
 }
@@ -90,18 +88,21 @@ def _config_from_gguf(reader: Any, path: Path) -> LlamaConfig:
     window = int(window) if window and int(window) < int(key("context_length", 2048)) else None
     layers = int(key("block_count"))
     gemma: dict[str, Any] = {}
-    if arch == "gemma3":
-        for name in ("attn_logit_softcapping", "final_logit_softcapping"):
-            if key(name):
-                raise GGUFError(f"{path}: {arch}.{name} = {key(name)}: logit soft-capping is not supported (Gemma 3 "
-                                f"has none; this file says otherwise)")
-        pattern = int(key("attention.sliding_window_pattern", GEMMA3_SWA_PATTERN) or GEMMA3_SWA_PATTERN)
+    if arch in ("gemma2", "gemma3"):
         gemma = dict(post_norms=True, activation="gelu_tanh", embed_scale=float(np.sqrt(np.float32(hidden))),
-                     swa_layers=[(i + 1) % pattern != 0 for i in range(layers)] if window else None,
-                     swa_window=window, swa_rope_theta=GEMMA3_LOCAL_ROPE_THETA if window else None)
-        # 27B (62 layers) scales queries by hidden / heads, the others by their head size (llama.cpp, HF's
-        # query_pre_attn_scalar)
-        if layers == 62:
+                     swa_window=window)
+        if arch == "gemma3":  # every sixth layer global; the others slide and rotate by their own base
+            pattern = int(key("attention.sliding_window_pattern", GEMMA3_SWA_PATTERN) or GEMMA3_SWA_PATTERN)
+            gemma.update(swa_layers=[(i + 1) % pattern != 0 for i in range(layers)] if window else None,
+                         swa_rope_theta=GEMMA3_LOCAL_ROPE_THETA if window else None)
+        else:  # Gemma 2: every other layer slides (the first does), all on one RoPE
+            gemma.update(swa_layers=[i % 2 == 0 for i in range(layers)] if window else None)
+        # Gemma 2's soft-capped attention scores and logits (Gemma 3 files have neither)
+        gemma.update(attn_softcap=float(key("attn_logit_softcapping", 0.0) or 0.0) or None,
+                     final_softcap=float(key("final_logit_softcapping", 0.0) or 0.0) or None)
+        # The 27B models (Gemma 3: 62 layers, Gemma 2: 46) scale queries by hidden / heads, the others by
+        # their head size (llama.cpp; HF's query_pre_attn_scalar)
+        if layers == (62 if arch == "gemma3" else 46):
             gemma["query_scale"] = float((hidden // heads) ** -0.5)
         window = None  # not phi3's cap: the native model attends within each sliding layer's window
     return LlamaConfig(

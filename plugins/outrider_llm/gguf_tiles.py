@@ -287,7 +287,9 @@ def build(path: Path, directory: Path, five_bit: bool) -> dict:
                 layer["attn_post_norm"] = out.dense(_dense(entry["post_attention_norm"]))
                 layer["mlp_post_norm"] = out.dense(_dense(entry["post_ffw_norm"]))
             if config.swa_layers and config.swa_layers[i]:
-                layer["window"], layer["rope_table"] = int(config.swa_window), 1
+                layer["window"], layer["rope_table"] = int(config.swa_window), 1 if config.swa_rope_theta else 0
+            if config.attn_softcap:
+                layer["attn_softcap"] = float(config.attn_softcap)
             for name, members in _MATRICES.items():
                 pieces = [entry[m] for m in members]
                 for piece in pieces:

@@ -172,3 +172,113 @@ class SlotKVCache(NumpySlotKVCache):
     @property
     def nbytes(self) -> int:
         return self.kv.numel() * self.kv.element_size()
+
+
+class RingSlotKVCache(NumpySlotKVCache):
+    """The numpy cache of a model whose sliding layers see only their last `window` positions (Gemma 2
+    and 3): those layers keep a ring of `window + step_rows - 1` rows a slot (rounded up to 16), the
+    row of position p being p % capacity, instead of the whole context; the other layers are
+    `NumpySlotKVCache`'s. A step may feed at most `step_rows` rows a slot (the model splits a longer
+    prefill), so no row a step reads is overwritten by it (the C layer stack checks this).
+
+    What a ring forgets: committed positions before `valid_from(slot)`. `read` returns them as NaN in
+    the ring layers (the global layers' rows are whole), and `restorable` says how many leading
+    prefix-cache blocks can be copied back exactly: those whose last `window` positions are whole,
+    which a resent chat's match (it ends past the stored prompt) always has."""
+
+    def __init__(self, config: Any, num_slots: int, max_length: int, step_rows: int,
+                 dtype: Any = np.float32) -> None:
+        windows = [bool(s) for s in config.swa_layers]
+        self.window, self.step_rows = int(config.swa_window), int(step_rows)
+        self.ring_layers = [i for i, w in enumerate(windows) if w]
+        self.full_layers = [i for i, w in enumerate(windows) if not w]
+        self.ring_capacity = -(-(self.window + self.step_rows - 1) // 16) * 16
+        super().__init__(config, num_slots, max_length, dtype=dtype)
+        self._shape = (len(self.full_layers), 2, config.num_kv_heads, config.head_dim)
+        self.kv = self._empty(0, 0)
+        self.ring = self._empty_ring(0)
+        self._valid_from = [0] * num_slots
+
+    def _empty_ring(self, slots: int) -> np.ndarray:
+        _, two, heads, dim = self._shape
+        return np.zeros((len(self.ring_layers), two, slots, heads, self.ring_capacity if slots else 0, dim),
+                        dtype=self.kv_dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.kv.nbytes + self.ring.nbytes)
+
+    def layer_caches(self) -> tuple[list[np.ndarray], list[bool]]:
+        """Every layer's [2, slots, KV, capacity, D] array in layer order, and which are rings (the
+        native layer stack's KV table)."""
+        arrays: list = [None] * (len(self.full_layers) + len(self.ring_layers))
+        for j, layer in enumerate(self.full_layers):
+            arrays[layer] = self.kv[j]
+        for j, layer in enumerate(self.ring_layers):
+            arrays[layer] = self.ring[j]
+        return arrays, [layer in set(self.ring_layers) for layer in range(len(arrays))]
+
+    def reserve(self, slot: int, length: int) -> None:
+        super().reserve(slot, length)
+        if self.ring.shape[2] <= slot:
+            grown = self._empty_ring(slot + 1)
+            if self.ring.shape[2]:
+                grown[:, :, :self.ring.shape[2]] = self.ring
+            self.ring = grown
+
+    def valid_from(self, slot: int) -> int:
+        """The first committed position whose K/V the ring layers still hold."""
+        return self._valid_from[slot]
+
+    def _rows(self, positions: Any) -> np.ndarray:
+        return np.asarray(positions, dtype=np.int64) % self.ring_capacity
+
+    def commit(self, slot: int, keep: list[int]) -> None:
+        fed, start = self._fed[slot], self._lengths[slot]
+        super().commit(slot, keep)  # checks keep, compacts the full layers
+        keep = [int(i) for i in keep]
+        # The step wrote rows start .. start + fed - 1 over the oldest positions of the ring.
+        self._valid_from[slot] = max(self._valid_from[slot], start + fed - self.ring_capacity)
+        if keep != list(range(len(keep))):
+            source = self.ring[:, :, slot][:, :, :, self._rows([start + i for i in keep])]  # a copy
+            self.ring[:, :, slot][:, :, :, self._rows(range(start, start + len(keep)))] = source
+
+    def read(self, slot: int, start: int, end: int) -> Any:
+        full = super().read(slot, start, end)  # checks the range
+        out = np.empty((len(self.full_layers) + len(self.ring_layers),) + full.shape[1:], dtype=self.kv_dtype)
+        out[self.full_layers] = full
+        ring = self.ring[:, :, slot][:, :, :, self._rows(range(start, end))]
+        lost = max(0, min(end, self._valid_from[slot]) - start)
+        ring[:, :, :, :lost] = np.nan  # overwritten since: never copied back as if it were K/V
+        out[self.ring_layers] = ring
+        return out
+
+    def write(self, slot: int, start: int, kv: Any) -> None:
+        kv = np.asarray(kv)
+        super().write(slot, start, kv[self.full_layers])
+        n = kv.shape[3]
+        first = max(0, n - self.ring_capacity)  # older rows would be overwritten by the newer ones
+        self.ring[:, :, slot][:, :, :, self._rows(range(start + first, start + n))] = \
+            self._stored(kv[self.ring_layers][:, :, :, first:])
+        self._valid_from[slot] = max(self._valid_from[slot], start + n - self.ring_capacity)
+
+    def restorable(self, blocks: list[Any]) -> int:
+        """How many leading blocks (prefix-cache copies of `read`, in order) can be written back
+        exactly: the most whose last `window` positions hold whole ring rows (no NaN)."""
+        if not blocks:
+            return 0
+        sizes = np.cumsum([b.shape[3] for b in blocks])
+        whole = [not np.isnan(b[self.ring_layers].astype(np.float32, copy=False)).any(axis=(0, 1, 2, 4)).any()
+                 for b in blocks]  # per block: every row of it whole
+        for count in range(len(blocks), 0, -1):
+            first = sizes[count - 1] - self.window  # the oldest position the next query may see
+            needed = [i for i in range(count) if sizes[i] > first]
+            if all(whole[i] for i in needed):
+                return count
+        return 0
+
+    def reset(self, slot: int) -> None:
+        super().reset(slot)
+        self._valid_from[slot] = 0
+        if not self._live and self.ring.shape[2]:
+            self.ring = self._empty_ring(0)

@@ -85,13 +85,13 @@ class _Layer(ctypes.Structure):
                 ("gate_up", _Matrix), ("down", _Matrix), ("qkv_bias", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
                 ("k_norm", ctypes.c_void_p), ("q_scale", ctypes.c_float), ("activation", ctypes.c_int32),
                 ("attn_post_norm", ctypes.c_void_p), ("mlp_post_norm", ctypes.c_void_p), ("rope_table", ctypes.c_int64),
-                ("window", ctypes.c_int64)]
+                ("window", ctypes.c_int64), ("attn_softcap", ctypes.c_float)]
 
 
 class _Kv(ctypes.Structure):
     _fields_ = [("data", ctypes.c_void_p), ("slots", ctypes.c_int64), ("capacity", ctypes.c_int64),
                 ("s_half", ctypes.c_int64), ("s_slot", ctypes.c_int64), ("s_head", ctypes.c_int64),
-                ("f16", ctypes.c_int64)]
+                ("f16", ctypes.c_int64), ("ring", ctypes.c_int64)]
 
 
 _STRUCTS = {"OutriderPart": _Part, "OutriderMatrix": _Matrix, "OutriderLayer": _Layer, "OutriderKv": _Kv}
@@ -396,7 +396,7 @@ def add(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return x
 
 
-def _kv_struct(kv: Any, num_kv_heads: Optional[int], what: str) -> _Kv:
+def _kv_struct(kv: Any, num_kv_heads: Optional[int], what: str, ring: bool = False) -> _Kv:
     size = getattr(getattr(kv, "dtype", None), "itemsize", 0)
     if not (isinstance(kv, np.ndarray) and kv.dtype in (np.float32, np.float16) and kv.ndim == 5 and kv.shape[0] == 2
             and (num_kv_heads is None or kv.shape[2] == num_kv_heads) and kv.flags.writeable
@@ -407,19 +407,23 @@ def _kv_struct(kv: Any, num_kv_heads: Optional[int], what: str) -> _Kv:
                          f"capacity, D] with rows of D contiguous, got {getattr(kv, 'dtype', type(kv).__name__)} "
                          f"{list(getattr(kv, 'shape', ()))} strides {getattr(kv, 'strides', None)}")
     return _Kv(kv.ctypes.data, kv.shape[1], kv.shape[3], kv.strides[0] // size, kv.strides[1] // size,
-               kv.strides[2] // size, int(kv.dtype == np.float16))
+               kv.strides[2] // size, int(kv.dtype == np.float16), int(ring))
 
 
 class KvCaches:
     """The OutriderKv table of a model's KV caches, built once: `kv` float32 [layers, 2, slots, KV,
     capacity, D] (or a sequence of per-layer [2, slots, KV, capacity, D] arrays), rows of D
-    contiguous. Holds them (the table points into them)."""
+    contiguous; `rings`: which layers' caches are rings (a sliding layer's: index i at row i %
+    capacity). Holds them (the table points into them)."""
 
-    def __init__(self, kv: Union[np.ndarray, Sequence[np.ndarray]], num_kv_heads: Optional[int] = None) -> None:
+    def __init__(self, kv: Union[np.ndarray, Sequence[np.ndarray]], num_kv_heads: Optional[int] = None,
+                 rings: Optional[Sequence[bool]] = None) -> None:
         if isinstance(kv, np.ndarray) and kv.ndim != 6:
             raise ValueError(f"KvCaches: kv must be [layers, 2, slots, KV, capacity, D], got {list(kv.shape)}")
         self.layers_kv = list(kv)
-        structs = [_kv_struct(layer, num_kv_heads, f"KvCaches: layer {i}") for i, layer in enumerate(self.layers_kv)]
+        rings = list(rings) if rings is not None else [False] * len(self.layers_kv)
+        structs = [_kv_struct(layer, num_kv_heads, f"KvCaches: layer {i}", rings[i])
+                   for i, layer in enumerate(self.layers_kv)]
         self.table = (_Kv * max(1, len(structs)))(*structs)
         self.layers = len(structs)
         self.num_kv_heads = self.layers_kv[0].shape[2] if structs else num_kv_heads
@@ -537,6 +541,7 @@ class Layer:
     activation: str = "silu"  # or "gelu_tanh" (GeGLU)
     rope_table: int = 0  # which of the step's RoPE tables rotates q and k (Gemma 3's sliding layers: their own)
     window: int = 0  # a sliding layer's window: a key this many positions or more before its query is not seen
+    attn_softcap: float = 0.0  # Gemma 2: attention scores soft-capped to cap * tanh(score / cap)
 
 
 def _parts(parts: PartsLike) -> list[Part]:
@@ -571,6 +576,7 @@ class LayerStack:
                                  f"{', '.join(ACTIVATIONS)}")
             entry.activation = ACTIVATIONS[layer.activation]
             entry.rope_table, entry.window = int(layer.rope_table), int(layer.window)
+            entry.attn_softcap = float(layer.attn_softcap)
             for name, size in (("qkv_bias", width), ("q_norm", head_dim), ("k_norm", head_dim),
                                ("attn_post_norm", self.hidden), ("mlp_post_norm", self.hidden)):
                 value = getattr(layer, name)

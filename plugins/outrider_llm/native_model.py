@@ -38,7 +38,7 @@ from .artifact import (BLOCKS_FORMAT, META_FILE, TOKENIZER_FILE, WEIGHTS_FILE, _
 from .config import FINGERPRINT_ROW_STRIDE, LlamaConfig, local_rope_config, rope_tables, weights_fingerprint
 from .gguf_blocks import AffineGroups
 from .heap import tune_malloc
-from .kv_cache import NumpySlotKVCache
+from .kv_cache import NumpySlotKVCache, RingSlotKVCache
 
 log = logging.getLogger("outrider.llm")
 
@@ -49,6 +49,9 @@ TILES_FORMAT = 2  # part of that artifact's key: bumped when what `_save_tiles` 
 TILES_FILE, TILES_INDEX = "tiles.bin", "tiles.json"
 ALIGN = 64  # bytes: every array in the tiles file starts on a cache line
 ROPE_ROWS_AT_START = 2048  # positions the RoPE tables hold before a longer sequence grows them
+#: rows a chunk may feed a sliding layer's ring in one pass (a longer prefill goes in passes): the
+#: ring holds the window and this many rows, as llama.cpp's ubatch of 512
+STEP_ROWS = 512
 MATRICES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
             "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
@@ -382,8 +385,13 @@ class NativeLlama:
     kv_dtype: Any = np.float32
 
     def new_cache(self, num_slots: int, max_length: int) -> NumpySlotKVCache:
-        """A KV cache for `num_slots` sequences of up to `max_length` tokens each, grown as admitted."""
-        return NumpySlotKVCache(self.config, num_slots, max_length, dtype=self.kv_dtype)
+        """A KV cache for `num_slots` sequences of up to `max_length` tokens each, grown as admitted;
+        a model with sliding layers keeps rings for those (kv_cache.RingSlotKVCache) where a ring is
+        smaller than the context."""
+        cfg = self.config
+        if cfg.swa_layers and any(cfg.swa_layers) and cfg.swa_window + STEP_ROWS - 1 < max_length:
+            return RingSlotKVCache(cfg, num_slots, max_length, STEP_ROWS, dtype=self.kv_dtype)
+        return NumpySlotKVCache(cfg, num_slots, max_length, dtype=self.kv_dtype)
 
     def embed(self, tokens: Any) -> np.ndarray:
         """fp32 [n, hidden] input embeddings of token ids (Gemma's scaled by sqrt(hidden))."""
@@ -396,7 +404,12 @@ class NativeLlama:
         """fp32 [n, vocab] logits of fp32 [n, hidden] (after the final norm)."""
         x = np.ascontiguousarray(np.asarray(hidden, dtype=np.float32).reshape(-1, self.hidden_size))
         logits = self.head.matmul(x)
-        return logits if logits.shape[1] == self.vocab_size else np.ascontiguousarray(logits[:, :self.vocab_size])
+        if logits.shape[1] != self.vocab_size:
+            logits = np.ascontiguousarray(logits[:, :self.vocab_size])
+        cap = self.config.final_softcap
+        if cap:  # Gemma 2: logits soft-capped to cap * tanh(logits / cap)
+            logits = (np.tanh(logits / np.float32(cap)) * np.float32(cap)).astype(np.float32)
+        return logits
 
     def lm_head_rows(self, tokens: Any) -> np.ndarray:
         """The head's rows for `tokens`, fp32 [k, hidden]."""
@@ -465,15 +478,60 @@ class NativeLlama:
         cos = np.ascontiguousarray(self._cos[..., positions, :])
         sin = np.ascontiguousarray(self._sin_signed[..., positions, :])
         x = np.ascontiguousarray(self.embed(tokens))
-        kv = getattr(cache, "native_table", None)
-        if kv is None or kv.keep is not cache.kv:  # the cache grew: its arrays moved
-            kv = cache.native_table = native_c.KvCaches(cache.kv, self.config.num_kv_heads)
-        self.layers(x, cos, sin, kv, chunk_table, visible, positions if self.layers.windowed else None)
+        kv = self._kv_table(cache)
+        if isinstance(cache, RingSlotKVCache) and max(t[2] for t in table) > cache.step_rows:
+            # A ring holds a window and one step's rows: a longer prefill goes in passes of at most
+            # step_rows rows a chunk, each row computed as in one pass (rows never depend on each other).
+            self._in_passes(x, cos, sin, kv, table, positions, cache.step_rows)
+        else:
+            self.layers(x, cos, sin, kv, chunk_table, visible, positions if self.layers.windowed else None)
         hidden = native_c.rms_norm(x, self.final_norm, self.config.rms_norm_eps)
         for slot, _, n, *_ in table:
             cache._fed[slot] = n
         rows = hidden if logit_rows is None else np.ascontiguousarray(hidden[np.asarray(logit_rows, dtype=np.int64)])
         return ForwardOutput(logits=self.lm_head(rows), hidden=hidden)
+
+
+    def _kv_table(self, cache: NumpySlotKVCache) -> native_c.KvCaches:
+        """The native KV table of `cache`, rebuilt when its arrays moved (it grew)."""
+        kv = getattr(cache, "native_table", None)
+        if isinstance(cache, RingSlotKVCache):
+            if kv is None or kv.keep[0] is not cache.kv or kv.keep[1] is not cache.ring:
+                arrays, rings = cache.layer_caches()
+                kv = cache.native_table = native_c.KvCaches(arrays, self.config.num_kv_heads, rings)
+                kv.keep = (cache.kv, cache.ring, arrays)
+        elif kv is None or kv.keep is not cache.kv:
+            kv = cache.native_table = native_c.KvCaches(cache.kv, self.config.num_kv_heads)
+        return kv
+
+    def _in_passes(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, kv: native_c.KvCaches, table: list,
+                   positions: np.ndarray, rows: int) -> None:
+        """The layer stack over causal chunks (`table` as forward builds it) in passes of at most
+        `rows` rows a chunk: pass k takes each chunk's k-th piece, its earlier pieces already in the
+        cache as if committed (the chunk's length grows by the rows before)."""
+        longest = max(t[2] for t in table)
+        for done in range(0, longest, rows):
+            picks, entries, masks, at = [], [], [], 0
+            for slot, first, n, length, _, _, mask in table:
+                take = min(rows, n - done)
+                if take <= 0:
+                    continue
+                if mask is not None and take != n:  # a tree never spans passes (it is one step's drafts)
+                    raise ValueError(f"slot {slot}: a chunk with a tree mask of {n} rows exceeds {rows} a pass")
+                picks.append(np.arange(first + done, first + done + take))
+                entries.append((slot, at, take, length + done))
+                masks.append((at, take, mask))
+                at += take
+            visible = None
+            if any(m is not None for _, _, m in masks):
+                visible = np.zeros((at, max(t for _, t, _ in masks)), dtype=bool)
+                for start, take, mask in masks:
+                    visible[start:start + take, :take] = np.tril(np.ones((take, take), bool)) if mask is None else mask
+            pick = np.concatenate(picks)
+            part = np.ascontiguousarray(x[pick])
+            self.layers(part, np.ascontiguousarray(cos[..., pick, :]), np.ascontiguousarray(sin[..., pick, :]), kv,
+                        np.array(entries, dtype=np.int64), visible, np.ascontiguousarray(positions[pick]))
+            x[pick] = part
 
 
 def _fused(parts: list[native_c.Part]) -> Any:
@@ -595,7 +653,7 @@ def _save_tiles(model: NativeLlama, directory: Path) -> None:
         entry = {name: ref(getattr(layer, name)) for name in ("attn_norm", "mlp_norm", "qkv_bias", "q_norm", "k_norm",
                                                               "attn_post_norm", "mlp_post_norm")}
         entry.update(q_scale=float(layer.q_scale), activation=layer.activation, rope_table=int(layer.rope_table),
-                     window=int(layer.window))
+                     window=int(layer.window), attn_softcap=float(layer.attn_softcap))
         for name in ("qkv", "o", "gate_up", "down"):
             entry[name] = [part(p) for p in _parts_of(getattr(layer, name))]
         layers.append(entry)
@@ -635,7 +693,8 @@ def _map_tiles(directory: Path) -> NativeLlama:
                              qkv_bias=get(e["qkv_bias"]), q_norm=get(e["q_norm"]), k_norm=get(e["k_norm"]),
                              q_scale=float(e.get("q_scale", 0.0)), attn_post_norm=get(e.get("attn_post_norm")),
                              mlp_post_norm=get(e.get("mlp_post_norm")), activation=e.get("activation", "silu"),
-                             rope_table=int(e.get("rope_table", 0)), window=int(e.get("window", 0)))
+                             rope_table=int(e.get("rope_table", 0)), window=int(e.get("window", 0)),
+                             attn_softcap=float(e.get("attn_softcap", 0.0)))
               for e in index["layers"]]
     stack = native_c.LayerStack(layers, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                                 eps=cfg.rms_norm_eps)

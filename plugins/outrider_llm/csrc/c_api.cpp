@@ -210,20 +210,21 @@ int check_kv(const OutriderKv* kv, int64_t dim, const Where& where, char* err, i
 
 int check_chunk_table(const int64_t* chunks, int64_t chunk_count, int64_t total, const OutriderKv& kv,
                       const uint8_t* visible, int64_t visible_width, const Where& where, char* err,
-                      int64_t err_size) {
+                      int64_t err_size, int64_t ring_window = 0) {
   if (chunk_count < 0 || (chunk_count > 0 && chunks == nullptr))
     return fail(err, err_size, "%s: %lld chunks without a table", Name(where).text, static_cast<ll>(chunk_count));
   if (visible != nullptr && visible_width < 0)
     return fail(err, err_size, "%s: visible width %lld", Name(where).text, static_cast<ll>(visible_width));
   char message[256];
   const char* error = check_chunks(chunks, chunk_count, total, kv.slots, kv.capacity,
-                                   visible == nullptr ? 0 : visible_width, visible == nullptr, message, sizeof message);
+                                   visible == nullptr ? 0 : visible_width, visible == nullptr, message, sizeof message,
+                                   ring_window);
   if (*error != '\0') return fail(err, err_size, "%s: %s", Name(where).text, error);
   return 0;
 }
 
 KvLayer kv_layer(const OutriderKv& kv) {
-  return {kv.data, kv.slots, kv.capacity, kv.s_half, kv.s_slot, kv.s_head, kv.f16 != 0};
+  return {kv.data, kv.slots, kv.capacity, kv.s_half, kv.s_slot, kv.s_head, kv.f16 != 0, kv.ring != 0};
 }
 
 // A matrix [width, in] of parts: each part checked, their outputs summing to width.
@@ -344,6 +345,7 @@ int outrider_attend(const float* qkv, int64_t total, const OutriderKv* kv, const
   if (check_heads(dim, num_heads, num_kv_heads, op, err, err_size)) return 1;
   if (total < 0) return fail(err, err_size, "attend: %lld rows", static_cast<ll>(total));
   if (check_kv(kv, dim, op, err, err_size)) return 1;
+  if (kv->ring) return fail(err, err_size, "attend: a ring KV cache needs its layer's window (llama_layers)");
   if (check_chunk_table(chunks, chunk_count, total, *kv, visible, visible_width, op, err, err_size)) return 1;
   if (total == 0) return 0;
   if (qkv == nullptr || out == nullptr) return fail(err, err_size, "attend: qkv and out must be given");
@@ -383,13 +385,21 @@ int outrider_llama_layers(float* x, int64_t rows, int64_t hidden, const float* c
     if (L.rope_table < 0 || L.rope_table >= rope_tables)
       return fail(err, err_size, "layer %lld: RoPE table %lld of %lld", static_cast<ll>(li),
                   static_cast<ll>(L.rope_table), static_cast<ll>(rope_tables));
+    if (!(L.attn_softcap >= 0.f))
+      return fail(err, err_size, "layer %lld: attention soft cap %g (expected 0 or positive)", static_cast<ll>(li),
+                  static_cast<double>(L.attn_softcap));
     if (L.window < 0 || (L.window > 0 && rows > 0 && positions == nullptr))
       return fail(err, err_size, "layer %lld: a window of %lld needs the rows' positions", static_cast<ll>(li),
                   static_cast<ll>(L.window));
     if (check_kv(&kv[li], dim, what, err, err_size)) return 1;
-    // The table against every layer's cache (each may have its own slots and capacity).
-    if (li == 0 || kv[li].slots != kv[li - 1].slots || kv[li].capacity != kv[li - 1].capacity)
-      if (check_chunk_table(chunks, chunk_count, rows, kv[li], visible, visible_width, what, err, err_size)) return 1;
+    if (kv[li].ring && L.window <= 0)
+      return fail(err, err_size, "layer %lld: a ring KV cache needs a layer with a window", static_cast<ll>(li));
+    // The table against every layer's cache (each may have its own slots and capacity, or be a ring).
+    if (li == 0 || kv[li].slots != kv[li - 1].slots || kv[li].capacity != kv[li - 1].capacity ||
+        kv[li].ring != kv[li - 1].ring || (kv[li].ring && L.window != layers[li - 1].window))
+      if (check_chunk_table(chunks, chunk_count, rows, kv[li], visible, visible_width, what, err, err_size,
+                            kv[li].ring ? L.window : 0))
+        return 1;
     if (check_matrix(L.qkv, width, hidden, li, "qkv", "(heads + 2 kv heads) x head_dim", err, err_size) ||
         check_matrix(L.o, hidden, q_width, li, "o", "hidden", err, err_size) ||
         check_matrix(L.gate_up, 2 * inter, hidden, li, "gate_up", "2 x intermediate", err, err_size) ||

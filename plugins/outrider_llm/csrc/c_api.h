@@ -63,7 +63,8 @@ typedef struct {
  *   activation: OUTRIDER_SILU (SwiGLU) or OUTRIDER_GELU_TANH (GeGLU, GELU's tanh approximation).
  *   rope_table: which of the step's RoPE tables rotates this layer's q and k (Gemma 3's sliding layers
  *   have their own base).
- *   window: 0, or the sliding window: a key `window` or more positions before its query is not seen. */
+ *   window: 0, or the sliding window: a key `window` or more positions before its query is not seen.
+ *   attn_softcap: 0, or the attention scores' soft cap (Gemma 2). */
 typedef struct {
   const float* attn_norm;
   const float* mlp_norm;
@@ -77,6 +78,7 @@ typedef struct {
   const float* mlp_post_norm;
   int64_t rope_table;
   int64_t window;
+  float attn_softcap; /* 0, or Gemma 2's: attention scores soft-capped to cap * tanh(score / cap) */
 } OutriderLayer;
 
 #define OUTRIDER_SILU 0
@@ -88,6 +90,8 @@ typedef struct {
   void* data;
   int64_t slots, capacity, s_half, s_slot, s_head; /* strides in elements */
   int64_t f16; /* 1: the cache holds IEEE fp16 (written rounded to nearest even), 0: fp32 */
+  int64_t ring; /* 1: a sliding layer's ring (its layer has a window): cache index i is row i % capacity,
+                   and a chunk's rows + the window - 1 must fit the capacity */
 } OutriderKv;
 
 /* Kernel sets and threads. */

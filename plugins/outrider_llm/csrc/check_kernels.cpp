@@ -209,18 +209,20 @@ void check_set(const KernelSet& set) {
           if (next_u32() % 8 || keys - i <= count - static_cast<int64_t>(pos.size())) pos.push_back(i);
         const std::string what = "attend dim " + std::to_string(dim) + " group " + std::to_string(group) +
                                  " keys " + std::to_string(count);
-        auto run = [&](const KernelSet& ks) {
+        auto run = [&](const KernelSet& ks, float cap) {
           std::vector<float> scores(group * (count + 16)), out(group * dim);
-          ks.attend_group(q.data(), group, dim, k.data(), v.data(), pos.data(), count, scores.data(), out.data());
+          ks.attend_group(q.data(), group, dim, k.data(), v.data(), pos.data(), count, scores.data(), out.data(),
+                          cap);
           return out;
         };
-        expect_same(std::string(set.name) + " " + what, run(set), run(kScalar));
+        expect_same(std::string(set.name) + " " + what, run(set, 0.f), run(kScalar, 0.f));
+        expect_same(std::string(set.name) + " soft-capped " + what, run(set, 2.5f), run(kScalar, 2.5f));
         std::vector<uint16_t> k16(k.size()), v16(v.size());  // the same over an fp16 cache
         for (size_t i = 0; i < k.size(); ++i) k16[i] = float_to_half(k[i]), v16[i] = float_to_half(v[i]);
         auto run16 = [&](const KernelSet& ks) {
           std::vector<float> scores(group * (count + 16)), out(group * dim);
           ks.attend_group_f16(q.data(), group, dim, k16.data(), v16.data(), pos.data(), count, scores.data(),
-                              out.data());
+                              out.data(), 0.f);
           return out;
         };
         expect_same(std::string(set.name) + " fp16 cache " + what, run16(set), run16(kScalar));

@@ -547,9 +547,18 @@ inline typename A::F kv_load(const float* p) { return A::fload(p); }
 template <class A>
 inline typename A::F kv_load(const uint16_t* p) { return A::load_half(p); }
 
-// scores[i] = q . k[pos[i]] for one head (dim = 16 * C), then softmax in place.
+// cap * tanh(s / cap) per lane (Gemma 2's attention soft-capping), tanh(x) as 1 - 2 / (exp(2x) + 1):
+// one exp, as everywhere here, saturating to +-1 with exp's clamps.
+template <class A>
+inline typename A::F soft_cap(typename A::F s, float cap) {
+  const typename A::F one = A::fset(1.f);
+  const typename A::F e = exp16<A>(A::mul(s, A::fset(2.f / cap)));
+  return A::mul(A::fset(cap), A::sub(one, A::div(A::fset(2.f), A::add(e, one))));
+}
+
+// scores[i] = q . k[pos[i]] for one head (dim = 16 * C), soft-capped where cap > 0, then softmax in place.
 template <class A, int C, class T>
-void softmax_scores(const float* q, const T* keys, const int64_t* pos, int64_t count, float* scores) {
+void softmax_scores(const float* q, const T* keys, const int64_t* pos, int64_t count, float* scores, float cap) {
   using F = typename A::F;
   F qv[C];
   for (int c = 0; c < C; ++c) qv[c] = A::fload(q + 16 * c);
@@ -565,7 +574,8 @@ void softmax_scores(const float* q, const T* keys, const int64_t* pos, int64_t c
       v[j] = A::mul(qv[0], kv_load<A>(k));
       for (int c = 1; c < C; ++c) v[j] = A::fma(qv[c], kv_load<A>(k + 16 * c), v[j]);
     }
-    const F s = A::sum16(v);
+    F s = A::sum16(v);
+    if (cap > 0.f) s = soft_cap<A>(s, cap);
     if (n == 16)
       A::fstore(scores + i0, s);
     else
@@ -623,9 +633,10 @@ void weighted_values(const T* values, const int64_t* pos, int64_t count, const f
 
 template <class A, int C, class T>
 void attend_group_c(const float* q, int64_t group, const T* keys, const T* values, const int64_t* pos,
-                    int64_t count, float* scores, float* out) {
+                    int64_t count, float* scores, float* out, float cap) {
   constexpr int64_t d = 16 * C;
-  for (int64_t g = 0; g < group; ++g) softmax_scores<A, C, T>(q + g * d, keys, pos, count, scores + g * (count + 16));
+  for (int64_t g = 0; g < group; ++g)
+    softmax_scores<A, C, T>(q + g * d, keys, pos, count, scores + g * (count + 16), cap);
   for (int64_t g0 = 0; g0 < group; g0 += 4) {
     const float* probs[4];
     float* outs[4];
@@ -645,13 +656,13 @@ void attend_group_c(const float* q, int64_t group, const T* keys, const T* value
 
 template <class A, class T = float>
 void attend_group(const float* q, int64_t group, int64_t dim, const T* keys, const T* values,
-                  const int64_t* pos, int64_t count, float* scores, float* out) {
+                  const int64_t* pos, int64_t count, float* scores, float* out, float cap) {
   switch (dim) {
-    case 16: attend_group_c<A, 1, T>(q, group, keys, values, pos, count, scores, out); break;
-    case 32: attend_group_c<A, 2, T>(q, group, keys, values, pos, count, scores, out); break;
-    case 64: attend_group_c<A, 4, T>(q, group, keys, values, pos, count, scores, out); break;
-    case 128: attend_group_c<A, 8, T>(q, group, keys, values, pos, count, scores, out); break;
-    default: attend_group_c<A, 16, T>(q, group, keys, values, pos, count, scores, out); break;  // 256 (checked by ops)
+    case 16: attend_group_c<A, 1, T>(q, group, keys, values, pos, count, scores, out, cap); break;
+    case 32: attend_group_c<A, 2, T>(q, group, keys, values, pos, count, scores, out, cap); break;
+    case 64: attend_group_c<A, 4, T>(q, group, keys, values, pos, count, scores, out, cap); break;
+    case 128: attend_group_c<A, 8, T>(q, group, keys, values, pos, count, scores, out, cap); break;
+    default: attend_group_c<A, 16, T>(q, group, keys, values, pos, count, scores, out, cap); break;  // 256 (checked)
   }
 }
 

@@ -93,12 +93,13 @@ struct KernelSet {
   void (*matmul_groups)(const int8_t* xq, const float* scale, const float* sum, const int32_t* isum, int64_t rows,
                         int64_t in, const uint8_t* w, int bits, int64_t t0, int64_t t1, float* y, int64_t y_stride);
   // One row and KV head: `group` query heads (q[g * dim ..]) over the keys and values at `pos`
-  // (count of them; rows of `dim` floats); scores: scratch of group * (count + 16) floats.
+  // (count of them; rows of `dim` floats); scores: scratch of group * (count + 16) floats; cap > 0:
+  // each score soft-capped to cap * tanh(score / cap) before the softmax (Gemma 2).
   void (*attend_group)(const float* q, int64_t group, int64_t dim, const float* keys, const float* values,
-                       const int64_t* pos, int64_t count, float* scores, float* out);
+                       const int64_t* pos, int64_t count, float* scores, float* out, float cap);
   // The same over an fp16 cache (keys and values widened to fp32 as they are read).
   void (*attend_group_f16)(const float* q, int64_t group, int64_t dim, const uint16_t* keys, const uint16_t* values,
-                           const int64_t* pos, int64_t count, float* scores, float* out);
+                           const int64_t* pos, int64_t count, float* scores, float* out, float cap);
   void (*rms_norm_rows)(const float* x, const float* w, float eps, int64_t rows, int64_t hidden, float* y);
   void (*swiglu_rows)(const float* gate_up, int64_t rows, int64_t inter, float* y);  // silu(gate) * up
   void (*geglu_rows)(const float* gate_up, int64_t rows, int64_t inter, float* y);   // gelu_tanh(gate) * up
@@ -155,12 +156,16 @@ struct KvLayer {
   void* data;  // [2, slots, kv_heads, capacity, dim] of fp32, or of fp16 (f16)
   int64_t slots, capacity, s_half, s_slot, s_head;  // strides in elements
   bool f16 = false;  // K and V stored as IEEE fp16 (rounded to nearest even as written), read widened
+  // A sliding layer's ring: the row of cache index i is i % capacity, and the capacity holds the
+  // window and a step's rows (checked by the caller), so no row a step reads is overwritten by it.
+  bool ring = false;
 };
 // window > 0: a row at position p (positions[row]) sees no key at position p - window or before (a
-// committed key's position is its row in the cache; a fed one's, its row's).
+// committed key's position is its row in the cache; a fed one's, its row's). softcap > 0: scores
+// soft-capped (Gemma 2).
 void attend(const float* qkv, int64_t total, const KvLayer& kv, const int64_t* chunks, int64_t chunk_count,
             const bool* visible, int64_t visible_width, int64_t num_heads, int64_t num_kv_heads, int64_t dim,
-            float* out, int64_t window = 0, const int64_t* positions = nullptr);
+            float* out, int64_t window = 0, const int64_t* positions = nullptr, float softcap = 0.f);
 
 // Every decoder layer of a step (layers.cpp): the one layer body both bindings run. kv: one per layer;
 // chunks and visible as attend's; cos and sin [rope_tables, rows, dim]; positions: each row's (needed by
@@ -210,7 +215,10 @@ void dequantize_super_rows(const uint8_t* w, int layout, int64_t in, const int64
 void dequantize_group_rows(const uint8_t* w, int bits, int64_t in, const int64_t* ids, int64_t n, float* out);
 
 // The chunk table's checks (an error message, or empty when it fits).
+// ring_window > 0: the cache is a ring for that window (a chunk's rows + window - 1 must fit the
+// capacity, not its length + rows).
 const char* check_chunks(const int64_t* chunks, int64_t chunk_count, int64_t total, int64_t slots, int64_t capacity,
-                         int64_t visible_width, bool causal, char* message, int64_t message_size);
+                         int64_t visible_width, bool causal, char* message, int64_t message_size,
+                         int64_t ring_window = 0);
 
 }  // namespace outrider_native

@@ -4,7 +4,7 @@
 // Each matrix is 1 to 3 parts side by side (q | k | v in their own GGUF block types, gate | up), each
 // its own a8_matmul writing its column slice of the matrix's output, in any layout the kernels take;
 // plus Qwen2's qkv bias, Qwen3's per-head q and k RMSNorm and q's scale, Gemma 3's post norms, GeGLU,
-// RoPE table and sliding window. Per layer: RMSNorm -> qkv -> + bias -> q, k norms -> q scale -> RoPE
+// RoPE table and sliding window, Gemma 2's attention soft-capping. Per layer: RMSNorm -> qkv -> + bias -> q, k norms -> q scale -> RoPE
 // (the layer's table) -> attention (within the layer's window) -> o -> [post norm] -> + x -> RMSNorm ->
 // gate_up -> SwiGLU or GeGLU -> down -> [post norm] -> + x. Every row is computed on its own, in a fixed order: its result never depends on the
 // other rows of the step, on the thread count, or (kernels.h) on the instruction set.
@@ -61,7 +61,7 @@ void decoder_layers(float* x, int64_t rows, int64_t hidden, const float* cos, co
     rope_rows(qkv.data(), cos + table * rows * dim, sin + table * rows * dim, rows, num_heads + num_kv_heads, dim,
               width);
     attend(qkv.data(), rows, kv[li], chunks, chunk_count, vis, visible_width, num_heads, num_kv_heads,
-           dim, attn.data(), L.window, positions);
+           dim, attn.data(), L.window, positions, L.attn_softcap);
     matrix_matmul(L.o, attn.data(), rows, q_width, out.data(), hidden);
     if (L.attn_post_norm != nullptr) ks.rms_norm_rows(out.data(), L.attn_post_norm, eps, rows, hidden, out.data());
     ks.add_rows(x, out.data(), rows * hidden);

@@ -128,12 +128,14 @@ void a8_matmul(const float* x, int64_t rows, int64_t in, int64_t group, const ui
 }
 
 const char* check_chunks(const int64_t* ch, int64_t count, int64_t total, int64_t slots, int64_t capacity,
-                         int64_t visible_width, bool causal, char* message, int64_t message_size) {
+                         int64_t visible_width, bool causal, char* message, int64_t message_size,
+                         int64_t ring_window) {
   std::vector<char> owned(total, 0);
   for (int64_t c = 0; c < count; ++c) {
     const int64_t slot = ch[4 * c], start = ch[4 * c + 1], n = ch[4 * c + 2], length = ch[4 * c + 3];
-    if (!(slot >= 0 && slot < slots && start >= 0 && n >= 1 && start + n <= total && length >= 0 &&
-          length + n <= capacity && (causal || n <= visible_width))) {
+    const bool fits = ring_window > 0 ? n + ring_window - 1 <= capacity : length + n <= capacity;
+    if (!(slot >= 0 && slot < slots && start >= 0 && n >= 1 && start + n <= total && length >= 0 && fits &&
+          (causal || n <= visible_width))) {
       std::snprintf(message, message_size,
                     "chunk %lld (slot %lld, rows %lld+%lld, length %lld) does not fit %lld rows, %lld slots of %lld",
                     static_cast<long long>(c), static_cast<long long>(slot), static_cast<long long>(start),
@@ -154,13 +156,16 @@ const char* check_chunks(const int64_t* ch, int64_t count, int64_t total, int64_
 
 void attend(const float* qkv, int64_t total, const KvLayer& kv, const int64_t* ch, int64_t count,
             const bool* visible, int64_t visible_width, int64_t num_heads, int64_t num_kv_heads, int64_t dim,
-            float* out, int64_t window, const int64_t* positions) {
+            float* out, int64_t window, const int64_t* positions, float softcap) {
   const KernelSet& ks = active_kernels();
   const int64_t width = (num_heads + 2 * num_kv_heads) * dim, q_width = num_heads * dim;
   const int64_t group = num_heads / num_kv_heads;
   std::vector<int64_t> row_chunk(total, -1);
   for (int64_t c = 0; c < count; ++c)
     for (int64_t r = ch[4 * c + 1]; r < ch[4 * c + 1] + ch[4 * c + 2]; ++r) row_chunk[r] = c;
+  // The row of cache index i: itself, or in a sliding layer's ring i % capacity.
+  const int64_t ring = kv.ring ? kv.capacity : 0;
+  auto row_of = [ring](int64_t i) { return ring ? i % ring : i; };
   // K and V of every fed token into the cache, before any row reads them (fp16: rounded to nearest
   // even here, in plain C++, so every kernel set reads the same bits).
   for (int64_t c = 0; c < count; ++c) {
@@ -168,7 +173,7 @@ void attend(const float* qkv, int64_t total, const KvLayer& kv, const int64_t* c
     for (int64_t r = 0; r < n; ++r)
       for (int64_t half = 0; half < 2; ++half)
         for (int64_t h = 0; h < num_kv_heads; ++h) {
-          const int64_t at = half * kv.s_half + slot * kv.s_slot + h * kv.s_head + (length + r) * dim;
+          const int64_t at = half * kv.s_half + slot * kv.s_slot + h * kv.s_head + row_of(length + r) * dim;
           const float* from = qkv + (start + r) * width + q_width + (half * num_kv_heads + h) * dim;
           if (kv.f16) {
             uint16_t* to = static_cast<uint16_t*>(kv.data) + at;
@@ -192,11 +197,11 @@ void attend(const float* qkv, int64_t total, const KvLayer& kv, const int64_t* c
       // A sliding layer's row at position p sees keys at positions above p - window: committed key i is
       // at position i, a fed one at its row's.
       const int64_t first = window > 0 ? positions[row] - window + 1 : 0;
-      for (int64_t i = first > 0 ? first : 0; i < length; ++i) pos[seen++] = i;
+      for (int64_t i = first > 0 ? first : 0; i < length; ++i) pos[seen++] = row_of(i);
       for (int64_t j = 0; j < n; ++j)
         if ((visible == nullptr ? j <= r : visible[row * visible_width + j]) &&
             (window <= 0 || positions[start + j] >= first))
-          pos[seen++] = length + j;
+          pos[seen++] = row_of(length + j);
       if (seen == 0) continue;  // sees nothing (a visible row without its own token): zeros
       scores.resize(group * (seen + 16));
       const int64_t at = slot * kv.s_slot + kv_head * kv.s_head;
@@ -204,10 +209,10 @@ void attend(const float* qkv, int64_t total, const KvLayer& kv, const int64_t* c
       float* o = out + row * q_width + kv_head * group * dim;
       if (kv.f16) {
         const uint16_t* base = static_cast<const uint16_t*>(kv.data) + at;
-        ks.attend_group_f16(q, group, dim, base, base + kv.s_half, pos.data(), seen, scores.data(), o);
+        ks.attend_group_f16(q, group, dim, base, base + kv.s_half, pos.data(), seen, scores.data(), o, softcap);
       } else {
         const float* base = static_cast<const float*>(kv.data) + at;
-        ks.attend_group(q, group, dim, base, base + kv.s_half, pos.data(), seen, scores.data(), o);
+        ks.attend_group(q, group, dim, base, base + kv.s_half, pos.data(), seen, scores.data(), o, softcap);
       }
     }
   });

@@ -57,6 +57,9 @@ class KVCache(Protocol):
     # positions start..end-1, and committing such a copy right after the committed ones.
     def read(self, slot: int, start: int, end: int) -> Any: ...
     def write(self, slot: int, start: int, kv: Any) -> None: ...
+    # Optional, for a cache whose windowed layers forget old rows: how many leading blocks (copies
+    # of `read`, in order) can be written back exactly (the engine copies no more).
+    # def restorable(self, blocks: list[Any]) -> int: ...
 
 
 class CausalLM(Protocol):

@@ -418,6 +418,9 @@ class GenerationEngine:
     def _reuse_prefix(self, seq: Sequence) -> None:
         """Copy the cached blocks that start `seq`'s prompt into its slot (counted in stats)."""
         blocks = self.prefix_cache.lookup(seq.token_ids)
+        restorable = getattr(self.cache, "restorable", None)  # a cache with windowed layers forgets rows
+        if restorable is not None and blocks:
+            blocks = blocks[:restorable([block.kv for block in blocks])]
         for block in blocks:
             self.cache.write(seq.slot, self.cache.length(seq.slot), block.kv)
         seq.cached_tokens = self.cache.length(seq.slot)
