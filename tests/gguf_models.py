@@ -155,14 +155,7 @@ def write_tiny_gguf(directory: Path, arch: str, seed: int = 0, matrix_type: str 
     config = hf_config(arch, len(tokens), **overrides)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():  # larger than the default init, so the logits differ visibly between tokens
-        for name, p in model.named_parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, 0.08)
-            elif "norm" in name:
-                p.uniform_(0.7, 1.3)
-            else:
-                p.normal_(0.0, 0.05)
+    _randomize(model, (0.7, 1.3))
     path = Path(directory) / f"tiny-{arch}.gguf"
     # llama.cpp converts Mistral (MistralForCausalLM) as a "llama" GGUF: same layers and RoPE.
     writer = gguf.GGUFWriter(str(path), GGUF_ARCH[arch])
@@ -213,23 +206,50 @@ def write_tiny_gguf(directory: Path, arch: str, seed: int = 0, matrix_type: str 
             if arch in ("llama", "mistral") and parts[-2] in ("q_proj", "k_proj"):
                 heads = config.num_attention_heads if parts[-2] == "q_proj" else config.num_key_value_heads
                 values = _permute(values, heads)
-        kind = next((t for suffix, t in (types or {}).items() if out.endswith(suffix)), matrix_type)
-        if values.ndim == 2 and kind != "F32":
-            qtype = gguf.GGMLQuantizationType[kind]
-            if kind == "F16":
-                data = values.astype(np.float16)
-            elif kind in RANDOM_BLOCKS:  # a type gguf-py cannot quantize to: random blocks, sane scales
-                data = random_blocks(kind, *values.shape, seed=len(out))
+        _add_tensor(writer, out, values, next((t for suffix, t in (types or {}).items() if out.endswith(suffix)),
+                                              matrix_type))
+    _finish(writer)
+    return path, model
+
+
+def _randomize(model, norms: tuple[float, float]) -> None:
+    """Weights larger than the default init (so the logits differ visibly between tokens), norms
+    uniform in `norms`."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.08)
+            elif "norm" in name:
+                p.uniform_(*norms)
             else:
-                data = gguf.quants.quantize(values, qtype)
-            writer.add_tensor(out, data, raw_dtype=qtype)  # the writer reads the shape off the bytes
+                p.normal_(0.0, 0.05)
+
+
+def _add_tensor(writer, out: str, values: np.ndarray, kind: str) -> None:
+    """A matrix in `kind` (F16, a type gguf-py quantizes, or random blocks of a K type), anything
+    else in F32."""
+    import gguf
+
+    if values.ndim == 2 and kind != "F32":
+        qtype = gguf.GGMLQuantizationType[kind]
+        if kind == "F16":
+            data = values.astype(np.float16)
+        elif kind in RANDOM_BLOCKS:  # a type gguf-py cannot quantize to: random blocks, sane scales
+            data = random_blocks(kind, *values.shape, seed=len(out))
         else:
-            writer.add_tensor(out, np.ascontiguousarray(values, dtype=np.float32))
+            data = gguf.quants.quantize(values, qtype)
+        writer.add_tensor(out, data, raw_dtype=qtype)  # the writer reads the shape off the bytes
+    else:
+        writer.add_tensor(out, np.ascontiguousarray(values, dtype=np.float32))
+
+
+def _finish(writer) -> None:
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return path, model
 
 
 def write_block_gguf(path: Path, hidden: int, layers: int, ffn: int, vocab: int, types: dict[str, str],
@@ -344,14 +364,7 @@ def write_tiny_gemma3_gguf(directory: Path, seed: int = 0, types: Optional[dict[
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = (transformers.Gemma3ForCausalLM if arch == "gemma3" else transformers.Gemma2ForCausalLM)(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, 0.08)
-            elif "norm" in name:
-                p.uniform_(-0.3, 0.3)  # Gemma's norms compute x (1 + w)
-            else:
-                p.normal_(0.0, 0.05)
+    _randomize(model, (-0.3, 0.3))  # Gemma's norms compute x (1 + w)
     path = Path(directory) / f"tiny-{arch}.gguf"
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name(f"tiny-{arch}")
@@ -399,20 +412,7 @@ def write_tiny_gemma3_gguf(directory: Path, seed: int = 0, types: Optional[dict[
         else:
             parts = name.split(".")
             out = f"blk.{parts[2]}.{GEMMA3_LAYER['.'.join(parts[3:-1])]}.{parts[-1]}"
-        kind = next((t for suffix, t in (types or {}).items() if out.endswith(suffix)), matrix_type)
-        if values.ndim == 2 and kind != "F32":
-            qtype = gguf.GGMLQuantizationType[kind]
-            if kind == "F16":
-                data = values.astype(np.float16)
-            elif kind in RANDOM_BLOCKS:
-                data = random_blocks(kind, *values.shape, seed=len(out))
-            else:
-                data = gguf.quants.quantize(values, qtype)
-            writer.add_tensor(out, data, raw_dtype=qtype)
-        else:
-            writer.add_tensor(out, np.ascontiguousarray(values, dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+        _add_tensor(writer, out, values, next((t for suffix, t in (types or {}).items() if out.endswith(suffix)),
+                                              matrix_type))
+    _finish(writer)
     return path, model

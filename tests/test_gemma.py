@@ -182,10 +182,10 @@ model:
   path: {path}
 options:
   max_sequences: 2
-  max_length: 128
+  max_length: 2048   # past the window + 511: the sliding layers keep rings
+  prefix_cache_mb: 16
   threads: 2
-speculative:
-  drafters: [ngram]
+speculative: {{drafters: [ngram]}}
 """, "gemma.yaml")
     server = server_factory([manifest], ["outrider_llm", "outrider_speculative"],
                             env={"OUTRIDER_CACHE_DIR": str(tmp_path / "cache")})
