@@ -147,7 +147,6 @@ def write_tiny_gguf(directory: Path, arch: str, seed: int = 0, matrix_type: str 
     Matrices are written in `matrix_type` (F32, F16, or a type gguf-py quantizes: Q8_0, Q4_0, ...),
     or per GGUF tensor-name suffix in `types`; norms and biases stay F32.
     """
-    import gguf
     import torch
     import transformers
 
@@ -158,14 +157,7 @@ def write_tiny_gguf(directory: Path, arch: str, seed: int = 0, matrix_type: str 
     _randomize(model, (0.7, 1.3))
     path = Path(directory) / f"tiny-{arch}.gguf"
     # llama.cpp converts Mistral (MistralForCausalLM) as a "llama" GGUF: same layers and RoPE.
-    writer = gguf.GGUFWriter(str(path), GGUF_ARCH[arch])
-    writer.add_name(f"tiny-{arch}")
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
+    writer = _writer(path, GGUF_ARCH[arch], f"tiny-{arch}", config)
     writer.add_rope_freq_base(rope_theta(config))
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     if getattr(config, "sliding_window", None):
@@ -225,6 +217,21 @@ def _randomize(model, norms: tuple[float, float]) -> None:
                 p.uniform_(*norms)
             else:
                 p.normal_(0.0, 0.05)
+
+
+def _writer(path: Path, arch: str, name: str, config):
+    """A GGUF writer with the shape of a transformers `config` written."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(name)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    return writer
 
 
 def _add_tensor(writer, out: str, values: np.ndarray, kind: str) -> None:
@@ -342,7 +349,6 @@ def write_tiny_gemma3_gguf(directory: Path, seed: int = 0, types: Optional[dict[
     rest within `sliding_window` (8 by default: a test of 20 tokens crosses it), Gemma 2's even layers
     slide; head_dim 256 as Gemma's. Matrices in `matrix_type` or per tensor name suffix in `types`
     (the native runtime serves Gemma from block types only)."""
-    import gguf
     import torch
     import transformers
 
@@ -366,14 +372,7 @@ def write_tiny_gemma3_gguf(directory: Path, seed: int = 0, types: Optional[dict[
     model = (transformers.Gemma3ForCausalLM if arch == "gemma3" else transformers.Gemma2ForCausalLM)(config).eval()
     _randomize(model, (-0.3, 0.3))  # Gemma's norms compute x (1 + w)
     path = Path(directory) / f"tiny-{arch}.gguf"
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_name(f"tiny-{arch}")
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
+    writer = _writer(path, arch, f"tiny-{arch}", config)
     writer.add_key_length(config.head_dim)
     writer.add_value_length(config.head_dim)
     # transformers 5.x: Gemma 3 has a RoPE per layer type (its defaults: 1e6 global, 10,000 local)
