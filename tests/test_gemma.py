@@ -229,13 +229,15 @@ def ring_model(tmp_path, monkeypatch):
     return model, tokenizer
 
 
-def test_the_sliding_layers_ring_computes_what_the_whole_cache_does(ring_model):
+@pytest.mark.parametrize("kv", ["float16", "q8_0"])
+def test_the_sliding_layers_ring_computes_what_the_whole_cache_does(ring_model, kv):
     from outrider.generation.contract import Chunk
     from outrider_llm.kv_cache import NumpySlotKVCache, RingSlotKVCache
 
     model, tokenizer = ring_model
+    model.kv_dtype = kv
     ids = tokenizer.encode(" ".join([TEXT] * 4))[:100]
-    ring, whole = model.new_cache(1, 256), NumpySlotKVCache(model.config, 1, 256, dtype=np.float16)
+    ring, whole = model.new_cache(1, 256), NumpySlotKVCache(model.config, 1, 256, dtype=kv)
     assert isinstance(ring, RingSlotKVCache) and ring.ring_capacity == 32
     outs = []
     for cache in (ring, whole):

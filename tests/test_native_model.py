@@ -78,7 +78,7 @@ def test_native_model_computes_the_torch_models_layers_bit_for_bit(mix):
                        [[0, 9, 255]])
 
 
-@pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16", "q8_0"])
 def test_a_draft_trees_rows_are_one_token_steps_and_commit_keeps_the_accepted_path(kv_dtype):
     """With either KV cache: what keeps speculation lossless on this model."""
     _native_c()
@@ -91,10 +91,10 @@ def test_a_draft_trees_rows_are_one_token_steps_and_commit_keeps_the_accepted_pa
     config.intermediate_size = 512
     quantized, _ = _blocks_state_dict(random_llama_weights(config, seed=6), MIXES["Q4_K_M"])
     model = NativeLlama.from_weights(config, Weights(quantized))
-    model.kv_dtype = np.dtype(kv_dtype)
+    model.kv_dtype = kv_dtype if kv_dtype == "q8_0" else np.dtype(kv_dtype)
     prompt = [5, 17, 42, 42, 8]
     cache = model.new_cache(2, 64)
-    assert cache.kv.dtype == model.kv_dtype
+    assert cache.kv_kind == kv_dtype
     model.forward(cache, [_chunk(prompt)])
     cache.commit(0, list(range(len(prompt))))
     # pending 9; nodes: 10 (child of pending), 11 (child of 10), 12 (child of pending)
@@ -177,6 +177,48 @@ def test_an_fp16_cache_holds_the_fp32_values_rounded_and_computes_within_their_r
     again = model.new_cache(1, 64)
     again.write(0, 0, prefix)
     step = model.forward(half, [_chunk([5], start=n)]).logits
+    assert np.array_equal(model.forward(again, [_chunk([5], start=n)]).logits, step)
+
+
+def _q8_0_rows(x: np.ndarray) -> np.ndarray:
+    """ggml's quantize_row_q8_0_ref of float32 rows [..., D]: int8 values (roundf: half away from
+    zero) then D / 32 fp16 scales amax / 127, as bytes [..., D + D / 16]."""
+    blocks = x.reshape(*x.shape[:-1], -1, 32).astype(np.float32)
+    d = np.abs(blocks).max(axis=-1) / np.float32(127)
+    inverse = np.where(d != 0, np.float32(1) / np.where(d != 0, d, 1), 0).astype(np.float32)
+    scaled = blocks * inverse[..., None]
+    q = (np.sign(scaled) * np.floor(np.abs(scaled) + np.float32(0.5))).astype(np.int8).reshape(x.shape)
+    scales = d.astype(np.float16).view(np.int8).reshape(*x.shape[:-1], -1)
+    return np.concatenate([q, scales], axis=-1)
+
+
+def test_a_q8_0_cache_holds_ggmls_blocks_and_computes_near_fp32():
+    """options.kv_cache: q8_0 (llama.cpp's --cache-type-k/v q8_0): every K and V row as ggml quantizes
+    it, 17/64 of fp32's bytes, logits near the fp32 cache's, and a prefix read and written back
+    computing the same next logits bit for bit."""
+    _native_c()
+    from outrider_llm.loading import random_llama_weights, tiny_llama_config
+    from outrider_llm.native_model import NativeLlama, Weights
+    from test_gguf_blocks import MIXES, _blocks_state_dict
+
+    config = tiny_llama_config(vocab_size=256, hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2)
+    config.intermediate_size = 512
+    quantized, _ = _blocks_state_dict(random_llama_weights(config, seed=8), MIXES["Q4_K_M"])
+    model = NativeLlama.from_weights(config, Weights(quantized))
+    tokens = [3, 200, 7, 7, 64, 1, 99, 12]
+    n = len(tokens)
+    full = model.new_cache(1, 64)
+    want = model.forward(full, [_chunk(tokens)]).logits
+    model.kv_dtype = "q8_0"
+    q8 = model.new_cache(1, 64)
+    got = model.forward(q8, [_chunk(tokens)]).logits
+    assert q8.kv_kind == "q8_0" and q8.nbytes * 64 == full.nbytes * 17
+    assert np.array_equal(q8.kv[0, ..., :n, :], _q8_0_rows(full.kv[0, ..., :n, :]))  # layer 0's inputs agree
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 0.03
+    q8.commit(0, list(range(n)))
+    again = model.new_cache(1, 64)
+    again.write(0, 0, q8.read(0, 0, n))
+    step = model.forward(q8, [_chunk([5], start=n)]).logits
     assert np.array_equal(model.forward(again, [_chunk([5], start=n)]).logits, step)
 
 

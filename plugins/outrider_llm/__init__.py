@@ -77,9 +77,10 @@ class LlmOptions(BaseModel):
     #: covers the model, "native" only that one, "torch" the torch one.
     runtime: Literal["auto", "native", "torch"] = "auto"
     #: What the torch-free runtime's KV cache holds (llama.cpp's --cache-type-k/v): "f16" (half the
-    #: bytes a token of context, read widened to fp32 by attention) or "f32". The torch model keeps
-    #: its K/V in its compute dtype.
-    kv_cache: Literal["f16", "f32"] = "f16"
+    #: bytes a token of context, read widened to fp32 by attention), "q8_0" (ggml's blocks of 32 int8
+    #: values with an fp16 scale: 17/32 of f16's bytes; head_dim a multiple of 32) or "f32". The torch
+    #: model keeps its K/V in its compute dtype.
+    kv_cache: Literal["f16", "q8_0", "f32"] = "f16"
 
 
 class LlmBackend(GeneratingBackend):
@@ -256,7 +257,13 @@ class LlmBackend(GeneratingBackend):
         if self.runtime == "native":
             import numpy as np
 
-            self.model.kv_dtype = np.float16 if options.kv_cache == "f16" else np.float32
+            if options.kv_cache == "q8_0" and self.model.config.head_dim % 32:
+                from outrider.errors import ManifestError
+
+                raise ManifestError(f"{self.manifest.source_file or self.manifest.name}: options.kv_cache: q8_0 "
+                                    f"needs head_dim a multiple of 32 (blocks of 32), this model's is "
+                                    f"{self.model.config.head_dim}: use f16")
+            self.model.kv_dtype = {"f16": np.float16, "f32": np.float32, "q8_0": "q8_0"}[options.kv_cache]
         started = self._loading_since
         threads = self.threads
         log.info("model %s: weights ready in %.2fs (%s; %s)", self.manifest.name, time.perf_counter() - started,
@@ -383,7 +390,8 @@ class LlmBackend(GeneratingBackend):
         if callable(weight_bytes):
             out.setdefault("weights", {})["bytes"] = int(weight_bytes())
         cache = engine.cache
-        out["kv_cache"] = {"dtype": str(cache.kv.dtype).replace("torch.", ""), "bytes": int(cache.nbytes)}
+        out["kv_cache"] = {"dtype": getattr(cache, "kv_kind", None) or str(cache.kv.dtype).replace("torch.", ""),
+                           "bytes": int(cache.nbytes)}
         out["runtime"] = getattr(self, "runtime", "torch")
         if cuda is not None:
             out["dtype"] = str(self.model.dtype).replace("torch.", "")

@@ -40,7 +40,10 @@ class NumpySlotKVCache:
                  dtype: Any = np.float32) -> None:
         if num_slots < 1 or max_length < 1:
             raise ValueError(f"need num_slots >= 1 and max_length >= 1, got {num_slots}, {max_length}")
-        self.kv_dtype = np.dtype(dtype)  # numpy: float32, or float16 (half the bytes; the native kernels widen it)
+        # numpy: float32, float16 (half the bytes; the native kernels widen it) or "q8_0" (int8 rows of
+        # head_dim values and head_dim / 32 fp16 scales: 17/32 of fp16's bytes, llama.cpp's q8_0 cache)
+        self.kv_kind = "q8_0" if isinstance(dtype, str) and dtype == "q8_0" else np.dtype(dtype).name
+        self.kv_dtype = np.dtype(np.int8) if self.kv_kind == "q8_0" else np.dtype(dtype)
         self.num_slots = num_slots
         self.max_length = max_length
         self.static = static
@@ -52,9 +55,15 @@ class NumpySlotKVCache:
         self._live: set[int] = set()  # slots holding a sequence (reserved since their last reset)
 
     # What the storage differs in (numpy here, torch in SlotKVCache):
+    @property
+    def row_width(self) -> int:
+        """Elements of a stored K (or V) row: head_dim, or a q8_0 row's bytes."""
+        dim = self._shape[3]
+        return dim + dim // 16 if self.kv_kind == "q8_0" else dim
+
     def _empty(self, slots: int, capacity: int) -> Any:
-        layers, two, heads, dim = self._shape
-        return np.zeros((layers, two, slots, heads, capacity, dim), dtype=self.kv_dtype)
+        layers, two, heads, _ = self._shape
+        return np.zeros((layers, two, slots, heads, capacity, self.row_width), dtype=self.kv_dtype)
 
     def _positions(self, slot: int, index: list[int]) -> Any:
         """A copy of `slot`'s K/V at positions `index`: [layers, 2, kv_heads, n, head_dim]."""
@@ -152,6 +161,7 @@ class SlotKVCache(NumpySlotKVCache):
 
         self._dtype, self._device = dtype, torch.device(device)
         super().__init__(config, num_slots, max_length, static)
+        self.kv_kind = str(dtype).replace("torch.", "")
 
     def _empty(self, slots: int, capacity: int) -> Any:
         import torch
@@ -181,8 +191,8 @@ class RingSlotKVCache(NumpySlotKVCache):
     `NumpySlotKVCache`'s. A step may feed at most `step_rows` rows a slot (the model splits a longer
     prefill), so no row a step reads is overwritten by it (the C layer stack checks this).
 
-    What a ring forgets: committed positions before `valid_from(slot)`. `read` returns them as NaN in
-    the ring layers (the global layers' rows are whole), and `restorable` says how many leading
+    What a ring forgets: committed positions before `valid_from(slot)`. `read` returns them as NaN
+    (q8_0: NaN scales) in the ring layers (the global layers' rows are whole), and `restorable` says how many leading
     prefix-cache blocks can be copied back exactly: those whose last `window` positions are whole,
     which a resent chat's match (it ends past the stored prompt) always has."""
 
@@ -200,9 +210,24 @@ class RingSlotKVCache(NumpySlotKVCache):
         self._valid_from = [0] * num_slots
 
     def _empty_ring(self, slots: int) -> np.ndarray:
-        _, two, heads, dim = self._shape
-        return np.zeros((len(self.ring_layers), two, slots, heads, self.ring_capacity if slots else 0, dim),
-                        dtype=self.kv_dtype)
+        _, two, heads, _ = self._shape
+        return np.zeros((len(self.ring_layers), two, slots, heads, self.ring_capacity if slots else 0,
+                         self.row_width), dtype=self.kv_dtype)
+
+    def _mark_lost(self, rows: np.ndarray) -> None:
+        """Rows [..., n, width] a ring overwrote: NaN, or for q8_0 NaN scales (0xFFFF)."""
+        if self.kv_kind == "q8_0":
+            rows[..., self._shape[3]:] = -1
+        else:
+            rows[...] = np.nan
+
+    def _lost(self, rows: np.ndarray) -> np.ndarray:
+        """Which positions of rows [..., n, width] are marked lost (any layer, half or head)."""
+        if self.kv_kind == "q8_0":
+            marked = (rows[..., self._shape[3]:] == -1).all(axis=-1)
+        else:
+            marked = np.isnan(rows.astype(np.float32, copy=False)).any(axis=-1)
+        return marked.reshape(-1, rows.shape[-2]).any(axis=0)
 
     @property
     def nbytes(self) -> int:
@@ -249,7 +274,7 @@ class RingSlotKVCache(NumpySlotKVCache):
         out[self.full_layers] = full
         ring = self.ring[:, :, slot][:, :, :, self._rows(range(start, end))]
         lost = max(0, min(end, self._valid_from[slot]) - start)
-        ring[:, :, :, :lost] = np.nan  # overwritten since: never copied back as if it were K/V
+        self._mark_lost(ring[:, :, :, :lost])  # overwritten since: never copied back as if it were K/V
         out[self.ring_layers] = ring
         return out
 
@@ -268,8 +293,7 @@ class RingSlotKVCache(NumpySlotKVCache):
         if not blocks:
             return 0
         sizes = np.cumsum([b.shape[3] for b in blocks])
-        whole = [not np.isnan(b[self.ring_layers].astype(np.float32, copy=False)).any(axis=(0, 1, 2, 4)).any()
-                 for b in blocks]  # per block: every row of it whole
+        whole = [not self._lost(np.asarray(b)[self.ring_layers]).any() for b in blocks]  # every row of it whole
         for count in range(len(blocks), 0, -1):
             first = sizes[count - 1] - self.window  # the oldest position the next query may see
             needed = [i for i in range(count) if sizes[i] > first]

@@ -91,7 +91,7 @@ class _Layer(ctypes.Structure):
 class _Kv(ctypes.Structure):
     _fields_ = [("data", ctypes.c_void_p), ("slots", ctypes.c_int64), ("capacity", ctypes.c_int64),
                 ("s_half", ctypes.c_int64), ("s_slot", ctypes.c_int64), ("s_head", ctypes.c_int64),
-                ("f16", ctypes.c_int64), ("ring", ctypes.c_int64)]
+                ("f16", ctypes.c_int64), ("ring", ctypes.c_int64), ("q8", ctypes.c_int64)]
 
 
 _STRUCTS = {"OutriderPart": _Part, "OutriderMatrix": _Matrix, "OutriderLayer": _Layer, "OutriderKv": _Kv}
@@ -396,18 +396,30 @@ def add(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return x
 
 
+def kv_head_dim(kv: np.ndarray) -> int:
+    """head_dim of a layer's KV array [2, slots, KV, capacity, row]: row, or for q8_0 (int8) rows of
+    head_dim + head_dim / 16 bytes, 16/17 of it."""
+    return kv.shape[-1] * 16 // 17 if kv.dtype == np.int8 else kv.shape[-1]
+
+
 def _kv_struct(kv: Any, num_kv_heads: Optional[int], what: str, ring: bool = False) -> _Kv:
     size = getattr(getattr(kv, "dtype", None), "itemsize", 0)
-    if not (isinstance(kv, np.ndarray) and kv.dtype in (np.float32, np.float16) and kv.ndim == 5 and kv.shape[0] == 2
+    q8 = isinstance(kv, np.ndarray) and kv.dtype == np.int8
+    if q8 and (kv.ndim != 5 or kv.shape[4] % 34 or kv_head_dim(kv) + kv_head_dim(kv) // 16 != kv.shape[4]):
+        raise ValueError(f"{what}: a q8_0 KV cache's rows must be head_dim + head_dim / 16 bytes (head_dim a "
+                         f"multiple of 32), got {list(kv.shape)}")
+    if not (isinstance(kv, np.ndarray) and kv.dtype in (np.float32, np.float16, np.int8) and kv.ndim == 5
+            and kv.shape[0] == 2
             and (num_kv_heads is None or kv.shape[2] == num_kv_heads) and kv.flags.writeable
             and kv.strides[4] == size and kv.strides[3] == size * kv.shape[4] and all(s > 0 and s % size == 0
                                                                                     for s in kv.strides)):
         heads = "KV" if num_kv_heads is None else num_kv_heads
-        raise ValueError(f"{what}: a layer's KV cache must be a writeable float32 or float16 [2, slots, {heads}, "
+        raise ValueError(f"{what}: a layer's KV cache must be a writeable float32, float16 or q8_0 int8 [2, slots, "
+                         f"{heads}, "
                          f"capacity, D] with rows of D contiguous, got {getattr(kv, 'dtype', type(kv).__name__)} "
                          f"{list(getattr(kv, 'shape', ()))} strides {getattr(kv, 'strides', None)}")
     return _Kv(kv.ctypes.data, kv.shape[1], kv.shape[3], kv.strides[0] // size, kv.strides[1] // size,
-               kv.strides[2] // size, int(kv.dtype == np.float16), int(ring))
+               kv.strides[2] // size, int(kv.dtype == np.float16), int(ring), int(q8))
 
 
 class KvCaches:
@@ -427,7 +439,7 @@ class KvCaches:
         self.table = (_Kv * max(1, len(structs)))(*structs)
         self.layers = len(structs)
         self.num_kv_heads = self.layers_kv[0].shape[2] if structs else num_kv_heads
-        self.dim = self.layers_kv[0].shape[4] if structs else None
+        self.dim = kv_head_dim(self.layers_kv[0]) if structs else None
         self.keep = kv
 
 
@@ -449,7 +461,7 @@ def attend(qkv: np.ndarray, kv: np.ndarray, chunks: np.ndarray, visible: Optiona
     length); visible bool [T, W] or None (causal). Returns float32 [T, H D]."""
     lib = _lib()
     table = _kv_struct(kv, num_kv_heads, "attend")
-    dim = kv.shape[4]
+    dim = kv_head_dim(kv)
     _array(qkv, np.float32, (None, (num_heads + 2 * num_kv_heads) * dim), "attend: qkv")
     total = qkv.shape[0]
     ch, count, vis, width = _chunk_args(chunks, visible, total, "attend")
@@ -651,7 +663,7 @@ def llama_layers(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, kv: Union[KvCa
     if not isinstance(layers, LayerStack):
         if num_heads is None or num_kv_heads is None or eps is None:
             raise ValueError("llama_layers: Layers need num_heads, num_kv_heads and eps (or pass a LayerStack)")
-        dim = kv.dim if isinstance(kv, KvCaches) else np.shape(kv)[-1]
+        dim = kv.dim if isinstance(kv, KvCaches) else kv_head_dim(np.asarray(kv))
         layers = LayerStack(layers, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=dim, eps=eps)
     elif any(given is not None and given != have for given, have in
              ((num_heads, layers.num_heads), (num_kv_heads, layers.num_kv_heads), (eps, layers.eps))):

@@ -197,8 +197,12 @@ int check_heads(int64_t dim, int64_t num_heads, int64_t num_kv_heads, const Wher
 
 int check_kv(const OutriderKv* kv, int64_t dim, const Where& where, char* err, int64_t err_size) {
   if (kv == nullptr || kv->data == nullptr) return fail(err, err_size, "%s: no KV cache given", Name(where).text);
-  // Rows of dim floats, capacity rows a head: the strides must at least hold what they step over.
-  if (kv->slots <= 0 || kv->capacity <= 0 || kv->s_head < kv->capacity * dim || kv->s_slot <= 0 || kv->s_half <= 0)
+  if (kv->q8 && (kv->f16 || dim % 32 != 0))
+    return fail(err, err_size, "%s: a q8_0 KV cache needs head_dim a multiple of 32 (got %lld) and not f16 too",
+                Name(where).text, static_cast<ll>(dim));
+  // Rows of dim values, capacity rows a head: the strides must at least hold what they step over.
+  const int64_t row = kv->q8 ? q8_row_bytes(dim) : dim;
+  if (kv->slots <= 0 || kv->capacity <= 0 || kv->s_head < kv->capacity * row || kv->s_slot <= 0 || kv->s_half <= 0)
     return fail(err, err_size,
                 "%s: KV cache of %lld slots of %lld rows (strides half %lld, slot %lld, head %lld) does not hold rows "
                 "of %lld floats",
@@ -224,7 +228,7 @@ int check_chunk_table(const int64_t* chunks, int64_t chunk_count, int64_t total,
 }
 
 KvLayer kv_layer(const OutriderKv& kv) {
-  return {kv.data, kv.slots, kv.capacity, kv.s_half, kv.s_slot, kv.s_head, kv.f16 != 0, kv.ring != 0};
+  return {kv.data, kv.slots, kv.capacity, kv.s_half, kv.s_slot, kv.s_head, kv.f16 != 0, kv.ring != 0, kv.q8 != 0};
 }
 
 // A matrix [width, in] of parts: each part checked, their outputs summing to width.

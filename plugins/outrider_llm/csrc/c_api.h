@@ -92,6 +92,8 @@ typedef struct {
   int64_t f16; /* 1: the cache holds IEEE fp16 (written rounded to nearest even), 0: fp32 */
   int64_t ring; /* 1: a sliding layer's ring (its layer has a window): cache index i is row i % capacity,
                    and a chunk's rows + the window - 1 must fit the capacity */
+  int64_t q8; /* 1: the cache holds q8_0 rows (f16 0): D int8 values then D / 32 fp16 scales, D + D / 16
+                 bytes a row (D a multiple of 32); strides in bytes */
 } OutriderKv;
 
 /* Kernel sets and threads. */

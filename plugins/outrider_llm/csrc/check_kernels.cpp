@@ -226,6 +226,21 @@ void check_set(const KernelSet& set) {
           return out;
         };
         expect_same(std::string(set.name) + " fp16 cache " + what, run16(set), run16(kScalar));
+        if (dim % 32 == 0) {  // the same over a q8_0 cache (rows quantized as attend writes them)
+          const int64_t bytes = q8_row_bytes(dim);
+          std::vector<int8_t> k8(keys * bytes), v8(keys * bytes);
+          for (int64_t i = 0; i < keys; ++i) {
+            quantize_q8_row(k.data() + i * dim, dim, k8.data() + i * bytes);
+            quantize_q8_row(v.data() + i * dim, dim, v8.data() + i * bytes);
+          }
+          auto run8 = [&](const KernelSet& ks) {
+            std::vector<float> scores(group * (count + 16)), out(group * dim);
+            ks.attend_group_q8(q.data(), group, dim, k8.data(), v8.data(), pos.data(), count, scores.data(),
+                               out.data(), 0.f);
+            return out;
+          };
+          expect_same(std::string(set.name) + " q8_0 cache " + what, run8(set), run8(kScalar));
+        }
       }
     }
   }

@@ -541,11 +541,32 @@ inline void store_part(float* p, typename A::F v, int64_t n) {
   for (int64_t i = 0; i < n; ++i) p[i] = tmp[i];
 }
 
-// 16 lanes of a KV cache row: fp32 as it is, fp16 widened (exactly).
-template <class A>
-inline typename A::F kv_load(const float* p) { return A::fload(p); }
-template <class A>
-inline typename A::F kv_load(const uint16_t* p) { return A::load_half(p); }
+// A KV cache row of `d` values in storage T, read 16 lanes at a time: fp32 as it is, fp16 widened
+// (exactly), or q8_0 (T int8_t: the d int8 values, then d / 32 fp16 scales; lanes q * scale).
+template <class T>
+struct KvRows;
+template <>
+struct KvRows<float> {
+  static constexpr int64_t stride(int64_t d) { return d; }  // elements a row
+  template <class A>
+  static typename A::F load(const float* row, int64_t, int c) { return A::fload(row + 16 * c); }
+};
+template <>
+struct KvRows<uint16_t> {
+  static constexpr int64_t stride(int64_t d) { return d; }
+  template <class A>
+  static typename A::F load(const uint16_t* row, int64_t, int c) { return A::load_half(row + 16 * c); }
+};
+template <>
+struct KvRows<int8_t> {
+  static constexpr int64_t stride(int64_t d) { return d + d / 16; }  // bytes a row: values, then fp16 scales
+  template <class A>
+  static typename A::F load(const int8_t* row, int64_t d, int c) {
+    uint16_t scale;
+    std::memcpy(&scale, row + d + 2 * (c / 2), sizeof scale);
+    return A::mul(A::cvt(A::load_i8(row + 16 * c)), A::fset(outrider_native::half_to_float(scale)));
+  }
+};
 
 // cap * tanh(s / cap) per lane (Gemma 2's attention soft-capping), tanh(x) as 1 - 2 / (exp(2x) + 1):
 // one exp, as everywhere here, saturating to +-1 with exp's clamps.
@@ -570,9 +591,9 @@ void softmax_scores(const float* q, const T* keys, const int64_t* pos, int64_t c
         v[j] = A::fzero();
         continue;
       }
-      const T* k = keys + pos[i0 + j] * (16 * C);
-      v[j] = A::mul(qv[0], kv_load<A>(k));
-      for (int c = 1; c < C; ++c) v[j] = A::fma(qv[c], kv_load<A>(k + 16 * c), v[j]);
+      const T* k = keys + pos[i0 + j] * KvRows<T>::stride(16 * C);
+      v[j] = A::mul(qv[0], KvRows<T>::template load<A>(k, 16 * C, 0));
+      for (int c = 1; c < C; ++c) v[j] = A::fma(qv[c], KvRows<T>::template load<A>(k, 16 * C, c), v[j]);
     }
     F s = A::sum16(v);
     if (cap > 0.f) s = soft_cap<A>(s, cap);
@@ -619,9 +640,9 @@ void weighted_values(const T* values, const int64_t* pos, int64_t count, const f
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) acc[g][c] = A::fzero();
   for (int64_t i = 0; i < count; ++i) {
-    const T* v = values + pos[i] * (16 * C);
+    const T* v = values + pos[i] * KvRows<T>::stride(16 * C);
     F vv[C];
-    for (int c = 0; c < C; ++c) vv[c] = kv_load<A>(v + 16 * c);
+    for (int c = 0; c < C; ++c) vv[c] = KvRows<T>::template load<A>(v, 16 * C, c);
     for (int g = 0; g < G; ++g) {
       const F p = A::fset(probs[g][i]);
       for (int c = 0; c < C; ++c) acc[g][c] = A::fma(p, vv[c], acc[g][c]);
@@ -728,4 +749,5 @@ void add_rows(float* x, const float* y, int64_t count) {
 // The table entry for `A`, with its own matmul (the generic one unless the file has a faster one).
 #define OUTRIDER_KERNELS(A, MATMUL) \
   { A::kName, quantize_rows<A>, MATMUL, matmul_super<A>, matmul_groups<A>, attend_group<A, float>, attend_group<A, uint16_t>, \
+    attend_group<A, int8_t>, \
     rms_norm_rows<A>, swiglu_rows<A>, geglu_rows<A>, add_rows<A> }

@@ -100,6 +100,9 @@ struct KernelSet {
   // The same over an fp16 cache (keys and values widened to fp32 as they are read).
   void (*attend_group_f16)(const float* q, int64_t group, int64_t dim, const uint16_t* keys, const uint16_t* values,
                            const int64_t* pos, int64_t count, float* scores, float* out, float cap);
+  // The same over a q8_0 cache: rows of dim int8 values and dim / 32 fp16 scales (kv_row_bytes).
+  void (*attend_group_q8)(const float* q, int64_t group, int64_t dim, const int8_t* keys, const int8_t* values,
+                          const int64_t* pos, int64_t count, float* scores, float* out, float cap);
   void (*rms_norm_rows)(const float* x, const float* w, float eps, int64_t rows, int64_t hidden, float* y);
   void (*swiglu_rows)(const float* gate_up, int64_t rows, int64_t inter, float* y);  // silu(gate) * up
   void (*geglu_rows)(const float* gate_up, int64_t rows, int64_t inter, float* y);   // gelu_tanh(gate) * up
@@ -151,14 +154,21 @@ float half_to_float(uint16_t h);
 void rope_rows(float* qkv, const float* cos, const float* sin, int64_t rows, int64_t heads, int64_t d,
                int64_t width);
 
+// Bytes of a q8_0 KV row of `dim` values: the int8 values, then dim / 32 fp16 scales.
+constexpr int64_t q8_row_bytes(int64_t dim) { return dim + dim / 16; }
+// A row of `dim` floats (a multiple of 32) as q8_0, as ggml's quantize_row_q8_0_ref (plain C++: the
+// same bytes on every path).
+void quantize_q8_row(const float* x, int64_t dim, int8_t* row);
+
 // One layer's attention for the chunks of a step (attend.cpp's contract, see ops.cpp).
 struct KvLayer {
-  void* data;  // [2, slots, kv_heads, capacity, dim] of fp32, or of fp16 (f16)
-  int64_t slots, capacity, s_half, s_slot, s_head;  // strides in elements
+  void* data;  // [2, slots, kv_heads, capacity, dim] of fp32, fp16 (f16), or q8_0 rows (q8: bytes)
+  int64_t slots, capacity, s_half, s_slot, s_head;  // strides in elements (q8: bytes)
   bool f16 = false;  // K and V stored as IEEE fp16 (rounded to nearest even as written), read widened
   // A sliding layer's ring: the row of cache index i is i % capacity, and the capacity holds the
   // window and a step's rows (checked by the caller), so no row a step reads is overwritten by it.
   bool ring = false;
+  bool q8 = false;  // K and V stored as q8_0 (ggml's: per 32 values an fp16 scale amax / 127, int8 values)
 };
 // window > 0: a row at position p (positions[row]) sees no key at position p - window or before (a
 // committed key's position is its row in the cache; a fed one's, its row's). softcap > 0: scores

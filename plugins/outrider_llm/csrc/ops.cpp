@@ -26,6 +26,7 @@
 // loops over a few KB of activations.
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <vector>
@@ -166,6 +167,7 @@ void attend(const float* qkv, int64_t total, const KvLayer& kv, const int64_t* c
   // The row of cache index i: itself, or in a sliding layer's ring i % capacity.
   const int64_t ring = kv.ring ? kv.capacity : 0;
   auto row_of = [ring](int64_t i) { return ring ? i % ring : i; };
+  const int64_t row_size = kv.q8 ? q8_row_bytes(dim) : dim;  // elements (q8_0: bytes) a row
   // K and V of every fed token into the cache, before any row reads them (fp16: rounded to nearest
   // even here, in plain C++, so every kernel set reads the same bits).
   for (int64_t c = 0; c < count; ++c) {
@@ -173,9 +175,11 @@ void attend(const float* qkv, int64_t total, const KvLayer& kv, const int64_t* c
     for (int64_t r = 0; r < n; ++r)
       for (int64_t half = 0; half < 2; ++half)
         for (int64_t h = 0; h < num_kv_heads; ++h) {
-          const int64_t at = half * kv.s_half + slot * kv.s_slot + h * kv.s_head + row_of(length + r) * dim;
+          const int64_t at = half * kv.s_half + slot * kv.s_slot + h * kv.s_head + row_of(length + r) * row_size;
           const float* from = qkv + (start + r) * width + q_width + (half * num_kv_heads + h) * dim;
-          if (kv.f16) {
+          if (kv.q8) {
+            quantize_q8_row(from, dim, static_cast<int8_t*>(kv.data) + at);
+          } else if (kv.f16) {
             uint16_t* to = static_cast<uint16_t*>(kv.data) + at;
             for (int64_t k = 0; k < dim; ++k) to[k] = float_to_half(from[k]);
           } else {
@@ -207,7 +211,10 @@ void attend(const float* qkv, int64_t total, const KvLayer& kv, const int64_t* c
       const int64_t at = slot * kv.s_slot + kv_head * kv.s_head;
       const float* q = qkv + row * width + kv_head * group * dim;
       float* o = out + row * q_width + kv_head * group * dim;
-      if (kv.f16) {
+      if (kv.q8) {
+        const int8_t* base = static_cast<const int8_t*>(kv.data) + at;
+        ks.attend_group_q8(q, group, dim, base, base + kv.s_half, pos.data(), seen, scores.data(), o, softcap);
+      } else if (kv.f16) {
         const uint16_t* base = static_cast<const uint16_t*>(kv.data) + at;
         ks.attend_group_f16(q, group, dim, base, base + kv.s_half, pos.data(), seen, scores.data(), o, softcap);
       } else {
@@ -216,6 +223,18 @@ void attend(const float* qkv, int64_t total, const KvLayer& kv, const int64_t* c
       }
     }
   });
+}
+
+void quantize_q8_row(const float* x, int64_t dim, int8_t* row) {
+  for (int64_t b = 0; b < dim / 32; ++b) {
+    const float* v = x + 32 * b;
+    float amax = 0.f;
+    for (int k = 0; k < 32; ++k) amax = std::max(amax, std::fabs(v[k]));
+    const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+    for (int k = 0; k < 32; ++k) row[32 * b + k] = static_cast<int8_t>(std::round(v[k] * id));
+    const uint16_t scale = float_to_half(d);
+    std::memcpy(row + dim + 2 * b, &scale, sizeof scale);
+  }
 }
 
 // RoPE in place on the first `heads` heads of each row: p' = p * cos + rotate_half(p) * sin
