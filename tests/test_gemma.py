@@ -174,6 +174,7 @@ def test_tokenizer_bos_once_stops_and_gemmas_turns_when_the_file_has_none(tmp_pa
 
 
 def test_a_plain_manifest_serves_gemma3_and_speculation_is_exact(tmp_path, server_factory):
+    """Served with rings and a q8_0 KV cache: greedy speculation equals plain, chat turns render."""
     _native_c()
     path, _ = write_tiny_gemma3_gguf(tmp_path, seed=7, types=REAL_MIX, matrix_type="Q5_0")
     manifest = write_manifest(tmp_path, f"""name: gemma
@@ -184,6 +185,7 @@ options:
   max_sequences: 2
   max_length: 2048   # past the window + 511: the sliding layers keep rings
   prefix_cache_mb: 16
+  kv_cache: q8_0
   threads: 2
 speculative: {{drafters: [ngram]}}
 """, "gemma.yaml")
@@ -192,6 +194,7 @@ speculative: {{drafters: [ngram]}}
     with server.client(timeout=120) as client:
         instance = client.health()["models"]["gemma"]["instances"][0]
         assert instance["backend"]["runtime"] == "native", instance
+        assert instance["backend"]["kv_cache"]["dtype"] == "q8_0"
         prompt = TEXT + " " + TEXT
         plain = client.generate("gemma", prompt=prompt, max_tokens=24, speculative=False)
         drafted = client.generate("gemma", prompt=prompt, max_tokens=24, speculative=True)
