@@ -94,6 +94,7 @@ options:
   max_sequences: {slots}
   max_length: {length}
   threads: {threads}
+  kv_cache: {kv_cache}
 """
 SLOTS, LENGTH = 8, 4608
 IDLE_S = 2.0
@@ -490,7 +491,8 @@ def bench_outrider(path: Path, prompts: Prompts, args: argparse.Namespace, workd
 
     row: dict = {}
     manifest = workdir / f"{path.stem}.yaml"
-    manifest.write_text(MANIFEST.format(name=MODEL, path=path, slots=SLOTS, length=LENGTH, threads=args.threads))
+    manifest.write_text(MANIFEST.format(name=MODEL, path=path, slots=SLOTS, length=LENGTH, threads=args.threads,
+                                        kv_cache=args.kv_cache))
     cache = workdir / f"cache-{path.stem}"
     os.environ["OUTRIDER_CACHE_DIR"] = str(cache)  # fresh: the first start builds the artifacts
     with section(row, "first_start", "first_peak"):
@@ -548,6 +550,11 @@ def bench_outrider(path: Path, prompts: Prompts, args: argparse.Namespace, workd
 # ---- llama.cpp ------------------------------------------------------------------------------
 
 
+def kv_flags(kv_cache: str) -> list[str]:
+    """llama.cpp's cache-type flags for the KV cache type both runtimes hold (Outrider's options.kv_cache)."""
+    return ["-ctk", kv_cache, "-ctv", kv_cache]
+
+
 def llama_bench(binary: Path, path: Path, threads: int, extra: list[str]) -> list[dict]:
     done = subprocess.run([str(binary), "-m", str(path), "-t", str(threads), "-o", "json", *extra],
                           capture_output=True, text=True, timeout=3600)
@@ -565,7 +572,7 @@ def free_port() -> int:
 class LlamaServer:
     """`llama-server` on 127.0.0.1 (a free port), in its own process group."""
 
-    def __init__(self, binary: Path, path: Path, threads: int, log: Path) -> None:
+    def __init__(self, binary: Path, path: Path, threads: int, log: Path, kv_cache: str = "f16") -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.started = time.perf_counter()
@@ -573,7 +580,7 @@ class LlamaServer:
         self.proc = subprocess.Popen(
             [str(binary), "-m", str(path), "-t", str(threads), "-tb", str(threads), "-np", str(SLOTS),
              "-c", str(SLOTS * LENGTH), "--host", "127.0.0.1", "--port", str(self.port),
-             "--no-webui"],
+             "--no-webui", *kv_flags(kv_cache)],
             stdout=subprocess.DEVNULL, stderr=open(log, "wb"), start_new_session=True)
         _CHILDREN.append(self.proc)
 
@@ -614,11 +621,13 @@ def bench_llama_cpp(path: Path, prompts: Prompts, args: argparse.Namespace, work
     row: dict = {}
     with section(row, "decode", "prefill"):
         tests = llama_bench(bin_dir / "llama-bench", path, args.threads,
-                            ["-p", str(args.prefill), "-n", str(args.tokens), "-r", str(args.runs)])
+                            ["-p", str(args.prefill), "-n", str(args.tokens), "-r", str(args.runs),
+                             *kv_flags(args.kv_cache)])
     if args.context:
         with section(row, "decode_long"):
             tests += llama_bench(bin_dir / "llama-bench", path, args.threads,
-                                 ["-p", "0", "-n", str(args.tokens), "-d", str(args.context), "-r", "1"])
+                                 ["-p", "0", "-n", str(args.tokens), "-d", str(args.context), "-r", "1",
+                                  *kv_flags(args.kv_cache)])
     for t in tests:
         depth = t.get("n_depth", 0)
         if t["n_prompt"] and not t["n_gen"]:
@@ -630,7 +639,7 @@ def bench_llama_cpp(path: Path, prompts: Prompts, args: argparse.Namespace, work
     for attempt in ("first", "warm"):
         with section(row, f"{attempt}_start", f"{attempt}_peak"):
             server = LlamaServer(bin_dir / "llama-server", path, args.threads,
-                                 workdir / f"llama-server-{attempt}.log")
+                                 workdir / f"llama-server-{attempt}.log", args.kv_cache)
             sampler = RssSampler(server.proc.pid)
             try:
                 row[f"{attempt}_start"] = server.wait_ready()
@@ -761,6 +770,8 @@ def main() -> None:
     parser.add_argument("--quiet-wait", type=float, default=60.0, help="before each row, wait up to this many "
                         "seconds for the rest of the machine to use under --quiet-cpus CPUs (0: no wait)")
     parser.add_argument("--quiet-cpus", type=float, default=0.25)
+    parser.add_argument("--kv-cache", default="f16", choices=["f16", "q8_0", "f32"],
+                        help="the KV cache type of both runtimes (Outrider's options.kv_cache, llama.cpp's -ctk/-ctv)")
     parser.add_argument("--skip-llama-cpp", action="store_true")
     parser.add_argument("--skip-outrider", action="store_true")
     args = parser.parse_args()
