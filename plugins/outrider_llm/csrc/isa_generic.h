@@ -564,7 +564,7 @@ struct KvRows<int8_t> {
   static typename A::F load(const int8_t* row, int64_t d, int c) {
     uint16_t scale;
     std::memcpy(&scale, row + d + 2 * (c / 2), sizeof scale);
-    return A::mul(A::cvt(A::load_i8(row + 16 * c)), A::fset(outrider_native::half_to_float(scale)));
+    return A::mul(A::cvt(A::load_i8(row + 16 * c)), A::fset(outrider_native::half_bits_to_float(scale)));
   }
 };
 

@@ -14,6 +14,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 #include <functional>
 
 #include "c_api.h"  // the layer table's plain C structs (OutriderLayer), which the layer body reads
@@ -148,6 +149,28 @@ void a8_matmul(const float* x, int64_t rows, int64_t in, int64_t group, const ui
 // exact (the scalar reference's lanes, the packer's row lookups).
 uint16_t float_to_half(float value);
 float half_to_float(uint16_t h);
+
+// fp16 bits -> fp32, exactly (the same values as half_to_float: check_kernels compares all 65,536), inline: a q8_0 cache reads one scale every
+// 32 values, where a call into another file cost more than the lanes' arithmetic.
+inline float half_bits_to_float(uint16_t h) {
+  const uint32_t sign = (h & 0x8000u) << 16;
+  uint32_t exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu, bits;
+  if (exponent == 0x1fu) {
+    bits = sign | 0x7f800000u | (mantissa << 13);  // inf, NaN
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  } else if (mantissa == 0) {
+    bits = sign;
+  } else {  // subnormal: mantissa x 2^-24, normalized
+    int shifts = 0;
+    while (!(mantissa & 0x400u)) mantissa <<= 1, ++shifts;
+    bits = sign | (static_cast<uint32_t>(113 - shifts) << 23) | ((mantissa & 0x3ffu) << 13);
+  }
+  float value;
+  std::memcpy(&value, &bits, sizeof value);
+  return value;
+}
+
 
 // RoPE in place on the first `heads` heads of each row of qkv (rows of `width` floats):
 // p' = p * cos + rotate_half(p) * sin, sin carrying rotate_half's sign (ops.cpp).
