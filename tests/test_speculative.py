@@ -279,7 +279,7 @@ def test_merged_pruned_trees_with_temperature_top_k_top_p_match_the_target_distr
     config = SpeculativeConfig.from_section(
         {"drafters": ["ngram", "sampled"], "max_draft_tokens": 5, "prob_threshold": 0.0, "adaptive": False})
     strategy = SpeculativeStrategy(config)
-    strategy.bind_registry({"sampled": lambda model, options: SampledDrafter(seed=31)})
+    strategy.bind_registry({"sampled": lambda model, options, context: SampledDrafter(seed=31)})
     strategy.attach()
     propose, after = _engine_like(strategy, budget=5)
     counts = _first_tokens(propose, verify, params, samples=10000, seed=32, after=after)

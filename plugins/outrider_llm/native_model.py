@@ -393,6 +393,18 @@ class NativeLlama:
             return RingSlotKVCache(cfg, num_slots, max_length, STEP_ROWS, dtype=self.kv_dtype)
         return NumpySlotKVCache(cfg, num_slots, max_length, dtype=self.kv_dtype)
 
+    def load_draft_model(self, path: "str | Path") -> tuple["NativeLlama", Any]:
+        """(model, tokenizer) of another GGUF on this runtime, for the draft-model drafter: its tiles
+        packed from the mapped file into the artifact cache once (as the target's), its KV cache of
+        this model's type (f16 where this one's is q8_0 and its head_dim takes no blocks of 32).
+        ValueError where the native runtime does not serve the file."""
+        from .gguf_tiles import load_gguf_tiles
+
+        model, tokenizer = load_tiles(load_gguf_tiles(path))
+        kv = self.kv_dtype
+        model.kv_dtype = np.float16 if isinstance(kv, str) and model.config.head_dim % 32 else kv
+        return model, tokenizer
+
     def embed(self, tokens: Any) -> np.ndarray:
         """fp32 [n, hidden] input embeddings of token ids (Gemma's scaled by sqrt(hidden))."""
         rows = self.embed_rows(np.asarray(tokens, dtype=np.int64).reshape(-1))

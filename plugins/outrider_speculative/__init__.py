@@ -9,6 +9,7 @@ and verifies:
 - `strategy.py`  SpeculativeStrategy (budget, propose, verify, release) and BudgetController
 - `config.py`    the `speculative` section's knobs, validated (no torch import)
 - `drafters.py`  NgramDrafter and its incremental per-sequence index
+- `draft_model.py` DraftModelDrafter: a small model of the same vocabulary, its own KV cache
 - `eagle.py`     DraftHead, its weights file (tied to the target by fingerprint), EagleDrafter
 - `draft_head.py` the head file, the fingerprint check and the tree growth both head drafters
                  share, and HostEagleDrafter (numpy, for a target without torch)
@@ -72,14 +73,21 @@ def make_strategy(manifest: Any, section: Optional[SpeculativeSection] = None):
     return SpeculativeStrategy.from_manifest(manifest)
 
 
-def make_ngram_drafter(model: Any, options: Optional[Mapping[str, Any]] = None):
+def make_ngram_drafter(model: Any, options: Optional[Mapping[str, Any]] = None, context: Any = None):
     """Drafter factory: an NgramDrafter from its manifest options."""
     from .drafters import make_ngram_drafter as make
 
     return make(model, options)
 
 
-def make_eagle_drafter(model: Any, options: Optional[Mapping[str, Any]] = None):
+def make_draft_model_drafter(model: Any, options: Optional[Mapping[str, Any]] = None, context: Any = None):
+    """Drafter factory: a small model of the target's vocabulary drafting a tree (draft_model.py)."""
+    from .draft_model import make_draft_model_drafter as make
+
+    return make(model, options, context)
+
+
+def make_eagle_drafter(model: Any, options: Optional[Mapping[str, Any]] = None, context: Any = None):
     """Drafter factory: an EagleDrafter over `model` (option `weights`: default the shipped head); for
     a model without torch (`array_api = "numpy"`), the same head drafting on numpy (draft_head.py)."""
     if getattr(model, "array_api", "torch") == "numpy":
@@ -102,6 +110,8 @@ def outrider_register_accelerators(register: Callable[..., None]) -> None:
 
 @hookimpl
 def outrider_register_drafters(register: Callable[[str, Any], None]) -> None:
-    """Register the n-gram (prompt lookup) drafter as "ngram" and the trained draft head as "eagle"."""
+    """Register the n-gram (prompt lookup) drafter as "ngram", the trained draft head as "eagle" and
+    a draft model (a small GGUF of the target's vocabulary) as "model"."""
     register("ngram", make_ngram_drafter)
     register("eagle", make_eagle_drafter)
+    register("model", make_draft_model_drafter)

@@ -26,12 +26,13 @@ accepted and shrunk when little is. `propose` applies the smaller of the two.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any, Callable, Hashable, Optional
 
 import numpy as np
 
 from outrider.errors import ManifestError
-from outrider.generation.contract import DraftTree
+from outrider.generation.contract import DraftTree, DrafterContext
 
 from .config import OptionError, SpeculativeConfig
 from .drafters import make_ngram_drafter, sequence_key
@@ -109,9 +110,11 @@ class BudgetController:
 class SpeculativeStrategy:
     """Draft with the configured drafters, verify losslessly, adapt the budget (see module doc)."""
 
-    def __init__(self, config: Optional[SpeculativeConfig] = None, where: str = "manifest") -> None:
+    def __init__(self, config: Optional[SpeculativeConfig] = None, where: str = "manifest",
+                 directory: Optional[Path] = None) -> None:
         self.config = config or SpeculativeConfig()
         self.where = where
+        self.directory = directory  # the manifest's folder (drafter options' relative paths)
         self.controller = BudgetController(
             self.config.max_draft_tokens, self.config.min_draft_tokens,
             self.config.batch_draft_tokens, self.config.adaptive,
@@ -126,11 +129,12 @@ class SpeculativeStrategy:
     def from_manifest(cls, manifest: Any) -> "SpeculativeStrategy":
         """Build from a manifest's `speculative` section (the accelerator factory)."""
         where = getattr(manifest, "source_file", None) or getattr(manifest, "name", "manifest")
-        return cls(SpeculativeConfig.from_section(getattr(manifest, "speculative", None), where), where)
+        return cls(SpeculativeConfig.from_section(getattr(manifest, "speculative", None), where), where,
+                   getattr(manifest, "directory", None))
 
     def for_instance(self) -> "SpeculativeStrategy":
         """A fresh, unattached strategy with the same knobs and drafter factories (one per engine)."""
-        twin = SpeculativeStrategy(self.config, self.where)
+        twin = SpeculativeStrategy(self.config, self.where, self.directory)
         twin.factories = dict(self.factories)
         return twin
 
@@ -148,12 +152,13 @@ class SpeculativeStrategy:
             )
 
     def attach(self, model: Any = None, tokenizer: Any = None) -> None:
-        """Make the configured drafters, `factory(model, options)` each, once the model is loaded."""
+        """Make the configured drafters, `factory(model, options, context)` each, once the model is loaded."""
         self._check_names()
         drafters = []
+        context = DrafterContext(tokenizer=tokenizer, directory=self.directory)
         for name in self.config.drafters:
             try:
-                drafters.append(self.factories[name](model, self.config.options_for(name)))
+                drafters.append(self.factories[name](model, self.config.options_for(name), context))
             except OptionError as exc:
                 raise ManifestError(f"{self.where}: field 'speculative.{name}.{exc.field}': {exc.message}") from None
             except (TypeError, ValueError) as exc:

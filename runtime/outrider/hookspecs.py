@@ -50,9 +50,10 @@ def outrider_register_accelerators(register: Callable[..., None]) -> None:
 def outrider_register_drafters(register: Callable[[str, Any], None]) -> None:
     """Register drafters for speculative decoding: `register(name, factory)`.
 
-    `factory(model, options)` returns an object with `propose(sequence, budget) -> DraftTree`
-    (see outrider.generation.contract: `model` is a `CausalLM`). Manifests pick drafters by name in
-    `speculative.drafters`; a drafter only proposes, it never decides what is accepted.
+    `factory(model, options, context)` returns an object with `propose(sequence, budget) -> DraftTree`
+    (see outrider.generation.contract: `model` is a `CausalLM`, `context` a `DrafterContext`, the
+    contract in `Drafter`'s docstring). Manifests pick drafters by name in `speculative.drafters`;
+    a drafter only proposes, it never decides what is accepted.
     """
 
 

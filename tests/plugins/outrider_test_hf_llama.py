@@ -218,4 +218,4 @@ def outrider_register_backends(register: Callable[[type], None]) -> None:
 @hookimpl
 def outrider_register_drafters(register: Callable[[str, Any], None]) -> None:
     """Register the drafter `exploding`."""
-    register("exploding", lambda model, options: ExplodingDrafter())
+    register("exploding", lambda model, options, context: ExplodingDrafter())

@@ -23,6 +23,7 @@ Conventions (read these first):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Optional, Protocol
 
 import numpy as np
@@ -86,6 +87,10 @@ class CausalLM(Protocol):
     # model without a fast kernel for it ignores it, and one that lacks the keyword is not asked.
     def make_linear(self, weight: Any, dtype: Any = None) -> Callable[[Any], Any]: ...
     def fingerprint(self) -> str: ...
+    # Optional, for the draft-model drafter: another model file loaded the way this one was (same
+    # runtime, same artifact cache, same KV cache type) with its tokenizer. A model without it
+    # cannot be drafted for by a draft model (the drafter's factory says so).
+    # def load_draft_model(self, path: str) -> tuple["CausalLM", Any]: ...
 
 
 @dataclass
@@ -125,8 +130,30 @@ class DraftTree:
         return mask
 
 
+@dataclass
+class DrafterContext:
+    """What a drafter factory gets beside the target and its options: `factory(model, options, context)`."""
+
+    tokenizer: Any = None  # the target's tokenizer (vocab_size, token_text, encode, decode), or None
+    directory: Optional[Path] = None  # the manifest's folder: relative paths in options resolve against it
+
+    def resolve(self, path: "str | Path") -> Path:
+        """`path` with ~ expanded, relative to the manifest's folder when it is relative."""
+        path = Path(path).expanduser()
+        return path if path.is_absolute() or self.directory is None else Path(self.directory) / path
+
+
 class Drafter(Protocol):
-    """Proposes a draft tree for a sequence (registered via `outrider_register_drafters`)."""
+    """Proposes a draft tree for a sequence (registered via `outrider_register_drafters`).
+
+    Made once per engine by `factory(model, options, context)` (model: the target CausalLM; options:
+    the manifest's `speculative.<name>` mapping merged over the shared limits; context: DrafterContext).
+    A factory raises OptionError-like ValueError/TypeError for bad options (the strategy names the
+    field). Beside `propose`, a drafter may define `start(seq)`, `extend(seq, new_tokens)` and
+    `finish(seq)` (per-sequence state: admitted, grew, ended) and `warmup()`. Trees may carry
+    `SpecTree.sampled` groups (the q each sampled child was drawn from): the verifier then accepts
+    a draw with min(1, p/q), so drafts drawn from a good q are accepted far more often at T > 0.
+    """
 
     name: str
 

@@ -1,0 +1,286 @@
+"""The draft-model drafter ("model"): a small model of the target's vocabulary drafts a tree.
+
+    speculative:
+      drafters: [model]
+      model: {path: SmolLM2-135M-Q4_0.gguf}   # relative to the manifest's folder
+
+Any model file the target's runtime can load (`CausalLM.load_draft_model`: on the llm backend's
+native CPU runtime, any GGUF it serves) whose vocabulary is the target's: every token id below the
+smaller vocabulary has the same text in both tokenizers, and the sizes differ by at most 128 ids
+(padding), as llama.cpp's server checks its `--model-draft`. Anything else is refused at load,
+naming the first id that differs.
+
+State: the draft model has its own KV cache, one slot per sequence (LRU over `max_sequences`
+slots: a sequence that lost its slot prefills the draft again). Its committed tokens are always a
+prefix of the sequence's tokens, the pending one included (the pending token is chosen, so it is
+never taken back): `propose` first feeds the draft what the sequence gained since the last call
+(the accepted tokens and the new pending one, one forward, committed), whose last row gives the
+distribution of the first drafted token. Deeper levels feed the tree drafted so far with a tree
+mask, uncommitted (each forward overwrites the last one's tentative rows), and read the rows of
+the nodes being expanded: at decode sizes a forward of a few rows costs what one row costs (the
+weights are read once), so re-feeding the tree is cheaper than keeping it.
+
+The tree grows best-first by cumulative draft probability (`tree.build_dynamic_tree`): wide where
+the draft is unsure, deep where it is confident, cut at `prob_threshold`, up to `frontier` nodes
+expanded per draft forward. Greedy requests get a node's top `max_children` tokens as
+deterministic candidates; sampling requests get children drawn without replacement from the draft's
+q (its logits through the request's temperature, top-k and top-p, the function the target's p comes
+from), recorded with q so the verifier accepts each draw with min(1, p/q): lossless, and about
+sum min(p, q) accepted per draw.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from typing import Any, Hashable, Mapping, Optional
+
+import numpy as np
+
+from outrider.generation.contract import Chunk, DrafterContext, SampledChildren
+from outrider.generation.sampling import host_array, is_greedy, target_distribution
+from outrider.generation.verify import sampling_knobs
+
+from .config import OptionError, read_bool, read_float, read_int
+from .drafters import sequence_key
+from .tree import SampledExpansion, SpecTree, build_dynamic_tree, draw_distinct
+
+log = logging.getLogger("outrider.speculative")
+
+OPTIONS = ("path", "max_depth", "max_children", "prob_threshold", "frontier", "sample", "max_sequences", "max_length")
+VOCAB_SLACK = 128  # ids a draft's vocabulary may have more or fewer than the target's (llama.cpp's limit)
+_FAR_BELOW = np.float32(-1e30)  # logit of a target id the draft has no row for: q = 0 there
+
+
+class DraftModelDrafter:
+    """Drafts with a small model of the target's vocabulary (see the module docstring)."""
+
+    name = "model"
+
+    def __init__(self, draft: Any, target_vocab: int, max_depth: int = 8, max_children: int = 4,
+                 prob_threshold: float = 0.05, frontier: int = 8, sample: bool = True, max_sequences: int = 8,
+                 max_length: int = 8192) -> None:
+        self.draft = draft
+        self.target_vocab = target_vocab
+        self.max_depth = max_depth
+        self.max_children = max_children
+        self.prob_threshold = prob_threshold
+        self.frontier = frontier
+        self.sample = sample
+        self.cache = draft.new_cache(max_sequences, max_length)
+        self._slots: OrderedDict[Hashable, int] = OrderedDict()  # sequence -> draft cache slot, LRU first
+        self._free = list(range(max_sequences))
+        self._last: dict[int, int] = {}  # slot -> the token at its last committed position
+        self._root: dict[int, np.ndarray] = {}  # slot -> logits after its last committed token
+        self._lock = threading.Lock()  # instance threads may share one drafter
+        self.calls = 0  # draft forwards, for benchmarks
+        self.seconds = 0.0  # spent in them
+
+    # -- per-sequence slots ---------------------------------------------------------------
+
+    def finish(self, seq: Any) -> None:
+        """Free the sequence's slot (it ended or was cancelled)."""
+        key = sequence_key(seq)
+        with self._lock:
+            slot = self._slots.pop(key, None) if key is not None else None
+            if slot is not None:
+                self._release(slot)
+
+    def _release(self, slot: int) -> None:
+        self.cache.reset(slot)
+        self._last.pop(slot, None)
+        self._root.pop(slot, None)
+        self._free.append(slot)
+
+    def _slot(self, key: Optional[Hashable]) -> int:
+        slot = self._slots.get(key) if key is not None else None
+        if slot is not None:
+            self._slots.move_to_end(key)
+            return slot
+        if not self._free:  # every slot taken: the least recently drafted sequence starts over later
+            _, oldest = self._slots.popitem(last=False)
+            self._release(oldest)
+        slot = self._free.pop()
+        if key is not None:
+            self._slots[key] = slot
+        return slot
+
+    # -- the draft model's forwards ---------------------------------------------------------
+
+    def _forward(self, chunk: Chunk, rows: list[int]) -> np.ndarray:
+        started = time.perf_counter()
+        logits = host_array(self.draft.forward(self.cache, [chunk], logit_rows=np.asarray(rows, dtype=np.int64)).logits)
+        self.calls += 1
+        self.seconds += time.perf_counter() - started
+        return self._in_target_vocab(np.asarray(logits, dtype=np.float32))
+
+    def _in_target_vocab(self, logits: np.ndarray) -> np.ndarray:
+        width = logits.shape[-1]
+        if width == self.target_vocab:
+            return logits
+        if width > self.target_vocab:  # ids the target cannot emit: never drafted
+            return np.ascontiguousarray(logits[:, :self.target_vocab])
+        out = np.full((logits.shape[0], self.target_vocab), _FAR_BELOW, dtype=np.float32)
+        out[:, :width] = logits
+        return out
+
+    def _sync(self, slot: int, tokens: list[int]) -> np.ndarray:
+        """Commit what the sequence gained since the last call; the logits after its pending token."""
+        n = len(tokens)
+        have = self.cache.length(slot)
+        if have > n or (have and self._last.get(slot) != int(tokens[have - 1])):
+            self.cache.reset(slot)  # not this sequence's prefix (a reused key): start over
+            have = 0
+        if have == n and slot in self._root:
+            return self._root[slot]
+        if have == n:  # committed without its logits kept (cannot happen after _sync; be safe): start over
+            self.cache.reset(slot)
+            have = 0
+        new = np.asarray(tokens[have:], dtype=np.int64)
+        logits = self._forward(Chunk(slot, new, np.arange(have, n, dtype=np.int64)), [len(new) - 1])[0]
+        self.cache.commit(slot, list(range(len(new))))
+        self._last[slot] = int(tokens[-1])
+        self._root[slot] = logits
+        return logits
+
+    def _tree_rows(self, slot: int, nodes: list, committed: int) -> np.ndarray:
+        """Logits after each of `nodes` (tree nodes, index >= 0): the tree drafted so far that they
+        hang from fed with a tree mask after the `committed` tokens, uncommitted."""
+        members: dict[int, Any] = {}
+        for node in nodes:
+            while node is not None and node.token is not None and node.index not in members:
+                members[node.index] = node
+                node = node.parent
+        order = sorted(members)  # a parent's index is below its children's: topological
+        row_of = {index: row for row, index in enumerate(order)}
+        mask = np.zeros((len(order), len(order)), dtype=bool)
+        for row, index in enumerate(order):
+            node = members[index]
+            while node is not None and node.token is not None:
+                mask[row, row_of[node.index]] = True
+                node = node.parent
+        tokens = np.array([members[i].token for i in order], dtype=np.int64)
+        positions = np.array([committed - 1 + members[i].depth for i in order], dtype=np.int64)
+        return self._forward(Chunk(slot, tokens, positions, mask), [row_of[node.index] for node in nodes])
+
+    # -- proposing ------------------------------------------------------------------------
+
+    def _top(self, logits: np.ndarray) -> list:
+        """(token, probability) of the row's `max_children` most probable tokens (softmax at T=1)."""
+        k = min(self.max_children, logits.shape[-1])
+        top = np.argpartition(-logits, k - 1)[:k]
+        top = top[np.argsort(-logits[top], kind="stable")]
+        shifted = np.exp(logits - logits[top[0]])
+        probs = shifted[top] / shifted.sum(dtype=np.float64)
+        return [(int(t), float(p)) for t, p in zip(top, probs)]
+
+    def _drawn(self, logits: np.ndarray, temperature: float, top_k: int, top_p: float,
+               generator: Optional[np.random.Generator]) -> Any:
+        q = target_distribution(logits, temperature, top_k, top_p)
+        draws = draw_distinct(q, self.max_children, generator if generator is not None else np.random.default_rng())
+        if not draws:
+            return []
+        return SampledExpansion(SampledChildren(q=q, draws=draws, replacement=False),
+                                [(t, float(q[t])) for t in draws])
+
+    def propose(self, view: Any, budget: int) -> SpecTree:
+        """A best-first tree of at most `budget` nodes after the pending token (drawn from q at T > 0)."""
+        tokens = view.token_ids
+        n = len(tokens)
+        if budget <= 0 or n == 0 or n + self.max_depth > self.cache.max_length:
+            return SpecTree()
+        params = getattr(view, "params", None)
+        temperature, top_k, top_p = sampling_knobs(params if params is not None else {})
+        sampled = self.sample and not is_greedy(temperature)
+        generator = getattr(view, "generator", None)
+        key = sequence_key(view)
+        with self._lock:
+            slot = self._slot(key)
+            try:
+                root = self._sync(slot, list(tokens))
+
+                def expand_fn(nodes: list) -> list:
+                    rows = root[None] if nodes[0].token is None else self._tree_rows(slot, nodes, n)
+                    if sampled:
+                        return [self._drawn(row, temperature, top_k, top_p, generator) for row in rows]
+                    return [self._top(row) for row in rows]
+
+                return build_dynamic_tree(expand_fn, budget, self.max_depth, self.prob_threshold,
+                                          self.max_children, batched=True, frontier=self.frontier)
+            finally:
+                if key is None:  # nothing to find it by next time
+                    self._release(slot)
+
+    def warmup(self) -> None:
+        """One sync and one tree forward, so the first request pays no set-up."""
+        class _View:
+            token_ids = [0, 0, 0]
+            params = None
+            generator = None
+        self.propose(_View(), min(4, self.max_depth))
+        with self._lock:
+            for key in list(self._slots):
+                self._release(self._slots.pop(key))
+            self.calls, self.seconds = 0, 0.0
+
+
+def check_vocabulary(target: Any, draft: Any, path: str) -> None:
+    """ValueError unless `draft` (a tokenizer) has `target`'s vocabulary (see the module docstring)."""
+    if target is None or not hasattr(target, "token_text"):
+        raise ValueError("the draft model's vocabulary cannot be checked: the target has no tokenizer with "
+                         "token_text(id)")
+    a, b = int(target.vocab_size), int(draft.vocab_size)
+    if abs(a - b) > VOCAB_SLACK:
+        raise ValueError(f"draft model {path!r} has {b} token ids, the target {a}: not the same vocabulary "
+                         f"(at most {VOCAB_SLACK} ids may differ)")
+    for token in range(min(a, b)):
+        mine, theirs = target.token_text(token), draft.token_text(token)
+        if mine != theirs:
+            raise ValueError(f"draft model {path!r} has another vocabulary: token id {token} is {theirs!r} there "
+                             f"and {mine!r} in the target; a draft model must share the target's tokenizer")
+
+
+def make_draft_model_drafter(model: Any, options: Optional[Mapping[str, Any]] = None,
+                             context: Optional[DrafterContext] = None) -> DraftModelDrafter:
+    """Drafter factory: loads `options.path` on the target's runtime, checks its vocabulary, warms it up."""
+    options = dict(options or {})
+    context = context or DrafterContext()
+    for name in options:
+        if name not in OPTIONS:
+            raise OptionError(name, f"unknown model-drafter option (misspelled?); expected one of {list(OPTIONS)}")
+    path = options.get("path")
+    if not isinstance(path, str) or not path:
+        raise OptionError("path", f"expected the path of the draft model's file (a GGUF), got {path!r}")
+    load = getattr(model, "load_draft_model", None)
+    if load is None:
+        raise OptionError("path", f"this target ({type(model).__name__}) cannot load a draft model: the draft-model "
+                                  f"drafter runs on the llm backend's native CPU runtime")
+    resolved = context.resolve(path)
+    if not resolved.is_file():
+        raise OptionError("path", f"draft model file {str(resolved)!r} does not exist")
+    started = time.perf_counter()
+    try:
+        draft, tokenizer = load(str(resolved))
+    except (ValueError, OSError) as exc:
+        raise OptionError("path", f"draft model {str(resolved)!r} cannot be served: {exc}") from None
+    try:
+        check_vocabulary(context.tokenizer, tokenizer, str(resolved))
+    except ValueError as exc:
+        raise OptionError("path", str(exc)) from None
+    max_length = getattr(getattr(draft, "config", None), "max_position_embeddings", 8192) or 8192
+    drafter = DraftModelDrafter(
+        draft, int(model.vocab_size),
+        max_depth=read_int(options, "max_depth", 8, 1, 64),
+        max_children=read_int(options, "max_children", 4, 1, 64),
+        prob_threshold=read_float(options, "prob_threshold", 0.05, 0.0, 1.0),
+        frontier=read_int(options, "frontier", 8, 1, 256),
+        sample=read_bool(options, "sample", True),
+        max_sequences=read_int(options, "max_sequences", 8, 1, 1024),
+        max_length=read_int(options, "max_length", int(max_length), 16, 1 << 20),
+    )
+    drafter.warmup()
+    log.info("draft model %s loaded in %.2fs (%d-token vocabulary checked against the target's)", resolved,
+             time.perf_counter() - started, tokenizer.vocab_size)
+    return drafter
