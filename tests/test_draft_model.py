@@ -87,7 +87,9 @@ def test_greedy_output_with_a_draft_model_is_the_targets(target, files):
     model, tokenizer = target
     params = [{"prompt": p, "max_tokens": 40} for p in PROMPTS]  # 5 sequences over 4 slots: one waits
     plain = _run(model, tokenizer, None, params)
-    strategy = _strategy(["model"], model={"path": str(files["same"]), "max_sequences": 2})  # slots evicted
+    # A tiny random model is unsure of everything: no probability threshold, or nothing is drafted.
+    strategy = _strategy(["model"], model={"path": str(files["same"]), "max_sequences": 2, "prob_threshold": 0.0},
+                         prob_threshold=0.0)  # 2 draft slots for 4 running sequences: slots are evicted
     spec = _run(model, tokenizer, strategy, params)
     for i, prompt in enumerate(PROMPTS):
         assert spec[i]["token_ids"] == plain[i]["token_ids"], prompt
@@ -105,7 +107,8 @@ def test_a_poor_draft_model_is_still_exact(target, files):
     model, tokenizer = target
     params = [{"prompt": p, "max_tokens": 24} for p in PROMPTS[:3]]
     plain = _run(model, tokenizer, None, params)
-    spec = _run(model, tokenizer, _strategy(["ngram", "model"], model={"path": str(files["other"])}), params)
+    spec = _run(model, tokenizer, _strategy(["ngram", "model"], model={"path": str(files["other"]), "prob_threshold": 0.0},
+                                        prob_threshold=0.0), params)
     assert [spec[i]["token_ids"] for i in range(3)] == [plain[i]["token_ids"] for i in range(3)]
 
 

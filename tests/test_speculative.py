@@ -227,6 +227,9 @@ def _wrong_verify(mode: str) -> Verify:
                     q = group.q.astype(np.float64) / group.q.sum()
                     for token in group.draws:
                         if gen.random() * p[token] < q[token]:
+                            if token not in node_of:  # an accepted draw whose node was pruned ends the step
+                                verdict.bonus = token
+                                return verdict
                             chosen = node_of[token]
                             break
                         p = np.maximum(p - q, 0)

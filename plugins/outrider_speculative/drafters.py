@@ -211,8 +211,9 @@ class NgramDrafter:
         return prune_tree(trie, budget, self.max_depth, self.prob_threshold, self.max_children)
 
 
-def make_ngram_drafter(model: Any, options: Optional[Mapping[str, Any]] = None) -> NgramDrafter:
-    """Drafter factory for `outrider_register_drafters`: `factory(model, options)`; OptionError names a bad field."""
+def make_ngram_drafter(model: Any, options: Optional[Mapping[str, Any]] = None, context: Any = None) -> NgramDrafter:
+    """Drafter factory for `outrider_register_drafters`: `factory(model, options, context)` (the n-gram
+    index needs neither the model nor the context); OptionError names a bad field."""
     options = dict(options or {})
     known = ("max_ngram", "min_ngram", "max_matches", "max_depth", "max_children", "prob_threshold", "backoff")
     for name in options:
