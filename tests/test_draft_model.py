@@ -89,7 +89,7 @@ def test_greedy_output_with_a_draft_model_is_the_targets(target, files):
     plain = _run(model, tokenizer, None, params)
     # A tiny random model is unsure of everything: no probability threshold, or nothing is drafted.
     strategy = _strategy(["model"], model={"path": str(files["same"]), "max_sequences": 2, "prob_threshold": 0.0},
-                         prob_threshold=0.0)  # 2 draft slots for 4 running sequences: slots are evicted
+                         prob_threshold=0.0, cost_gate=False)  # 2 draft slots for 4 sequences: slots evicted
     spec = _run(model, tokenizer, strategy, params)
     for i, prompt in enumerate(PROMPTS):
         assert spec[i]["token_ids"] == plain[i]["token_ids"], prompt

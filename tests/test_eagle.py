@@ -298,7 +298,7 @@ def test_shipped_head_drafts_well_on_smollm2():
          "max_tokens": 64},
     ]
     plain = _run(model, tokenizer, None, prompts)
-    strategy = _strategy(["eagle"])
+    strategy = _strategy(["eagle"], cost_gate=False)  # the head's acceptance, not the timing gate's choices
     spec = _run(model, tokenizer, strategy, prompts)
     lengths = []
     for i in range(len(prompts)):

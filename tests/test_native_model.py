@@ -413,7 +413,7 @@ def test_a_plain_gguf_manifest_serves_without_torch_in_the_process(tmp_path, ser
     _native_c()
     _smollm2()
     manifest = write_manifest(tmp_path, PLAIN.format(
-        name="plain", extra="speculative:\n  drafters: [ngram, eagle]\n  eagle: {quantize: int4}\n"), "plain.yaml")
+        name="plain", extra="speculative:\n  drafters: [ngram, eagle]\n  cost_gate: false\n  eagle: {quantize: int4}\n"), "plain.yaml")
     server = server_factory([manifest], ["outrider_llm", "outrider_speculative"])
     with server.client(timeout=120) as client:
         backend = client.health()["models"]["plain"]["instances"][0]["backend"]

@@ -29,7 +29,7 @@ from outrider.generation.sampling import (SamplingParams, draw, greedy_token, ne
                                           target_distribution)
 from outrider_speculative.config import SpeculativeConfig
 from outrider_speculative.drafters import NgramDrafter, NgramIndex
-from outrider_speculative.strategy import BudgetController, SpeculativeStrategy
+from outrider_speculative.strategy import BudgetController, CostGate, SpeculativeStrategy
 from outrider_speculative.tree import (
     SampledChildren,
     SampledExpansion,
@@ -175,7 +175,7 @@ class SampledDrafter:
 
 
 def _ngram_strategy(**knobs: Any) -> SpeculativeStrategy:
-    config = SpeculativeConfig.from_section({"drafters": ["ngram"], "prob_threshold": 0.0, **knobs})
+    config = SpeculativeConfig.from_section({"drafters": ["ngram"], "prob_threshold": 0.0, "cost_gate": False, **knobs})
     strategy = SpeculativeStrategy(config)
     strategy.attach()
     return strategy
@@ -638,6 +638,90 @@ def test_strategy_budget_follows_recorded_acceptance():
     assert len(strategy.propose(seq, 8)) <= strategy.config.min_draft_tokens
     strategy.finish(seq)
     assert strategy.budget(seq) == 8
+
+
+def _gated_run(gate: CostGate, steps: int, step_cost: Callable[[bool, int], tuple[float, int]]) -> tuple[int, float, int]:
+    """Drive `gate` through `steps` steps of one sequence on a simulated clock: step_cost(drafting,
+    step index) -> (seconds, tokens emitted). (drafting steps, total seconds, total tokens)."""
+    now, drafted, tokens = 0.0, 0, 0
+    for i in range(steps):
+        drafting = gate.begin("s", now)
+        seconds, emitted = step_cost(drafting, i)
+        gate.tokens("s", emitted)
+        now += seconds
+        drafted += drafting
+        tokens += emitted
+    return drafted, now, tokens
+
+
+def test_cost_gate_keeps_drafting_that_pays_and_still_measures_plain():
+    # Drafting steps: 10 ms for 3 tokens (300 tok/s); plain steps: 8 ms for 1 (125 tok/s).
+    drafted, seconds, tokens = _gated_run(CostGate(), 400, lambda d, i: (0.010, 3) if d else (0.008, 1))
+    plain = 400 - drafted
+    assert 400 / 34 <= plain <= 400 / 30, plain  # a plain step about every 32: the plain rate kept current
+    assert tokens / seconds > 0.95 * 300
+
+
+def test_cost_gate_stops_a_drafter_that_never_pays_within_3_percent():
+    # Drafting steps: 12 ms for 1 token (nothing accepted); plain: 8 ms for 1.
+    drafted, seconds, tokens = _gated_run(CostGate(), 1000, lambda d, i: (0.012, 1) if d else (0.008, 1))
+    assert drafted <= 24, drafted  # the first two steps and 2-step probes, the waits doubling to 128 steps
+    assert tokens / seconds >= 0.97 * 125, tokens / seconds
+
+
+def test_cost_gate_resumes_drafting_when_it_starts_to_pay():
+    # The first 100 steps drafting loses; then the output starts copying its input and it wins 3x.
+    def cost(drafting: bool, i: int) -> tuple[float, int]:
+        if not drafting:
+            return 0.008, 1
+        return (0.012, 1) if i < 100 else (0.010, 3)
+
+    gate = CostGate()
+    early, _, _ = _gated_run(gate, 100, cost)
+    assert early <= 10
+    late, _, _ = _gated_run(gate, 200, lambda d, i: cost(d, i + 100))
+    assert late >= 200 - 64 - 8, late  # back within one wait (at most 64 steps by then), then mostly drafting
+
+
+def test_the_cost_gate_stops_a_slow_useless_drafter_in_the_engine():
+    """A drafter that sleeps 20 ms and is never right: the engine asks it on few steps, output unchanged."""
+    import time as _time
+
+    from outrider.generation.engine import GenerationEngine
+    from outrider.serving.request import PendingRequest
+
+    class SlowWrong:
+        name = "slow"
+        calls = 0
+
+        def propose(self, seq, budget):
+            SlowWrong.calls += 1
+            _time.sleep(0.02)
+            return SpecTree([int(seq.token_ids[-1]) ^ 1], [-1], [1.0])  # rarely the target's next token
+
+    from outrider_llm.loading import tiny_random_llama
+    from test_generate import CharTokenizer
+
+    model, tokenizer = tiny_random_llama(vocab_size=16, hidden_size=32, num_layers=2, seed=3), CharTokenizer(16)
+    outputs = {}
+    for gated in (False, True):
+        config = SpeculativeConfig.from_section({"drafters": ["slow"], "prob_threshold": 0.0, "cost_gate": gated})
+        strategy = SpeculativeStrategy(config)
+        strategy.bind_registry({"slow": lambda model, options, context: SlowWrong()})
+        strategy.attach(model, tokenizer)
+        engine = GenerationEngine(model, tokenizer, strategy, max_sequences=1, max_length=256)
+        finals = []
+        request = PendingRequest(b"r", 1, "generate", "t", {}, {"prompt": "abcabcabc", "max_tokens": 120},
+                                 lambda r, kind, header, out: finals.append(header) if kind != "chunk" else None)
+        SlowWrong.calls = 0
+        engine.admit([request])
+        while engine.busy():
+            engine.step()
+        outputs[gated] = (finals[-1]["token_ids"], SlowWrong.calls, strategy.stats["gated_steps"])
+    assert outputs[True][0] == outputs[False][0]
+    assert outputs[False][1] >= 60 and outputs[False][2] == 0  # ungated: asked every step
+    assert outputs[True][1] <= 20, outputs[True]  # gated: the first steps and the probes
+    assert outputs[True][2] >= 60
 
 
 @pytest.mark.parametrize("section, field", [

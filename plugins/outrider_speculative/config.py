@@ -9,6 +9,7 @@
       max_children: 4          # most candidates under one node
       adaptive: true           # adapt each sequence's budget to its recent acceptance
       batch_draft_tokens: 64   # draft nodes per step across all active sequences
+      cost_gate: true          # per sequence, speculate only while it yields more tokens per second than plain
       ngram: {max_ngram: 4}    # options of one drafter, under its name
 
 This module imports no torch: a manifest can be checked without loading a framework.
@@ -57,7 +58,7 @@ def read_bool(options: Mapping[str, Any], name: str, default: bool) -> bool:
 
 KNOBS = (
     "drafters", "max_draft_tokens", "min_draft_tokens", "max_depth", "prob_threshold",
-    "max_children", "adaptive", "batch_draft_tokens",
+    "max_children", "adaptive", "batch_draft_tokens", "cost_gate",
 )
 
 
@@ -73,6 +74,7 @@ class SpeculativeConfig:
     max_children: int = 4
     adaptive: bool = True
     batch_draft_tokens: int = 64
+    cost_gate: bool = True
     drafter_options: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @classmethod
@@ -117,6 +119,7 @@ class SpeculativeConfig:
             max_children=read_int(section, "max_children", cls.max_children, 1, 1024),
             adaptive=read_bool(section, "adaptive", cls.adaptive),
             batch_draft_tokens=read_int(section, "batch_draft_tokens", cls.batch_draft_tokens, 0, 1 << 20),
+            cost_gate=read_bool(section, "cost_gate", cls.cost_gate),
             drafter_options=options,
         )
 

@@ -26,6 +26,7 @@ accepted and shrunk when little is. `propose` applies the smaller of the two.
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Any, Callable, Hashable, Optional
 
@@ -107,6 +108,84 @@ class BudgetController:
         self._ema.pop(seq_id, None)
 
 
+class CostGate:
+    """Per sequence: draft only while drafting steps yield more tokens per second than plain steps.
+
+    A step is timed from one `propose` of the sequence to its next (drafting, the target's forward,
+    verification, bookkeeping: everything the step cost, on whatever runtime and kernel set runs),
+    and credited with the tokens it emitted (accepted + 1). Steps that asked the drafters and steps
+    that did not keep separate EMAs of tokens per second. A plain step is forced after the first two
+    drafting steps and then every `plain_every` drafting steps, so the plain rate is measured on this
+    sequence and kept current (it costs at most 1/`plain_every` of the gain). When the drafting rate
+    falls below the plain rate, the sequence decodes plain for `backoff` steps, then drafts
+    `probe_steps` steps to measure again; each lost probe doubles the wait (up to `max_backoff`),
+    a won one resets it. A drafter that never helps thus costs about probe_steps / max_backoff of
+    its steps' overhead; the verdict never depends on it, so output stays lossless at any temperature.
+    """
+
+    def __init__(self, plain_every: int = 32, probe_steps: int = 2, backoff: int = 8, max_backoff: int = 128,
+                 alpha: float = 0.3) -> None:
+        self.plain_every = plain_every
+        self.probe_steps = probe_steps
+        self.first_backoff = backoff
+        self.max_backoff = max_backoff
+        self.alpha = alpha
+        self._state: dict[Hashable, dict] = {}
+
+    def _rate(self, state: dict, kind: str, rate: float) -> None:
+        old = state[kind]
+        state[kind] = rate if old is None else (1 - self.alpha) * old + self.alpha * rate
+        state[kind + "_n"] += 1
+
+    def begin(self, key: Hashable, now: float) -> bool:
+        """Close the sequence's last step (timed up to `now`) and say whether this step drafts."""
+        state = self._state.get(key)
+        if state is None:
+            state = self._state[key] = {"draft": None, "draft_n": 0, "plain": None, "plain_n": 0, "since_plain": 0,
+                                        "wait": 0, "backoff": self.first_backoff, "probing": 0, "last": None}
+        last = state["last"]
+        if last is not None and now > last[0] and last[2] > 0:
+            self._rate(state, "draft" if last[1] else "plain", last[2] / (now - last[0]))
+        drafting = self._decide(state)
+        state["last"] = [now, drafting, 0]
+        if not drafting:
+            state["since_plain"] = 0  # a plain step of any cause refreshes the plain rate
+        return drafting
+
+    def _decide(self, state: dict) -> bool:
+        if state["wait"] > 0:  # backing off: plain, then a probe
+            state["wait"] -= 1
+            if state["wait"] == 0:
+                state["draft"], state["draft_n"], state["probing"] = None, 0, self.probe_steps
+            return False
+        if state["probing"] > 0:
+            state["probing"] -= 1
+            state["since_plain"] += 1
+            return True
+        if state["draft_n"] >= 2 and (state["plain_n"] == 0 or state["since_plain"] >= self.plain_every):
+            return False  # measure plain
+        if state["draft"] is not None and state["plain"] is not None and state["draft_n"] >= self.probe_steps:
+            if state["draft"] < state["plain"]:
+                probed = state["draft_n"] <= self.probe_steps  # lost right after a probe: wait longer next time
+                state["wait"] = state["backoff"] - 1  # this step is the first plain one
+                if probed:
+                    state["backoff"] = min(self.max_backoff, state["backoff"] * 2)
+                return False
+            state["backoff"] = self.first_backoff
+        state["since_plain"] += 1
+        return True
+
+    def tokens(self, key: Hashable, emitted: int) -> None:
+        """The step that began at the sequence's last `begin` emitted `emitted` tokens."""
+        state = self._state.get(key)
+        if state is not None and state["last"] is not None:
+            state["last"][2] += emitted
+
+    def release(self, key: Hashable) -> None:
+        """Forget a sequence."""
+        self._state.pop(key, None)
+
+
 class SpeculativeStrategy:
     """Draft with the configured drafters, verify losslessly, adapt the budget (see module doc)."""
 
@@ -119,10 +198,12 @@ class SpeculativeStrategy:
             self.config.max_draft_tokens, self.config.min_draft_tokens,
             self.config.batch_draft_tokens, self.config.adaptive,
         )
+        self.gate = CostGate() if self.config.cost_gate else None
         self.factories: dict[str, Callable[..., Any]] = dict(BUILTIN_DRAFTERS)
         self.drafters: list[Any] = []
         self.attached = False
-        self.stats: dict[str, int] = {"steps": 0, "draft_tokens": 0, "accepted_tokens": 0, "drafter_errors": 0}
+        self.stats: dict[str, int] = {"steps": 0, "draft_tokens": 0, "accepted_tokens": 0, "drafter_errors": 0,
+                                      "gated_steps": 0}
         self._depth: dict[Hashable, int] = {}  # depth of each sequence's last proposal
 
     @classmethod
@@ -182,6 +263,8 @@ class SpeculativeStrategy:
         if key is not None:
             self.controller.release(key)
             self._depth.pop(key, None)
+            if self.gate is not None:
+                self.gate.release(key)
         self._each_drafter("finish", seq)
 
     def _each_drafter(self, method: str, *args: Any) -> None:
@@ -219,6 +302,9 @@ class SpeculativeStrategy:
         own = self.controller.budget(key)
         budget = own if budget is None else min(budget, own)
         tree = SpecTree()
+        if self.gate is not None and key is not None and not self.gate.begin(key, time.perf_counter()):
+            budget = 0  # drafting does not pay on this sequence now
+            self.stats["gated_steps"] += 1
         if budget > 0:
             trees: list[DraftTree] = []
             for drafter in self.drafters:
@@ -250,6 +336,8 @@ class SpeculativeStrategy:
     def record(self, seq: Any, draft_tokens: int, accepted_tokens: int) -> None:
         """Feed one step's outcome to the sequence's adaptive budget."""
         key = sequence_key(seq)
+        if key is not None and self.gate is not None:
+            self.gate.tokens(key, accepted_tokens + 1)
         if key is None or draft_tokens <= 0:
             return
         depth = self._depth.get(key) or draft_tokens

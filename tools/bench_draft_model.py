@@ -1,0 +1,394 @@
+#!/usr/bin/env python3
+"""A draft model as the drafter (issue 39), served for real next to llama.cpp's `--model-draft`, in one run.
+
+  python tools/bench_draft_model.py [--llama-cpp DIR] [--target F16] [--draft Q4_0] [--prompts 6] [--chat 4]
+                                    [--tokens 96] [--temperatures 0,1] [--streams 1,4,8] [--economy 1b,3b]
+
+The pair: SmolLM2-135M-Instruct as the target in --target (F16 by default) and the same weights in
+--draft (Q4_0) as the draft model, both made from the shipped Q4_1 GGUF by llama.cpp's own
+`llama-quantize --allow-requantize` (from --llama-cpp, see tools/build_llama_cpp.sh) into
+~/.cache/outrider-bench/draft and kept. A real pair with real acceptance: the draft is the target
+at a quarter of its bytes.
+
+1. Single stream. One `outrider serve` with one manifest per row (plain; `drafters: [ngram]`;
+   `[model]`; `[ngram, model]`; every row the same target file and options) and `llama-server`
+   twice on the same target (plain, and `-md DRAFT`), each request to every row in turn, the row
+   order rotated per prompt. Prompts: the first --prompts HumanEval problems and --chat chat
+   prompts (bench_spec.py's), the chat ones rendered once with the file's chat template so both
+   runtimes get the same text. T=0 and T=1 (seed = prompt index; llama.cpp with top_k 0, top_p 1,
+   min_p 0, so both sample the model's plain distribution). Columns: decode tok/s (tokens after
+   the first over the time after the first, summed over the prompts: llama.cpp's
+   `timings.predicted_per_second` measures the same span), its ratio to the same runtime's plain
+   row, tokens per decode step where the runtime says (Outrider's stats; llama.cpp's
+   `draft_n_accepted` / steps), and for T=0 whether the output equals plain's (Outrider) token for
+   token.
+2. --streams: N requests at once (N different prompts, greedy) to the plain and the draft-model
+   rows; aggregate tok/s (all new tokens over the wall time of the batch).
+3. --economy: the random-weight 1B/3B GGUFs of tools/make_gguf.py (Q4_K_M) in this process on the
+   native runtime: what one forward of 1 + k rows (a chain, as a drafted path is verified) costs
+   against one row after a 512-token context, k = 4, 8, 16; and the served 1B/3B with the n-gram
+   drafter and with the tiny random model of the same vocabulary (`tiny`, acceptance near zero) as
+   the draft model, greedy, against plain (the never-slower check).
+
+The CPU, its kernel set and the load are printed; compare ratios within one run only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any, Optional
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT / "runtime"), str(ROOT / "plugins"), str(ROOT / "tools")]
+
+from bench_sizes import _CHILDREN, START_TIMEOUT_S, cpu_line, free_port, outrider_kernels  # noqa: E402
+from bench_spec import CHAT, humaneval_prompts  # noqa: E402
+from bench_quantize import Server  # noqa: E402
+from make_gguf import DEFAULT_DIR, DEFAULT_LLAMA_CPP, ensure  # noqa: E402
+
+FILES = Path.home() / ".cache" / "outrider-bench" / "draft"
+SLOTS = 8
+LENGTH = 2048
+REQUEST_TIMEOUT_S = 600.0
+
+MANIFEST = """name: {name}
+backend: llm
+model:
+  path: {path}
+options:
+  max_sequences: {slots}
+  max_length: {length}
+  threads: {threads}
+"""
+
+
+def requantized(llama_cpp: Path, source: Path, ftype: str, threads: int) -> Path:
+    """`source` through llama.cpp's quantizer into `ftype`, kept in FILES."""
+    FILES.mkdir(parents=True, exist_ok=True)
+    out = FILES / f"{source.stem.split('.')[0]}-{ftype}.gguf"
+    if not out.exists():
+        partial = out.with_suffix(".partial")
+        subprocess.run([str(llama_cpp / "bin" / "llama-quantize"), "--allow-requantize", str(source), str(partial),
+                        ftype, str(threads)], check=True, capture_output=True)
+        partial.rename(out)
+    return out
+
+
+def manifest(directory: Path, name: str, target: Path, threads: int, speculative: Optional[dict]) -> Path:
+    text = MANIFEST.format(name=name, path=target, slots=SLOTS, length=LENGTH, threads=threads)
+    if speculative is not None:
+        text += "speculative: " + json.dumps(speculative) + "\n"
+    path = directory / f"{name}.yaml"
+    path.write_text(text)
+    return path
+
+
+class LlamaServer:
+    """`llama-server` on 127.0.0.1 (a free port), optionally with a draft model."""
+
+    def __init__(self, build: Path, target: Path, threads: int, log: Path, draft: Optional[Path] = None,
+                 slots: int = 1) -> None:
+        self.url = f"http://127.0.0.1:{free_port()}"
+        command = [str(build / "bin" / "llama-server"), "-m", str(target), "-t", str(threads), "-tb", str(threads),
+                   "-np", str(slots), "-c", str(slots * LENGTH), "--host", "127.0.0.1",
+                   "--port", self.url.rsplit(":", 1)[1], "--no-webui"]
+        if draft is not None:
+            command += ["-md", str(draft), "-td", str(threads), "-tbd", str(threads), "-cd", str(LENGTH)]
+        self.log = log
+        self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=open(log, "wb"), start_new_session=True)
+        _CHILDREN.append(self.proc)
+
+    def wait_ready(self) -> None:
+        end = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited: {self.log.read_text(errors='replace')[-3000:]}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as reply:
+                    if reply.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError("llama-server not ready in time")
+
+    def complete(self, prompt: str, tokens: int, temperature: float, seed: int) -> dict:
+        body = {"prompt": prompt, "n_predict": tokens, "temperature": temperature, "seed": seed, "top_k": 0,
+                "top_p": 1.0, "min_p": 0.0, "cache_prompt": False}
+        request = urllib.request.Request(self.url + "/completion", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as reply:
+            return json.loads(reply.read())
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(30)
+
+
+class Row:
+    """One configuration's tallies per temperature: decode tokens and seconds, steps, outputs."""
+
+    def __init__(self, name: str, runtime: str, call: Any) -> None:
+        self.name, self.runtime, self.call = name, runtime, call
+        self.tally: dict[float, dict] = {}
+
+    def measure(self, index: int, prompt: str, tokens: int, temperature: float) -> None:
+        got = self.call(prompt, tokens, temperature, index)
+        t = self.tally.setdefault(temperature, {"tokens": 0, "seconds": 0.0, "steps": 0, "accepted": 0,
+                                                "outputs": {}, "known": True})
+        t["tokens"] += got["decoded"]
+        t["seconds"] += got["seconds"]
+        if got.get("steps") is None:
+            t["known"] = False
+        else:
+            t["steps"] += got["steps"]
+            t["accepted"] += got["accepted"]
+        t["outputs"][index] = got.get("token_ids")
+
+
+def outrider_call(client: Any, model: str) -> Any:
+    def call(prompt: str, tokens: int, temperature: float, seed: int) -> dict:
+        result = client.generate(model, prompt=prompt, max_tokens=tokens, temperature=temperature, seed=seed,
+                                 timeout=REQUEST_TIMEOUT_S)
+        s = result.stats
+        decoded = max(s["new_tokens"] - 1, 0)
+        return {"decoded": decoded, "seconds": max(s["seconds"] - s["time_to_first_token"], 1e-9),
+                "steps": max(s["steps"] - 1, 0), "accepted": s.get("accepted_tokens", 0),
+                "token_ids": result.token_ids}
+    return call
+
+
+def llama_call(server: LlamaServer) -> Any:
+    def call(prompt: str, tokens: int, temperature: float, seed: int) -> dict:
+        reply = server.complete(prompt, tokens, temperature, seed)
+        timings = reply["timings"]
+        decoded = max(int(timings["predicted_n"]) - 1, 0)
+        seconds = decoded / timings["predicted_per_second"] if timings.get("predicted_per_second") else 1e-9
+        accepted = timings.get("draft_n_accepted")
+        steps = None if accepted is None else decoded - int(accepted)
+        return {"decoded": decoded, "seconds": seconds, "steps": steps, "accepted": accepted or 0}
+    return call
+
+
+def print_table(title: str, rows: list[Row], temperature: float) -> None:
+    print(f"\n{title}, T={temperature:g}")
+    print(f"{'runtime':<10}{'row':<24}{'decode tok/s':>13}{'x plain':>9}{'tokens/step':>13}{'identical':>11}")
+    plain = {r.runtime: r for r in rows if r.name == "plain"}
+    for row in rows:
+        t = row.tally[temperature]
+        base = plain[row.runtime].tally[temperature]
+        rate = t["tokens"] / t["seconds"] if t["seconds"] else 0.0
+        base_rate = base["tokens"] / base["seconds"] if base["seconds"] else 0.0
+        per_step = f"{t['tokens'] / t['steps']:.2f}" if t["known"] and t["steps"] else "-"
+        same = "-"
+        if temperature == 0 and row.runtime == "outrider" and row.name != "plain":
+            same = "yes" if t["outputs"] == base["outputs"] else "NO"
+        print(f"{row.runtime:<10}{row.name:<24}{rate:>13.1f}{rate / base_rate:>8.2f}x{per_step:>13}{same:>11}")
+    sys.stdout.flush()
+
+
+def single_stream(args: argparse.Namespace, rows: list[Row], sets: list[tuple[str, list[str]]]) -> None:
+    for set_name, prompts in sets:
+        for temperature in args.temperatures:
+            for row in rows:
+                row.tally.pop(temperature, None)
+            for i, prompt in enumerate(prompts):
+                shift = i % len(rows)
+                for row in rows[shift:] + rows[:shift]:
+                    row.measure(i, prompt, args.tokens, temperature)
+            print_table(f"{set_name}: {len(prompts)} prompts, {args.tokens} new tokens", rows, temperature)
+
+
+def concurrent(address: str, model: str, prompts: list[str], tokens: int) -> float:
+    """Aggregate decode tok/s of len(prompts) greedy requests sent at once."""
+    from outrider import Client
+
+    done: list[int] = [0] * len(prompts)
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(len(prompts) + 1)
+
+    def one(i: int) -> None:
+        try:
+            with Client(address, timeout=REQUEST_TIMEOUT_S) as client:
+                barrier.wait(60)
+                done[i] = client.generate(model, prompt=prompts[i], max_tokens=tokens, temperature=0.0,
+                                          timeout=REQUEST_TIMEOUT_S).stats["new_tokens"]
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    barrier.wait(60)
+    start = time.perf_counter()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return sum(done) / (time.perf_counter() - start)
+
+
+def economy(args: argparse.Namespace) -> None:
+    """Verify cost at the 1B/3B shapes, and the served never-slower check on them."""
+    import numpy as np
+
+    from outrider.generation.contract import Chunk
+    from outrider_llm import native_c
+    from outrider_llm.gguf_tiles import load_gguf_tiles
+    from outrider_llm.native_model import load_tiles
+
+    native_c.set_threads(args.threads)
+    tiny = ensure("tiny", ["Q4_0"], DEFAULT_DIR, Path(args.llama_cpp), args.threads)["Q4_0"]
+    print(f"\nVerify cost on the native runtime ({args.threads} threads): one forward of 1 + k rows (a chain) "
+          f"after 512 committed tokens, against 1 row; median of {args.repeats}")
+    print(f"{'file':<18}{'1 row ms':>10}" + "".join(f"{f'1+{k} rows':>11}" for k in (4, 8, 16)))
+    for shape in args.economy:
+        path = ensure(shape, ["Q4_K_M"], DEFAULT_DIR, Path(args.llama_cpp), args.threads)["Q4_K_M"]
+        model, _ = load_tiles(load_gguf_tiles(path, in_child=False))
+        cache = model.new_cache(1, 1024)
+        rng = np.random.default_rng(0)
+        context = rng.integers(0, 30000, 512)
+        model.forward(cache, [Chunk(0, context, np.arange(512))], logit_rows=np.array([511]))
+        cache.commit(0, list(range(512)))
+        times = {}
+        for rows in (1, 5, 9, 17):
+            samples = []
+            for _ in range(args.repeats):
+                tokens = rng.integers(0, 30000, rows)
+                start = time.perf_counter()
+                model.forward(cache, [Chunk(0, tokens, np.arange(512, 512 + rows))],
+                              logit_rows=np.arange(rows))
+                samples.append(time.perf_counter() - start)
+                cache.commit(0, [])
+            times[rows] = statistics.median(samples)
+        print(f"{path.name:<18}{times[1] * 1e3:>10.1f}" + "".join(f"{times[r] / times[1]:>10.2f}x" for r in (5, 9, 17)))
+        del model, cache
+    print(f"\nServed greedy on the same shapes ({args.prompts} HumanEval prompts, {args.tokens} tokens): "
+          f"plain, n-gram, and the random `tiny` GGUF of the same vocabulary as the draft model")
+    print(f"{'file':<18}{'row':<20}{'decode tok/s':>13}{'x plain':>9}{'tokens/step':>13}")
+    from outrider import Client
+
+    prompts = humaneval_prompts(args.prompts)
+    for shape in args.economy:
+        path = ensure(shape, ["Q4_K_M"], DEFAULT_DIR, Path(args.llama_cpp), args.threads)["Q4_K_M"]
+        work = Path(tempfile.mkdtemp(prefix="bench-draft-economy-"))
+        specs = [("plain", None), ("n-gram", {"drafters": ["ngram"]}),
+                 ("random draft model", {"drafters": ["model"], "model": {"path": str(tiny)}})]
+        manifests = [manifest(work, f"e{i}", path, args.threads, s) for i, (_, s) in enumerate(specs)]
+        server = Server([str(m) for m in manifests], 0)
+        _CHILDREN.append(server.proc)
+        try:
+            server.wait_ready(START_TIMEOUT_S)
+            with Client(server.address, timeout=REQUEST_TIMEOUT_S) as client:
+                rows = [Row(name, "outrider", outrider_call(client, f"e{i}")) for i, (name, _) in enumerate(specs)]
+                for row in rows:
+                    row.call("warm up", 4, 0.0, 0)
+                for i, prompt in enumerate(prompts):
+                    shift = i % len(rows)
+                    for row in rows[shift:] + rows[:shift]:
+                        row.measure(i, prompt, args.tokens, 0.0)
+            base = rows[0].tally[0.0]
+            for row in rows:
+                t = row.tally[0.0]
+                rate, base_rate = t["tokens"] / t["seconds"], base["tokens"] / base["seconds"]
+                print(f"{path.name:<18}{row.name:<20}{rate:>13.1f}{rate / base_rate:>8.2f}x"
+                      f"{t['tokens'] / max(t['steps'], 1):>13.2f}")
+                sys.stdout.flush()
+        finally:
+            server.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--llama-cpp", default=DEFAULT_LLAMA_CPP, help="llama.cpp build dir (bin/llama-quantize, "
+                        "bin/llama-server); default $LLAMA_CPP_BUILD or /work/llamacpp-build")
+    parser.add_argument("--target", default="F16", help="the target's llama.cpp file type")
+    parser.add_argument("--draft", default="Q4_0", help="the draft model's llama.cpp file type")
+    parser.add_argument("--prompts", type=int, default=6, help="HumanEval prompts")
+    parser.add_argument("--chat", type=int, default=4, help="chat prompts")
+    parser.add_argument("--tokens", type=int, default=96)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--temperatures", default="0,1")
+    parser.add_argument("--streams", default="", help="comma-separated stream counts, e.g. 1,4,8")
+    parser.add_argument("--economy", default="", help="comma-separated make_gguf shapes, e.g. 1b,3b")
+    parser.add_argument("--repeats", type=int, default=7, help="forwards per row count in --economy")
+    parser.add_argument("--no-llama", action="store_true", help="skip llama-server's rows")
+    parser.add_argument("--only-economy", action="store_true")
+    args = parser.parse_args()
+    args.temperatures = [float(t) for t in args.temperatures.split(",") if t.strip()]
+    args.economy = [s for s in args.economy.split(",") if s]
+    build = Path(args.llama_cpp)
+
+    from outrider import Client
+    from outrider_llm.artifact import smollm2_gguf_path
+
+    print(f"$ python tools/bench_draft_model.py {' '.join(sys.argv[1:])}")
+    print(f"machine: {cpu_line()}; Outrider kernels: {outrider_kernels()}; load {os.getloadavg()[0]:.1f}")
+    if args.only_economy:
+        economy(args)
+        return
+    source = smollm2_gguf_path()
+    target = requantized(build, source, args.target, args.threads)
+    draft = requantized(build, source, args.draft, args.threads)
+    print(f"target {target.name} ({target.stat().st_size / 1e6:.0f} MB), draft {draft.name} "
+          f"({draft.stat().st_size / 1e6:.0f} MB), {args.threads} threads")
+    # Chat prompts rendered once with the file's template (Outrider's tokenizer), as text for both runtimes.
+    from outrider_llm.gguf_tiles import load_gguf_tiles
+    from outrider_llm.native_model import load_tiles
+
+    _, tokenizer = load_tiles(load_gguf_tiles(target, in_child=False))
+    chat = [tokenizer.apply_chat_template([{"role": "user", "content": c}]) for c in CHAT[:args.chat]]
+    sets = [("HumanEval", humaneval_prompts(args.prompts))] + ([("chat", chat)] if chat else [])
+    work = Path(tempfile.mkdtemp(prefix="bench-draft-"))
+    specs = [("plain", None), ("n-gram", {"drafters": ["ngram"]}),
+             ("draft model", {"drafters": ["model"], "model": {"path": str(draft)}}),
+             ("n-gram + draft model", {"drafters": ["ngram", "model"], "model": {"path": str(draft)}})]
+    manifests = [manifest(work, f"m{i}", target, args.threads, s) for i, (_, s) in enumerate(specs)]
+    server = Server([str(m) for m in manifests], 0)
+    _CHILDREN.append(server.proc)
+    llamas: list[LlamaServer] = []
+    try:
+        server.wait_ready(START_TIMEOUT_S)
+        with Client(server.address, timeout=REQUEST_TIMEOUT_S) as client:
+            rows = [Row(name, "outrider", outrider_call(client, f"m{i}")) for i, (name, _) in enumerate(specs)]
+            if not args.no_llama:
+                for name, d in (("plain", None), ("draft model", draft)):
+                    llama = LlamaServer(build, target, args.threads, work / f"llama-{len(llamas)}.log", d)
+                    llama.wait_ready()
+                    llamas.append(llama)
+                    rows.append(Row(name, "llama.cpp", llama_call(llama)))
+            for row in rows:  # untimed
+                row.call("def warmup():\n    return", 8, 0.0, 0)
+            single_stream(args, rows, sets)
+        if args.streams:
+            print(f"\nConcurrent greedy streams (HumanEval prompts, {args.tokens} tokens each): aggregate tok/s")
+            print(f"{'streams':>8}{'plain':>10}{'draft model':>13}{'x plain':>9}{'n-gram':>9}{'x plain':>9}")
+            counts = [int(n) for n in args.streams.split(",")]
+            prompts = humaneval_prompts(max(counts))
+            for n in counts:
+                plain = concurrent(server.address, "m0", prompts[:n], args.tokens)
+                model = concurrent(server.address, "m2", prompts[:n], args.tokens)
+                ngram = concurrent(server.address, "m1", prompts[:n], args.tokens)
+                print(f"{n:>8}{plain:>10.1f}{model:>13.1f}{model / plain:>8.2f}x{ngram:>9.1f}{ngram / plain:>8.2f}x")
+                sys.stdout.flush()
+    finally:
+        server.stop()
+        for llama in llamas:
+            llama.stop()
+    if args.economy:
+        economy(args)
+
+
+if __name__ == "__main__":
+    main()
