@@ -683,6 +683,21 @@ def test_cost_gate_resumes_drafting_when_it_starts_to_pay():
     assert late >= 200 - 64 - 8, late  # back within one wait (at most 64 steps by then), then mostly drafting
 
 
+def test_cost_gate_learns_across_short_sequences_that_an_expensive_drafter_loses():
+    # Each drafting step costs 10x a plain one and yields nothing more; 40 requests of 50 steps each.
+    gate, now, tokens, drafted = CostGate(), 0.0, 0, 0
+    for request in range(40):
+        for _ in range(50):
+            drafting = gate.begin(request, now)
+            now += 0.050 if drafting else 0.005
+            gate.tokens(request, 1)
+            tokens += 1
+            drafted += drafting
+        gate.release(request)
+    assert tokens / now >= 0.97 * 200, (tokens / now, drafted)  # within 3% of plain's 200 tok/s
+    assert drafted >= 2  # it did measure
+
+
 def test_the_cost_gate_stops_a_slow_useless_drafter_in_the_engine():
     """A drafter that sleeps 20 ms and is never right: the engine asks it on few steps, output unchanged."""
     import time as _time

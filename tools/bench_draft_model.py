@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """A draft model as the drafter (issue 39), served for real next to llama.cpp's `--model-draft`, in one run.
 
-  python tools/bench_draft_model.py [--llama-cpp DIR] [--target F16] [--draft Q4_0] [--prompts 6] [--chat 4]
+  python tools/bench_draft_model.py [--llama-cpp DIR] [--target Q8_0] [--draft Q4_0] [--prompts 6] [--chat 4]
                                     [--tokens 96] [--temperatures 0,1] [--streams 1,4,8] [--economy 1b,3b]
 
-The pair: SmolLM2-135M-Instruct as the target in --target (F16 by default) and the same weights in
+The pair: SmolLM2-135M-Instruct as the target in --target (Q8_0 by default; an F16 file is served by the torch model, where no draft model runs) and the same weights in
 --draft (Q4_0) as the draft model, both made from the shipped Q4_1 GGUF by llama.cpp's own
 `llama-quantize --allow-requantize` (from --llama-cpp, see tools/build_llama_cpp.sh) into
 ~/.cache/outrider-bench/draft and kept. A real pair with real acceptance: the draft is the target
@@ -84,6 +84,28 @@ def requantized(llama_cpp: Path, source: Path, ftype: str, threads: int) -> Path
     return out
 
 
+def wait_ready(server: Server) -> None:
+    """Until every model is ready; a model that failed to load stops the benchmark with the log's tail."""
+    from outrider import Client, OutriderError
+
+    end = time.monotonic() + START_TIMEOUT_S
+    with Client(server.address, timeout=5.0) as client:
+        while time.monotonic() < end:
+            log = Path(server.dir) / "server.log"
+            if server.proc.poll() is not None:
+                raise RuntimeError(f"outrider serve exited: {log.read_text(errors='replace')[-3000:]}")
+            try:
+                states = {name: m["state"] for name, m in client.health(timeout=2.0)["models"].items()}
+            except OutriderError:
+                states = {}
+            if states and all(state == "ready" for state in states.values()):
+                return
+            if any(state == "failed" for state in states.values()):
+                raise RuntimeError(f"a model failed to load: {states}\n{log.read_text(errors='replace')[-3000:]}")
+            time.sleep(0.2)
+    raise RuntimeError("outrider serve not ready in time")
+
+
 def manifest(directory: Path, name: str, target: Path, threads: int, speculative: Optional[dict]) -> Path:
     text = MANIFEST.format(name=name, path=target, slots=SLOTS, length=LENGTH, threads=threads)
     if speculative is not None:
@@ -103,7 +125,7 @@ class LlamaServer:
                    "-np", str(slots), "-c", str(slots * LENGTH), "--host", "127.0.0.1",
                    "--port", self.url.rsplit(":", 1)[1], "--no-webui"]
         if draft is not None:
-            command += ["-md", str(draft), "-td", str(threads), "-tbd", str(threads), "-cd", str(LENGTH)]
+            command += ["-md", str(draft), "--spec-type", "draft-simple", "-td", str(threads), "-tbd", str(threads)]
         self.log = log
         self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=open(log, "wb"), start_new_session=True)
         _CHILDREN.append(self.proc)
@@ -289,7 +311,7 @@ def economy(args: argparse.Namespace) -> None:
         server = Server([str(m) for m in manifests], 0)
         _CHILDREN.append(server.proc)
         try:
-            server.wait_ready(START_TIMEOUT_S)
+            wait_ready(server)
             with Client(server.address, timeout=REQUEST_TIMEOUT_S) as client:
                 rows = [Row(name, "outrider", outrider_call(client, f"e{i}")) for i, (name, _) in enumerate(specs)]
                 for row in rows:
@@ -313,7 +335,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--llama-cpp", default=DEFAULT_LLAMA_CPP, help="llama.cpp build dir (bin/llama-quantize, "
                         "bin/llama-server); default $LLAMA_CPP_BUILD or /work/llamacpp-build")
-    parser.add_argument("--target", default="F16", help="the target's llama.cpp file type")
+    parser.add_argument("--target", default="Q8_0", help="the target's llama.cpp file type (one the native "
+                        "runtime serves in its own blocks: the draft model runs beside it there)")
     parser.add_argument("--draft", default="Q4_0", help="the draft model's llama.cpp file type")
     parser.add_argument("--prompts", type=int, default=6, help="HumanEval prompts")
     parser.add_argument("--chat", type=int, default=4, help="chat prompts")
@@ -347,7 +370,7 @@ def main() -> None:
     from outrider_llm.gguf_tiles import load_gguf_tiles
     from outrider_llm.native_model import load_tiles
 
-    _, tokenizer = load_tiles(load_gguf_tiles(target, in_child=False))
+    _, tokenizer = load_tiles(load_gguf_tiles(draft, in_child=False))  # the same vocabulary and template
     chat = [tokenizer.apply_chat_template([{"role": "user", "content": c}]) for c in CHAT[:args.chat]]
     sets = [("HumanEval", humaneval_prompts(args.prompts))] + ([("chat", chat)] if chat else [])
     work = Path(tempfile.mkdtemp(prefix="bench-draft-"))
@@ -359,7 +382,7 @@ def main() -> None:
     _CHILDREN.append(server.proc)
     llamas: list[LlamaServer] = []
     try:
-        server.wait_ready(START_TIMEOUT_S)
+        wait_ready(server)
         with Client(server.address, timeout=REQUEST_TIMEOUT_S) as client:
             rows = [Row(name, "outrider", outrider_call(client, f"m{i}")) for i, (name, _) in enumerate(specs)]
             if not args.no_llama:

@@ -49,7 +49,8 @@ from .tree import SampledExpansion, SpecTree, build_dynamic_tree, draw_distinct
 
 log = logging.getLogger("outrider.speculative")
 
-OPTIONS = ("path", "max_depth", "max_children", "prob_threshold", "frontier", "sample", "max_sequences", "max_length")
+OPTIONS = ("path", "max_depth", "max_children", "prob_threshold", "frontier", "sample", "max_sequences", "max_length",
+           "catch_up")
 VOCAB_SLACK = 128  # ids a draft's vocabulary may have more or fewer than the target's (llama.cpp's limit)
 _FAR_BELOW = np.float32(-1e30)  # logit of a target id the draft has no row for: q = 0 there
 
@@ -61,7 +62,7 @@ class DraftModelDrafter:
 
     def __init__(self, draft: Any, target_vocab: int, max_depth: int = 8, max_children: int = 4,
                  prob_threshold: float = 0.05, frontier: int = 8, sample: bool = True, max_sequences: int = 8,
-                 max_length: int = 8192) -> None:
+                 max_length: int = 8192, catch_up: int = 16) -> None:
         self.draft = draft
         self.target_vocab = target_vocab
         self.max_depth = max_depth
@@ -69,10 +70,12 @@ class DraftModelDrafter:
         self.prob_threshold = prob_threshold
         self.frontier = frontier
         self.sample = sample
+        self.catch_up = catch_up
         self.cache = draft.new_cache(max_sequences, max_length)
         self._slots: OrderedDict[Hashable, int] = OrderedDict()  # sequence -> draft cache slot, LRU first
         self._free = list(range(max_sequences))
-        self._last: dict[int, int] = {}  # slot -> the token at its last committed position
+        self._covered: dict[int, int] = {}  # slot -> sequence tokens it has seen (its cache may have holes)
+        self._last: dict[int, int] = {}  # slot -> the last of those tokens
         self._root: dict[int, np.ndarray] = {}  # slot -> logits after its last committed token
         self._lock = threading.Lock()  # instance threads may share one drafter
         self.calls = 0  # draft forwards, for benchmarks
@@ -90,6 +93,7 @@ class DraftModelDrafter:
 
     def _release(self, slot: int) -> None:
         self.cache.reset(slot)
+        self._covered.pop(slot, None)
         self._last.pop(slot, None)
         self._root.pop(slot, None)
         self._free.append(slot)
@@ -127,9 +131,14 @@ class DraftModelDrafter:
         return out
 
     def _sync(self, slot: int, tokens: list[int]) -> np.ndarray:
-        """Commit what the sequence gained since the last call; the logits after its pending token."""
+        """Commit what the sequence gained since the last call; the logits after its pending token.
+
+        A gap longer than `catch_up` tokens (the sequence decoded plain while drafting did not pay)
+        is bridged with its last `catch_up` tokens only, at their true positions: the draft's cache
+        then has a hole, which costs draft quality, never correctness, and keeps a probe after a
+        long plain stretch from prefilling the whole stretch in the draft."""
         n = len(tokens)
-        have = self.cache.length(slot)
+        have = self._covered.get(slot, 0)
         if have > n or (have and self._last.get(slot) != int(tokens[have - 1])):
             self.cache.reset(slot)  # not this sequence's prefix (a reused key): start over
             have = 0
@@ -138,9 +147,16 @@ class DraftModelDrafter:
         if have == n:  # committed without its logits kept (cannot happen after _sync; be safe): start over
             self.cache.reset(slot)
             have = 0
+        if have and n - have > self.catch_up:
+            have = n - self.catch_up
         new = np.asarray(tokens[have:], dtype=np.int64)
+        if self.cache.length(slot) + len(new) + self.max_depth * self.max_children > self.cache.max_length:
+            self.cache.reset(slot)  # full of old rows: start over on the last rows only
+            have = max(0, n - self.catch_up)
+            new = np.asarray(tokens[have:], dtype=np.int64)
         logits = self._forward(Chunk(slot, new, np.arange(have, n, dtype=np.int64)), [len(new) - 1])[0]
         self.cache.commit(slot, list(range(len(new))))
+        self._covered[slot] = n
         self._last[slot] = int(tokens[-1])
         self._root[slot] = logits
         return logits
@@ -279,6 +295,7 @@ def make_draft_model_drafter(model: Any, options: Optional[Mapping[str, Any]] = 
         sample=read_bool(options, "sample", True),
         max_sequences=read_int(options, "max_sequences", 8, 1, 1024),
         max_length=read_int(options, "max_length", int(max_length), 16, 1 << 20),
+        catch_up=read_int(options, "catch_up", 16, 1, 1 << 20),
     )
     drafter.warmup()
     log.info("draft model %s loaded in %.2fs (%d-token vocabulary checked against the target's)", resolved,

@@ -109,54 +109,85 @@ class BudgetController:
 
 
 class CostGate:
-    """Per sequence: draft only while drafting steps yield more tokens per second than plain steps.
+    """Draft only while drafting steps yield more tokens per second than plain steps.
 
-    A step is timed from one `propose` of the sequence to its next (drafting, the target's forward,
-    verification, bookkeeping: everything the step cost, on whatever runtime and kernel set runs),
-    and credited with the tokens it emitted (accepted + 1). Steps that asked the drafters and steps
-    that did not keep separate EMAs of tokens per second. A plain step is forced after the first two
-    drafting steps and then every `plain_every` drafting steps, so the plain rate is measured on this
-    sequence and kept current (it costs at most 1/`plain_every` of the gain). When the drafting rate
-    falls below the plain rate, the sequence decodes plain for `backoff` steps, then drafts
-    `probe_steps` steps to measure again; each lost probe doubles the wait (up to `max_backoff`),
-    a won one resets it. A drafter that never helps thus costs about probe_steps / max_backoff of
-    its steps' overhead; the verdict never depends on it, so output stays lossless at any temperature.
+    A step is timed from one `propose` of a sequence to its next (drafting, the target's forward,
+    verification, bookkeeping: everything the step cost, on whatever runtime and kernel set serves
+    it) and credited with the tokens it emitted (accepted + 1). Steps that asked the drafters and
+    steps that did not keep separate EMAs of tokens per second and of seconds, per sequence and
+    for the whole instance (what a new sequence starts from).
+
+    A plain step is forced after a sequence's first two drafting steps and then every `plain_every`
+    drafting steps, so its plain rate is measured and kept current (at most 1/`plain_every` of the
+    gain). When a sequence's drafting rate falls below its plain rate it decodes plain, then drafts
+    `probe_steps` steps to measure again. The wait is long enough that the probes cost at most
+    `overhead` of the plain steps around them (a drafting step that costs 9x a plain one waits
+    about 2 x 8 / overhead steps), and at least `backoff` steps, doubled by each lost probe. While
+    drafting loses, sequences that start meanwhile start plain and probe on the instance's
+    schedule (plain steps counted across sequences), so short requests do not each pay a probe.
+    The verdict never depends on the gate: output stays the target's at any temperature.
     """
 
-    def __init__(self, plain_every: int = 32, probe_steps: int = 2, backoff: int = 8, max_backoff: int = 128,
-                 alpha: float = 0.3) -> None:
+    def __init__(self, plain_every: int = 32, probe_steps: int = 2, backoff: int = 8, max_wait: int = 4096,
+                 overhead: float = 0.02, alpha: float = 0.3) -> None:
         self.plain_every = plain_every
         self.probe_steps = probe_steps
         self.first_backoff = backoff
-        self.max_backoff = max_backoff
+        self.max_wait = max_wait
+        self.overhead = overhead
         self.alpha = alpha
         self._state: dict[Hashable, dict] = {}
+        # The instance: EMAs over every sequence's steps, and whether drafting loses now.
+        self.shared: dict[str, Any] = {"draft": None, "plain": None, "draft_s": None, "plain_s": None,
+                                       "losing": False, "wait": 0, "plain_since_probe": 0,
+                                       "backoff": backoff}
 
-    def _rate(self, state: dict, kind: str, rate: float) -> None:
-        old = state[kind]
-        state[kind] = rate if old is None else (1 - self.alpha) * old + self.alpha * rate
-        state[kind + "_n"] += 1
+    def _ema(self, table: dict, name: str, value: float) -> None:
+        old = table[name]
+        table[name] = value if old is None else (1 - self.alpha) * old + self.alpha * value
 
     def begin(self, key: Hashable, now: float) -> bool:
         """Close the sequence's last step (timed up to `now`) and say whether this step drafts."""
         state = self._state.get(key)
         if state is None:
-            state = self._state[key] = {"draft": None, "draft_n": 0, "plain": None, "plain_n": 0, "since_plain": 0,
-                                        "wait": 0, "backoff": self.first_backoff, "probing": 0, "last": None}
+            state = self._state[key] = self._new_state()
         last = state["last"]
         if last is not None and now > last[0] and last[2] > 0:
-            self._rate(state, "draft" if last[1] else "plain", last[2] / (now - last[0]))
+            kind, seconds = ("draft" if last[1] else "plain"), now - last[0]
+            for table in (state, self.shared):
+                self._ema(table, kind, last[2] / seconds)
+                self._ema(table, kind + "_s", seconds)
+            state[kind + "_n"] += 1
         drafting = self._decide(state)
         state["last"] = [now, drafting, 0]
         if not drafting:
             state["since_plain"] = 0  # a plain step of any cause refreshes the plain rate
+            self.shared["plain_since_probe"] += 1
         return drafting
+
+    def _new_state(self) -> dict:
+        state = {"draft": None, "draft_n": 0, "plain": None, "plain_n": 0, "draft_s": None, "plain_s": None,
+                 "since_plain": 0, "wait": 0, "probing": 0, "backoff": self.shared["backoff"], "last": None}
+        shared = self.shared
+        if shared["losing"]:  # start plain, probing when the instance's wait is over
+            state["plain"], state["plain_s"], state["plain_n"] = shared["plain"], shared["plain_s"], 1
+            state["wait"] = max(1, shared["wait"] - shared["plain_since_probe"])
+        return state
+
+    def _wait(self, state: dict) -> int:
+        """Plain steps before the next probe: probes cost at most `overhead`, and at least the backoff."""
+        wait = state["backoff"]
+        if state["draft_s"] and state["plain_s"]:
+            extra = max(0.0, state["draft_s"] / state["plain_s"] - 1.0)
+            wait = max(wait, int(self.probe_steps * extra / self.overhead))
+        return min(wait, self.max_wait)
 
     def _decide(self, state: dict) -> bool:
         if state["wait"] > 0:  # backing off: plain, then a probe
             state["wait"] -= 1
             if state["wait"] == 0:
                 state["draft"], state["draft_n"], state["probing"] = None, 0, self.probe_steps
+                self.shared["plain_since_probe"] = 0
             return False
         if state["probing"] > 0:
             state["probing"] -= 1
@@ -166,12 +197,14 @@ class CostGate:
             return False  # measure plain
         if state["draft"] is not None and state["plain"] is not None and state["draft_n"] >= self.probe_steps:
             if state["draft"] < state["plain"]:
-                probed = state["draft_n"] <= self.probe_steps  # lost right after a probe: wait longer next time
-                state["wait"] = state["backoff"] - 1  # this step is the first plain one
-                if probed:
-                    state["backoff"] = min(self.max_backoff, state["backoff"] * 2)
+                wait = self._wait(state)
+                if state["draft_n"] <= self.probe_steps:  # lost right after a probe: wait longer next time
+                    state["backoff"] = min(self.max_wait, state["backoff"] * 2)
+                state["wait"] = wait - 1  # this step is the first plain one
+                self.shared.update(losing=True, wait=wait, plain_since_probe=0, backoff=state["backoff"])
                 return False
             state["backoff"] = self.first_backoff
+            self.shared.update(losing=False, backoff=self.first_backoff)
         state["since_plain"] += 1
         return True
 
@@ -182,7 +215,7 @@ class CostGate:
             state["last"][2] += emitted
 
     def release(self, key: Hashable) -> None:
-        """Forget a sequence."""
+        """Forget a sequence (the instance keeps what it learned)."""
         self._state.pop(key, None)
 
 
