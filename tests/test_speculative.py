@@ -698,6 +698,26 @@ def test_cost_gate_learns_across_short_sequences_that_an_expensive_drafter_loses
     assert drafted >= 2  # it did measure
 
 
+def test_cost_gate_charges_each_sequence_its_own_drafting_in_a_shared_step():
+    # One engine step serves both: "slow" drafts for 40 ms and gains nothing; "fast" drafts for
+    # 1 ms and gets 3 tokens a step. The forward they share takes 6 ms.
+    gate, now = CostGate(), 0.0
+    drafted = {"slow": 0, "fast": 0}
+    for _ in range(300):
+        step = {}
+        for key, (cost, gain) in {"slow": (0.040, 1), "fast": (0.001, 3)}.items():
+            step[key] = gate.begin(key, now)
+            if step[key]:
+                gate.spent(key, cost)
+                now += cost
+            drafted[key] += step[key]
+        now += 0.006
+        for key, gain in (("slow", 1), ("fast", 3)):
+            gate.tokens(key, gain if step[key] else 1)
+    assert drafted["fast"] >= 0.9 * 300, drafted
+    assert drafted["slow"] <= 0.1 * 300, drafted
+
+
 def test_the_cost_gate_stops_a_slow_useless_drafter_in_the_engine():
     """A drafter that sleeps 20 ms and is never right: the engine asks it on few steps, output unchanged."""
     import time as _time

@@ -4,11 +4,13 @@
   python tools/bench_draft_model.py [--llama-cpp DIR] [--target Q8_0] [--draft Q4_0] [--prompts 6] [--chat 4]
                                     [--tokens 96] [--temperatures 0,1] [--streams 1,4,8] [--economy 1b,3b]
 
-The pair: SmolLM2-135M-Instruct as the target in --target (Q8_0 by default; an F16 file is served by the torch model, where no draft model runs) and the same weights in
---draft (Q4_0) as the draft model, both made from the shipped Q4_1 GGUF by llama.cpp's own
-`llama-quantize --allow-requantize` (from --llama-cpp, see tools/build_llama_cpp.sh) into
-~/.cache/outrider-bench/draft and kept. A real pair with real acceptance: the draft is the target
-at a quarter of its bytes.
+The pair: SmolLM2-135M-Instruct as the target in --target (Q8_0 by default: an F16 file is
+served by the torch model, where no draft model runs) and the same weights in --draft (Q4_0) as
+the draft model, both made from the shipped Q4_1 GGUF by llama.cpp's own `llama-quantize
+--allow-requantize` (from --llama-cpp, see tools/build_llama_cpp.sh) into
+~/.cache/outrider-bench/draft and kept. A real pair with real acceptance; at 135M a draft forward
+costs about half a target forward, so this pair shows what the cost gate does where drafting
+cannot pay, and what acceptance each runtime gets.
 
 1. Single stream. One `outrider serve` with one manifest per row (plain; `drafters: [ngram]`;
    `[model]`; `[ngram, model]`; every row the same target file and options) and `llama-server`

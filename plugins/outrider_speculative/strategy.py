@@ -122,18 +122,22 @@ class CostGate:
     gain). When a sequence's drafting rate falls below its plain rate it decodes plain, then drafts
     `probe_steps` steps to measure again. The wait is long enough that the probes cost at most
     `overhead` of the plain steps around them (a drafting step that costs 9x a plain one waits
-    about 2 x 8 / overhead steps), and at least `backoff` steps, doubled by each lost probe. While
+    about 2 x 8 / overhead steps), and at least `backoff` steps, doubled by each lost probe up to
+    `max_backoff`. Several sequences share a step: the time other sequences spent in their drafters
+    during a sequence's step is taken off that step's time. While
     drafting loses, sequences that start meanwhile start plain and probe on the instance's
     schedule (plain steps counted across sequences), so short requests do not each pay a probe.
     The verdict never depends on the gate: output stays the target's at any temperature.
     """
 
-    def __init__(self, plain_every: int = 32, probe_steps: int = 2, backoff: int = 8, max_wait: int = 4096,
-                 overhead: float = 0.02, alpha: float = 0.3) -> None:
+    def __init__(self, plain_every: int = 32, probe_steps: int = 2, backoff: int = 8, max_backoff: int = 128,
+                 max_wait: int = 4096, overhead: float = 0.02, alpha: float = 0.3) -> None:
         self.plain_every = plain_every
         self.probe_steps = probe_steps
         self.first_backoff = backoff
+        self.max_backoff = max_backoff
         self.max_wait = max_wait
+        self.clock = 0.0  # seconds every sequence spent in its drafters so far
         self.overhead = overhead
         self.alpha = alpha
         self._state: dict[Hashable, dict] = {}
@@ -152,14 +156,17 @@ class CostGate:
         if state is None:
             state = self._state[key] = self._new_state()
         last = state["last"]
-        if last is not None and now > last[0] and last[2] > 0:
-            kind, seconds = ("draft" if last[1] else "plain"), now - last[0]
+        # Other sequences' drafting in the same steps is theirs, not this step's cost: a plain step
+        # beside a drafting one would otherwise look slow, and that drafting look cheap.
+        seconds = (now - last[0]) - (self.clock - last[3] - last[4]) if last is not None else 0.0
+        if last is not None and seconds > 0 and last[2] > 0:
+            kind = "draft" if last[1] else "plain"
             for table in (state, self.shared):
                 self._ema(table, kind, last[2] / seconds)
                 self._ema(table, kind + "_s", seconds)
             state[kind + "_n"] += 1
         drafting = self._decide(state)
-        state["last"] = [now, drafting, 0]
+        state["last"] = [now, drafting, 0, self.clock, 0.0]  # began, drafting, tokens, clock, own drafting
         if not drafting:
             state["since_plain"] = 0  # a plain step of any cause refreshes the plain rate
             self.shared["plain_since_probe"] += 1
@@ -199,7 +206,7 @@ class CostGate:
             if state["draft"] < state["plain"]:
                 wait = self._wait(state)
                 if state["draft_n"] <= self.probe_steps:  # lost right after a probe: wait longer next time
-                    state["backoff"] = min(self.max_wait, state["backoff"] * 2)
+                    state["backoff"] = min(self.max_backoff, state["backoff"] * 2)
                 state["wait"] = wait - 1  # this step is the first plain one
                 self.shared.update(losing=True, wait=wait, plain_since_probe=0, backoff=state["backoff"])
                 return False
@@ -207,6 +214,13 @@ class CostGate:
             self.shared.update(losing=False, backoff=self.first_backoff)
         state["since_plain"] += 1
         return True
+
+    def spent(self, key: Hashable, seconds: float) -> None:
+        """The sequence's drafters took `seconds` in the step that began at its last `begin`."""
+        self.clock += seconds
+        state = self._state.get(key)
+        if state is not None and state["last"] is not None:
+            state["last"][4] += seconds
 
     def tokens(self, key: Hashable, emitted: int) -> None:
         """The step that began at the sequence's last `begin` emitted `emitted` tokens."""
@@ -339,6 +353,7 @@ class SpeculativeStrategy:
             budget = 0  # drafting does not pay on this sequence now
             self.stats["gated_steps"] += 1
         if budget > 0:
+            started = time.perf_counter()
             trees: list[DraftTree] = []
             for drafter in self.drafters:
                 try:
@@ -351,6 +366,8 @@ class SpeculativeStrategy:
                 merged = trees[0] if len(trees) == 1 else merge_trees(*trees)
                 cfg = self.config
                 tree = prune_tree(merged, budget, cfg.max_depth, cfg.prob_threshold, cfg.max_children)
+            if self.gate is not None and key is not None:
+                self.gate.spent(key, time.perf_counter() - started)
         if key is not None:
             self._depth[key] = max(tree.depths(), default=0)
         return tree
