@@ -665,7 +665,7 @@ def test_cost_gate_keeps_drafting_that_pays_and_still_measures_plain():
 def test_cost_gate_stops_a_drafter_that_never_pays_within_3_percent():
     # Drafting steps: 12 ms for 1 token (nothing accepted); plain: 8 ms for 1.
     drafted, seconds, tokens = _gated_run(CostGate(), 1000, lambda d, i: (0.012, 1) if d else (0.008, 1))
-    assert drafted <= 24, drafted  # the first two steps and 2-step probes, the waits doubling to 128 steps
+    assert drafted <= 45, drafted  # 2-step probes spaced so that their extra 4 ms stay within 2% of the plain time
     assert tokens / seconds >= 0.97 * 125, tokens / seconds
 
 

@@ -122,16 +122,17 @@ class CostGate:
     gain). When a sequence's drafting rate falls below its plain rate it decodes plain, then drafts
     `probe_steps` steps to measure again. The wait is long enough that the probes cost at most
     `overhead` of the plain steps around them (a drafting step that costs 9x a plain one waits
-    about 2 x 8 / overhead steps), and at least `backoff` steps, doubled by each lost probe up to
-    `max_backoff`. Several sequences share a step: the time other sequences spent in their drafters
+    about 2 x 8 / overhead steps), and at least `backoff` steps (doubled by each lost probe up to
+    `max_backoff`: by default not, since the cost bound already holds, and a cheap drafter such as
+    the n-gram index, whose gains come in bursts, must not miss the next burst). Several sequences share a step: the time other sequences spent in their drafters
     during a sequence's step is taken off that step's time. While
     drafting loses, sequences that start meanwhile start plain and probe on the instance's
     schedule (plain steps counted across sequences), so short requests do not each pay a probe.
     The verdict never depends on the gate: output stays the target's at any temperature.
     """
 
-    def __init__(self, plain_every: int = 32, probe_steps: int = 2, backoff: int = 8, max_backoff: int = 128,
-                 max_wait: int = 4096, overhead: float = 0.02, alpha: float = 0.3) -> None:
+    def __init__(self, plain_every: int = 32, probe_steps: int = 2, backoff: int = 8, max_backoff: int = 8,
+                 max_wait: int = 4096, overhead: float = 0.02, alpha: float = 0.15) -> None:
         self.plain_every = plain_every
         self.probe_steps = probe_steps
         self.first_backoff = backoff
