@@ -53,7 +53,7 @@ from typing import Any, Optional
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "runtime"), str(ROOT / "plugins"), str(ROOT / "tools")]
 
-from bench_sizes import _CHILDREN, START_TIMEOUT_S, cpu_line, free_port, outrider_kernels  # noqa: E402
+from bench_sizes import _CHILDREN, START_TIMEOUT_S, cpu_line, free_port, llama_bench, outrider_kernels  # noqa: E402
 from bench_spec import CHAT, humaneval_prompts  # noqa: E402
 from bench_quantize import Server  # noqa: E402
 from make_gguf import DEFAULT_DIR, DEFAULT_LLAMA_CPP, ensure  # noqa: E402
@@ -276,7 +276,8 @@ def economy(args: argparse.Namespace) -> None:
     tiny = ensure("tiny", ["Q4_0"], DEFAULT_DIR, Path(args.llama_cpp), args.threads)["Q4_0"]
     print(f"\nVerify cost on the native runtime ({args.threads} threads): one forward of 1 + k rows (a chain) "
           f"after 512 committed tokens, against 1 row; median of {args.repeats}")
-    print(f"{'file':<18}{'1 row ms':>10}" + "".join(f"{f'1+{k} rows':>11}" for k in (4, 8, 16)))
+    print("(llama.cpp: llama-bench pp1/pp5/pp9/pp17 at depth 512 on the same file, 3 repetitions, the same ratios)")
+    print(f"{'file':<18}{'runtime':<11}{'1 row ms':>10}" + "".join(f"{f'1+{k} rows':>11}" for k in (4, 8, 16)))
     for shape in args.economy:
         path = ensure(shape, ["Q4_K_M"], DEFAULT_DIR, Path(args.llama_cpp), args.threads)["Q4_K_M"]
         model, _ = load_tiles(load_gguf_tiles(path, in_child=False))
@@ -296,8 +297,17 @@ def economy(args: argparse.Namespace) -> None:
                 samples.append(time.perf_counter() - start)
                 cache.commit(0, [])
             times[rows] = statistics.median(samples)
-        print(f"{path.name:<18}{times[1] * 1e3:>10.1f}" + "".join(f"{times[r] / times[1]:>10.2f}x" for r in (5, 9, 17)))
+        print(f"{path.name:<18}{'outrider':<11}{times[1] * 1e3:>10.1f}"
+              + "".join(f"{times[r] / times[1]:>10.2f}x" for r in (5, 9, 17)))
         del model, cache
+        if (Path(args.llama_cpp) / "bin" / "llama-bench").exists():
+            tests = llama_bench(Path(args.llama_cpp) / "bin" / "llama-bench", path, args.threads,
+                                ["-p", "1,5,9,17", "-n", "0", "-d", "512", "-r", "3"])
+            ms = {int(t["n_prompt"]): 1e3 * int(t["n_prompt"]) / float(t["avg_ts"]) for t in tests}
+            print(f"{path.name:<18}{'llama.cpp':<11}{ms[1]:>10.1f}" + "".join(f"{ms[r] / ms[1]:>10.2f}x" for r in (5, 9, 17)))
+        sys.stdout.flush()
+    if args.verify_cost_only:
+        return
     print(f"\nServed greedy on the same shapes ({args.prompts} HumanEval prompts, {args.tokens} tokens): "
           f"plain, n-gram, and the random `tiny` GGUF of the same vocabulary as the draft model")
     print(f"{'file':<18}{'row':<20}{'decode tok/s':>13}{'x plain':>9}{'tokens/step':>13}")
@@ -349,7 +359,8 @@ def main() -> None:
     parser.add_argument("--economy", default="", help="comma-separated make_gguf shapes, e.g. 1b,3b")
     parser.add_argument("--repeats", type=int, default=7, help="forwards per row count in --economy")
     parser.add_argument("--no-llama", action="store_true", help="skip llama-server's rows")
-    parser.add_argument("--only-economy", action="store_true")
+    parser.add_argument("--only-economy", action="store_true", help="only the --economy part")
+    parser.add_argument("--verify-cost-only", action="store_true", help="in --economy, skip the served rows")
     args = parser.parse_args()
     args.temperatures = [float(t) for t in args.temperatures.split(",") if t.strip()]
     args.economy = [s for s in args.economy.split(",") if s]
