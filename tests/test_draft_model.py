@@ -193,6 +193,7 @@ options:
   threads: 1
 speculative:
   drafters: [model]
+  cost_gate: false   # the drafts are counted below
   model: {{path: draft.gguf}}
 """)
     server = server_factory([manifest], ["outrider_llm", "outrider_speculative"])

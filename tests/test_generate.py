@@ -239,7 +239,7 @@ def _verified_counts(model, tokenizer, head_path, prompt: str, params: dict, sam
     """(t1, t2, t3) counts over `samples` seeded requests, each t2, t3 checked to come from verify."""
     engine = _engine(model, tokenizer, speculative=True, max_sequences=16, drafters=["ngram", "eagle"],
                      eagle={"weights": str(head_path)}, adaptive=False, prob_threshold=0.0, max_children=3,
-                     max_draft_tokens=6)
+                     max_draft_tokens=6, cost_gate=False)  # every step verified: no timing gate
     seen = VerifiedTokens(engine.strategy)
     counts: Counter = Counter()
     for start in range(0, samples, 256):

@@ -257,7 +257,7 @@ def test_the_engine_serves_it_with_prefix_caching_and_speculation():
     again = _run(engine, [{"prompt": prompt, "max_tokens": 12}]).final[0]
     assert again["token_ids"] == first["token_ids"]
     assert again["stats"]["cached_tokens"] > 0 and first["stats"]["cached_tokens"] == 0
-    strategy = _strategy({})
+    strategy = _strategy({"cost_gate": False})  # drafts counted below: no timing gate
     strategy.attach(model, tokenizer)
     speculative = GenerationEngine(model, tokenizer, strategy, max_sequences=2, max_length=256)
     spec = _run(speculative, [{"prompt": prompt, "max_tokens": 24}]).final[0]
