@@ -83,12 +83,14 @@ def _run(model, tokenizer, strategy, parameter_sets: list[dict]) -> dict:
     return finals
 
 
-def test_greedy_output_with_a_draft_model_is_the_targets(target, files):
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_greedy_output_with_a_draft_model_is_the_targets(target, files, shape):
     model, tokenizer = target
     params = [{"prompt": p, "max_tokens": 40} for p in PROMPTS]  # 5 sequences over 4 slots: one waits
     plain = _run(model, tokenizer, None, params)
     # A tiny random model is unsure of everything: no probability threshold, or nothing is drafted.
-    strategy = _strategy(["model"], model={"path": str(files["same"]), "max_sequences": 2, "prob_threshold": 0.0},
+    strategy = _strategy(["model"], model={"path": str(files["same"]), "max_sequences": 2, "prob_threshold": 0.0,
+                                                "shape": shape},
                          prob_threshold=0.0, cost_gate=False)  # 2 draft slots for 4 sequences: slots evicted
     spec = _run(model, tokenizer, strategy, params)
     for i, prompt in enumerate(PROMPTS):
@@ -101,6 +103,7 @@ def test_greedy_output_with_a_draft_model_is_the_targets(target, files):
                              f"accepted in {steps} steps)"
     assert strategy.stats["drafter_errors"] == 0
     assert not drafter._slots, "finished sequences keep no draft slot"
+    assert drafter.shape == shape
 
 
 def test_a_poor_draft_model_is_still_exact(target, files):
@@ -112,15 +115,16 @@ def test_a_poor_draft_model_is_still_exact(target, files):
     assert [spec[i]["token_ids"] for i in range(3)] == [plain[i]["token_ids"] for i in range(3)]
 
 
-@pytest.mark.parametrize("draft", ["same", "other"])
-def test_sampled_draft_trees_keep_the_targets_distribution(target, files, draft):
+@pytest.mark.parametrize("draft, shape", [("same", "chain"), ("other", "chain"), ("other", "tree")])
+def test_sampled_draft_trees_keep_the_targets_distribution(target, files, draft, shape):
     """The first token after a fixed context, over many (propose -> one target forward -> verify)
     rounds, is distributed as the target's p (chi-square), with the draft's trees drawn from its q;
     the same trees under an upside-down accept rule fail the same test."""
     from test_speculative import _chi_square, _chi_square_limit, _wrong_verify
 
     model, tokenizer = target
-    strategy = _strategy(["model"], model={"path": str(files[draft])}, adaptive=False, max_draft_tokens=6)
+    strategy = _strategy(["model"], model={"path": str(files[draft]), "shape": shape}, adaptive=False,
+                         max_draft_tokens=6, cost_gate=False)
     strategy.attach(model, tokenizer)
     drafter = strategy.drafters[0]
     ids = tokenizer.encode("the cat sat on")
@@ -173,7 +177,8 @@ def test_bad_model_drafter_options_name_the_field(target, files, tmp_path):
     cases = [({}, r"speculative\.model\.path.*expected the path"),
              ({"path": str(tmp_path / "missing.gguf")}, r"speculative\.model\.path.*does not exist"),
              ({"path": str(files["same"]), "depth": 3}, r"speculative\.model\.depth.*unknown"),
-             ({"path": str(files["same"]), "max_sequences": 0}, r"speculative\.model\.max_sequences")]
+             ({"path": str(files["same"]), "max_sequences": 0}, r"speculative\.model\.max_sequences"),
+             ({"path": str(files["same"]), "shape": "star"}, r"speculative\.model\.shape.*chain")]
     for options, pattern in cases:
         with pytest.raises(ManifestError, match=pattern):
             _strategy(["model"], model=options).attach(model, tokenizer)

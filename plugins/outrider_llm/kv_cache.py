@@ -124,6 +124,15 @@ class NumpySlotKVCache:
         self._lengths[slot] = start + len(keep)
         self._fed[slot] = 0
 
+    truncatable = True  # `truncate` keeps the rows below; a ring (below) has overwritten older ones
+
+    def truncate(self, slot: int, length: int) -> None:
+        """Forget `slot`'s committed tokens from row `length` on (drafted tokens that were not kept)."""
+        if self._fed[slot] or not 0 <= length <= self._lengths[slot]:
+            raise ValueError(f"truncate(slot={slot}): {length} must be within the {self._lengths[slot]} committed "
+                             f"rows, with nothing fed since")
+        self._lengths[slot] = length
+
     def read(self, slot: int, start: int, end: int) -> Any:
         """A copy of `slot`'s committed K/V at positions start .. end-1: [layers, 2, kv_heads, n, head_dim]
         (what the prefix cache keeps)."""
@@ -195,6 +204,8 @@ class RingSlotKVCache(NumpySlotKVCache):
     (q8_0: NaN scales) in the ring layers (the global layers' rows are whole), and `restorable` says how many leading
     prefix-cache blocks can be copied back exactly: those whose last `window` positions are whole,
     which a resent chat's match (it ends past the stored prompt) always has."""
+
+    truncatable = False  # a row's ring place may have held an older row still in its window
 
     def __init__(self, config: Any, num_slots: int, max_length: int, step_rows: int,
                  dtype: Any = np.float32) -> None:

@@ -11,22 +11,29 @@ smaller vocabulary has the same text in both tokenizers, and the sizes differ by
 naming the first id that differs.
 
 State: the draft model has its own KV cache, one slot per sequence (LRU over `max_sequences`
-slots: a sequence that lost its slot prefills the draft again). Its committed tokens are always a
-prefix of the sequence's tokens, the pending one included (the pending token is chosen, so it is
-never taken back): `propose` first feeds the draft what the sequence gained since the last call
-(the accepted tokens and the new pending one, one forward, committed), whose last row gives the
-distribution of the first drafted token. Deeper levels feed the tree drafted so far with a tree
-mask, uncommitted (each forward overwrites the last one's tentative rows), and read the rows of
-the nodes being expanded: at decode sizes a forward of a few rows costs what one row costs (the
-weights are read once), so re-feeding the tree is cheaper than keeping it.
+slots: a sequence that lost its slot prefills the draft again). `propose` first feeds the draft
+what the sequence gained since the last call (one forward, committed), whose last row gives the
+distribution of the first drafted token; a long gap (the sequence decoded plain while drafting did
+not pay) is bridged with its last `catch_up` tokens only.
 
-The tree grows best-first by cumulative draft probability (`tree.build_dynamic_tree`): wide where
-the draft is unsure, deep where it is confident, cut at `prob_threshold`, up to `frontier` nodes
-expanded per draft forward. Greedy requests get a node's top `max_children` tokens as
-deterministic candidates; sampling requests get children drawn without replacement from the draft's
-q (its logits through the request's temperature, top-k and top-p, the function the target's p comes
-from), recorded with q so the verifier accepts each draw with min(1, p/q): lossless, and about
-sum min(p, q) accepted per draw.
+`shape: chain` (the default): the draft's own continuation, one token a forward, each fed and
+committed, so a draft of depth d costs d one-row forwards; the next step keeps the rows of the
+tokens the target accepted and truncates the rest (llama.cpp's draft-simple, without re-feeding
+the accepted tokens). It stops where the cumulative draft probability falls below
+`prob_threshold` or at the step's budget, so its length follows the draft's confidence.
+
+`shape: tree`: a best-first tree by cumulative draft probability (`tree.build_dynamic_tree`): wide
+where the draft is unsure, deep where it is confident, cut at `prob_threshold`, up to `frontier`
+nodes expanded per draft forward, the tree so far re-fed each forward with a tree mask,
+uncommitted. Each re-fed row costs compute (at 135M about 0.85 ms a row on 2 cores), so this
+pays only where rows are cheap next to the weights' bytes. A sliding-window draft (a ring cache,
+which cannot truncate) always drafts trees.
+
+Greedy requests get the draft's argmax (chain) or a node's top `max_children` tokens (tree) as
+deterministic candidates; sampling requests get tokens drawn from the draft's q (its logits
+through the request's temperature, top-k and top-p, the function the target's p comes from),
+without replacement in a tree, recorded with q so the verifier accepts each draw with
+min(1, p/q): lossless, and about sum min(p, q) accepted per draw.
 """
 
 from __future__ import annotations
@@ -50,7 +57,7 @@ from .tree import SampledExpansion, SpecTree, build_dynamic_tree, draw_distinct
 log = logging.getLogger("outrider.speculative")
 
 OPTIONS = ("path", "max_depth", "max_children", "prob_threshold", "frontier", "sample", "max_sequences", "max_length",
-           "catch_up")
+           "catch_up", "shape")
 VOCAB_SLACK = 128  # ids a draft's vocabulary may have more or fewer than the target's (llama.cpp's limit)
 _FAR_BELOW = np.float32(-1e30)  # logit of a target id the draft has no row for: q = 0 there
 
@@ -62,7 +69,7 @@ class DraftModelDrafter:
 
     def __init__(self, draft: Any, target_vocab: int, max_depth: int = 8, max_children: int = 4,
                  prob_threshold: float = 0.05, frontier: int = 8, sample: bool = True, max_sequences: int = 8,
-                 max_length: int = 8192, catch_up: int = 16) -> None:
+                 max_length: int = 8192, catch_up: int = 16, shape: str = "chain") -> None:
         self.draft = draft
         self.target_vocab = target_vocab
         self.max_depth = max_depth
@@ -72,6 +79,11 @@ class DraftModelDrafter:
         self.sample = sample
         self.catch_up = catch_up
         self.cache = draft.new_cache(max_sequences, max_length)
+        # A chain keeps its drafted rows and truncates what the target did not keep; a ring cache
+        # cannot truncate, so a sliding-window draft drafts trees.
+        self.shape = shape if getattr(self.cache, "truncatable", False) else "tree"
+        self._chain: dict[int, list[int]] = {}  # slot -> drafted tokens committed after its covered ones
+        self._rows: dict[int, int] = {}  # slot -> its cache rows when the covered tokens were committed
         self._slots: OrderedDict[Hashable, int] = OrderedDict()  # sequence -> draft cache slot, LRU first
         self._free = list(range(max_sequences))
         self._covered: dict[int, int] = {}  # slot -> sequence tokens it has seen (its cache may have holes)
@@ -95,6 +107,8 @@ class DraftModelDrafter:
         self.cache.reset(slot)
         self._covered.pop(slot, None)
         self._last.pop(slot, None)
+        self._chain.pop(slot, None)
+        self._rows.pop(slot, None)
         self._root.pop(slot, None)
         self._free.append(slot)
 
@@ -139,6 +153,17 @@ class DraftModelDrafter:
         long plain stretch from prefilling the whole stretch in the draft."""
         n = len(tokens)
         have = self._covered.get(slot, 0)
+        chain = self._chain.pop(slot, None)
+        if chain is not None:  # the rows of the accepted part of last step's chain are kept
+            new = tokens[have:]
+            kept = 0
+            while kept < len(chain) and kept < len(new) - 1 and chain[kept] == int(new[kept]):
+                kept += 1
+            self.cache.truncate(slot, self._rows[slot] + kept)
+            if kept:
+                have += kept
+                self._covered[slot], self._last[slot] = have, int(tokens[have - 1])
+                self._root.pop(slot, None)
         if have > n or (have and self._last.get(slot) != int(tokens[have - 1])):
             self.cache.reset(slot)  # not this sequence's prefix (a reused key): start over
             have = 0
@@ -156,6 +181,7 @@ class DraftModelDrafter:
             new = np.asarray(tokens[have:], dtype=np.int64)
         logits = self._forward(Chunk(slot, new, np.arange(have, n, dtype=np.int64)), [len(new) - 1])[0]
         self.cache.commit(slot, list(range(len(new))))
+        self._rows[slot] = self.cache.length(slot)
         self._covered[slot] = n
         self._last[slot] = int(tokens[-1])
         self._root[slot] = logits
@@ -201,8 +227,46 @@ class DraftModelDrafter:
         return SampledExpansion(SampledChildren(q=q, draws=draws, replacement=False),
                                 [(t, float(q[t])) for t in draws])
 
+    def _propose_chain(self, slot: int, n: int, root: np.ndarray, budget: int, sampled: bool,
+                       knobs: tuple, generator: Any) -> SpecTree:
+        """The draft's own continuation, one token a forward (its argmax, or a draw from its q at
+        T > 0), each fed and committed so the next costs one row; cut where the cumulative draft
+        probability falls below `prob_threshold`. The rows stay for the next step's `_sync`."""
+        tree, logits, cumulative, fed = SpecTree(), root, 1.0, []
+        depth = min(budget, self.max_depth)
+        rng = generator if generator is not None else np.random.default_rng()
+        while len(tree.tokens) < depth:
+            parent = len(tree.tokens) - 1
+            if sampled:
+                q = target_distribution(logits, *knobs)
+                draws = draw_distinct(q, 1, rng)
+                if not draws:
+                    break
+                token = draws[0]
+                # Recorded before the threshold looks at it: a draw left out would bias the rule.
+                tree.sampled.setdefault(parent, []).append(SampledChildren(q=q, draws=draws, replacement=False))
+                prob = float(q[token] / q.sum(dtype=np.float64))
+            else:
+                token = int(np.argmax(logits))
+                prob = float(1.0 / np.exp(logits - logits[token]).sum(dtype=np.float64))
+            cumulative *= prob
+            if cumulative < self.prob_threshold:
+                break
+            tree.tokens.append(token)
+            tree.parents.append(parent)
+            tree.probs.append(cumulative)
+            if len(tree.tokens) >= depth:
+                break
+            logits = self._forward(Chunk(slot, np.array([token], dtype=np.int64),
+                                         np.array([n + len(tree.tokens) - 1], dtype=np.int64)), [0])[0]
+            self.cache.commit(slot, [0])
+            fed.append(token)
+        self._chain[slot] = fed
+        return tree
+
     def propose(self, view: Any, budget: int) -> SpecTree:
-        """A best-first tree of at most `budget` nodes after the pending token (drawn from q at T > 0)."""
+        """At most `budget` nodes after the pending token: a chain (default) or a best-first tree
+        (`shape: tree`), drawn from q at T > 0."""
         tokens = view.token_ids
         n = len(tokens)
         if budget <= 0 or n == 0 or n + self.max_depth > self.cache.max_length:
@@ -216,6 +280,9 @@ class DraftModelDrafter:
             slot = self._slot(key)
             try:
                 root = self._sync(slot, list(tokens))
+                if self.shape == "chain":
+                    return self._propose_chain(slot, n, root, budget, sampled, (temperature, top_k, top_p),
+                                               generator)
 
                 def expand_fn(nodes: list) -> list:
                     rows = root[None] if nodes[0].token is None else self._tree_rows(slot, nodes, n)
@@ -258,6 +325,14 @@ def check_vocabulary(target: Any, draft: Any, path: str) -> None:
                              f"and {mine!r} in the target; a draft model must share the target's tokenizer")
 
 
+def _read_shape(options: Mapping[str, Any]) -> str:
+    shape = options.get("shape", "chain")
+    if shape not in ("chain", "tree"):
+        raise OptionError("shape", f"expected 'chain' (one token a draft forward, rows kept) or 'tree' "
+                                   f"(best-first, re-fed each forward), got {shape!r}")
+    return shape
+
+
 def make_draft_model_drafter(model: Any, options: Optional[Mapping[str, Any]] = None,
                              context: Optional[DrafterContext] = None) -> DraftModelDrafter:
     """Drafter factory: loads `options.path` on the target's runtime, checks its vocabulary, warms it up."""
@@ -296,6 +371,7 @@ def make_draft_model_drafter(model: Any, options: Optional[Mapping[str, Any]] = 
         max_sequences=read_int(options, "max_sequences", 8, 1, 1024),
         max_length=read_int(options, "max_length", int(max_length), 16, 1 << 20),
         catch_up=read_int(options, "catch_up", 16, 1, 1 << 20),
+        shape=_read_shape(options),
     )
     drafter.warmup()
     log.info("draft model %s loaded in %.2fs (%d-token vocabulary checked against the target's)", resolved,
