@@ -684,9 +684,9 @@ def test_cost_gate_resumes_drafting_when_it_starts_to_pay():
 
 
 def test_cost_gate_learns_across_short_sequences_that_an_expensive_drafter_loses():
-    # Each drafting step costs 10x a plain one and yields nothing more; 40 requests of 50 steps each.
+    # Each drafting step costs 10x a plain one and yields nothing more; 80 requests of 50 steps each.
     gate, now, tokens, drafted = CostGate(), 0.0, 0, 0
-    for request in range(40):
+    for request in range(80):
         for _ in range(50):
             drafting = gate.begin(request, now)
             now += 0.050 if drafting else 0.005

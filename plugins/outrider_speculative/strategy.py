@@ -117,9 +117,10 @@ class CostGate:
     steps that did not keep separate EMAs of tokens per second and of seconds, per sequence and
     for the whole instance (what a new sequence starts from).
 
-    A plain step is forced after a sequence's first two drafting steps and then every `plain_every`
+    A plain step is forced after a sequence's first `first_steps` drafting steps and then every `plain_every`
     drafting steps, so its plain rate is measured and kept current (at most 1/`plain_every` of the
-    gain). When a sequence's drafting rate falls below its plain rate it decodes plain, then drafts
+    gain). When a sequence's drafting rate falls below its plain rate (less `tolerance`, so noise
+    does not stop a drafter that is level) it decodes plain, then drafts
     `probe_steps` steps to measure again. The wait is long enough that the probes cost at most
     `overhead` of the plain steps around them (a drafting step that costs 9x a plain one waits
     about 2 x 8 / overhead steps), and at least `backoff` steps (doubled by each lost probe up to
@@ -131,8 +132,9 @@ class CostGate:
     The verdict never depends on the gate: output stays the target's at any temperature.
     """
 
-    def __init__(self, plain_every: int = 32, probe_steps: int = 2, backoff: int = 8, max_backoff: int = 8,
-                 max_wait: int = 4096, overhead: float = 0.02, alpha: float = 0.15) -> None:
+    def __init__(self, plain_every: int = 32, probe_steps: int = 3, backoff: int = 8, max_backoff: int = 8,
+                 max_wait: int = 4096, overhead: float = 0.015, alpha: float = 0.15, first_steps: int = 4,
+                 tolerance: float = 0.03) -> None:
         self.plain_every = plain_every
         self.probe_steps = probe_steps
         self.first_backoff = backoff
@@ -141,6 +143,8 @@ class CostGate:
         self.clock = 0.0  # seconds every sequence spent in its drafters so far
         self.overhead = overhead
         self.alpha = alpha
+        self.first_steps = first_steps
+        self.tolerance = tolerance
         self._state: dict[Hashable, dict] = {}
         # The instance: EMAs over every sequence's steps, and whether drafting loses now.
         self.shared: dict[str, Any] = {"draft": None, "plain": None, "draft_s": None, "plain_s": None,
@@ -175,7 +179,8 @@ class CostGate:
 
     def _new_state(self) -> dict:
         state = {"draft": None, "draft_n": 0, "plain": None, "plain_n": 0, "draft_s": None, "plain_s": None,
-                 "since_plain": 0, "wait": 0, "probing": 0, "backoff": self.shared["backoff"], "last": None}
+                 "since_plain": 0, "wait": 0, "probing": 0, "backoff": self.shared["backoff"], "last": None,
+                 "probed": False}
         shared = self.shared
         if shared["losing"]:  # start plain, probing when the instance's wait is over
             state["plain"], state["plain_s"], state["plain_n"] = shared["plain"], shared["plain_s"], 1
@@ -195,16 +200,20 @@ class CostGate:
             state["wait"] -= 1
             if state["wait"] == 0:
                 state["draft"], state["draft_n"], state["probing"] = None, 0, self.probe_steps
+                state["probed"] = True
                 self.shared["plain_since_probe"] = 0
             return False
         if state["probing"] > 0:
             state["probing"] -= 1
             state["since_plain"] += 1
             return True
-        if state["draft_n"] >= 2 and (state["plain_n"] == 0 or state["since_plain"] >= self.plain_every):
+        if state["draft_n"] >= self.first_steps and (state["plain_n"] == 0 or state["since_plain"] >= self.plain_every):
             return False  # measure plain
-        if state["draft"] is not None and state["plain"] is not None and state["draft_n"] >= self.probe_steps:
-            if state["draft"] < state["plain"]:
+        # A sequence's first steps say little (no n-gram match yet, a cold draft), so it drafts
+        # `first_steps` before the first verdict; a probe decides after `probe_steps`.
+        evidence = self.probe_steps if state["probed"] else self.first_steps
+        if state["draft"] is not None and state["plain"] is not None and state["draft_n"] >= evidence:
+            if state["draft"] < state["plain"] * (1.0 - self.tolerance):
                 wait = self._wait(state)
                 if state["draft_n"] <= self.probe_steps:  # lost right after a probe: wait longer next time
                     state["backoff"] = min(self.max_backoff, state["backoff"] * 2)
