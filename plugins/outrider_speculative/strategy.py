@@ -149,7 +149,7 @@ class CostGate:
         # The instance: EMAs over every sequence's steps, and whether drafting loses now.
         self.shared: dict[str, Any] = {"draft": None, "plain": None, "draft_s": None, "plain_s": None,
                                        "losing": False, "wait": 0, "plain_since_probe": 0,
-                                       "backoff": backoff}
+                                       "backoff": backoff, "known": False, "explorer": None}
 
     def _ema(self, table: dict, name: str, value: float) -> None:
         old = table[name]
@@ -160,6 +160,7 @@ class CostGate:
         state = self._state.get(key)
         if state is None:
             state = self._state[key] = self._new_state()
+            state["key"] = key
         last = state["last"]
         # Other sequences' drafting in the same steps is theirs, not this step's cost: a plain step
         # beside a drafting one would otherwise look slow, and that drafting look cheap.
@@ -198,15 +199,35 @@ class CostGate:
     def _decide(self, state: dict) -> bool:
         if state["wait"] > 0:  # backing off: plain, then a probe
             state["wait"] -= 1
-            if state["wait"] == 0:
+            shared = self.shared
+            if state["wait"] == 0 and shared["losing"] and shared["plain_since_probe"] < shared["wait"]:
+                # Another sequence probed meanwhile: one probe per wait for the whole instance, not
+                # one per sequence (8 streams probing at once cost more than the gate saves).
+                state["wait"] = shared["wait"] - shared["plain_since_probe"]
+            elif state["wait"] == 0:
                 state["draft"], state["draft_n"], state["probing"] = None, 0, self.probe_steps
                 state["probed"] = True
-                self.shared["plain_since_probe"] = 0
+                shared["plain_since_probe"] = 0
             return False
         if state["probing"] > 0:
             state["probing"] -= 1
             state["since_plain"] += 1
             return True
+        shared = self.shared
+        if not shared["known"]:
+            # Before the instance's first verdict one sequence explores and the others decode plain:
+            # 8 streams each paying their first drafting steps cost more than a verdict saves.
+            if shared["explorer"] not in self._state:
+                shared["explorer"] = state["key"]
+            if shared["explorer"] != state["key"]:
+                return False
+        if not state["probed"] and state["draft_n"] < self.first_steps and shared["losing"] and shared["wait"] > 1:
+            # Still in its first steps when another sequence found drafting losing (several
+            # started together): take the instance's verdict instead of paying for its own.
+            if state["plain"] is None:
+                state["plain"], state["plain_s"], state["plain_n"] = shared["plain"], shared["plain_s"], 1
+            state["wait"] = max(1, shared["wait"] - shared["plain_since_probe"])
+            return self._decide(state)
         if state["draft_n"] >= self.first_steps and (state["plain_n"] == 0 or state["since_plain"] >= self.plain_every):
             return False  # measure plain
         # A sequence's first steps say little (no n-gram match yet, a cold draft), so it drafts
@@ -218,10 +239,12 @@ class CostGate:
                 if state["draft_n"] <= self.probe_steps:  # lost right after a probe: wait longer next time
                     state["backoff"] = min(self.max_backoff, state["backoff"] * 2)
                 state["wait"] = wait - 1  # this step is the first plain one
-                self.shared.update(losing=True, wait=wait, plain_since_probe=0, backoff=state["backoff"])
+                self.shared.update(losing=True, wait=wait, plain_since_probe=0, backoff=state["backoff"], known=True)
                 return False
-            state["backoff"] = self.first_backoff
-            self.shared.update(losing=False, backoff=self.first_backoff)
+            if state["draft"] > state["plain"] * (1.0 + self.tolerance):  # a clear win: tell the instance
+                state["backoff"] = self.first_backoff
+                self.shared.update(losing=False, backoff=self.first_backoff)
+            self.shared["known"] = True
         state["since_plain"] += 1
         return True
 
@@ -241,6 +264,8 @@ class CostGate:
     def release(self, key: Hashable) -> None:
         """Forget a sequence (the instance keeps what it learned)."""
         self._state.pop(key, None)
+        if self.shared["explorer"] == key:
+            self.shared["explorer"] = None
 
 
 class SpeculativeStrategy:
