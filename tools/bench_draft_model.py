@@ -356,6 +356,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--temperatures", default="0,1")
     parser.add_argument("--streams", default="", help="comma-separated stream counts, e.g. 1,4,8")
+    parser.add_argument("--stream-rounds", type=int, default=3, help="rounds per stream count in --streams")
     parser.add_argument("--economy", default="", help="comma-separated make_gguf shapes, e.g. 1b,3b")
     parser.add_argument("--repeats", type=int, default=7, help="forwards per row count in --economy")
     parser.add_argument("--no-llama", action="store_true", help="skip llama-server's rows")
@@ -408,14 +409,18 @@ def main() -> None:
                 row.call("def warmup():\n    return", 8, 0.0, 0)
             single_stream(args, rows, sets)
         if args.streams:
-            print(f"\nConcurrent greedy streams (HumanEval prompts, {args.tokens} tokens each): aggregate tok/s")
+            print(f"\nConcurrent greedy streams (HumanEval prompts, {args.tokens} tokens each): aggregate tok/s, "
+                  f"median of {args.stream_rounds} rounds")
             print(f"{'streams':>8}{'plain':>10}{'draft model':>13}{'x plain':>9}{'n-gram':>9}{'x plain':>9}")
             counts = [int(n) for n in args.streams.split(",")]
             prompts = humaneval_prompts(max(counts))
             for n in counts:
-                plain = concurrent(server.address, "m0", prompts[:n], args.tokens)
-                model = concurrent(server.address, "m2", prompts[:n], args.tokens)
-                ngram = concurrent(server.address, "m1", prompts[:n], args.tokens)
+                rates: dict[str, list[float]] = {"m0": [], "m1": [], "m2": []}
+                for round_ in range(args.stream_rounds):  # order rotated per round: drift hits all alike
+                    order = list(rates)[round_ % 3:] + list(rates)[:round_ % 3]
+                    for model_name in order:
+                        rates[model_name].append(concurrent(server.address, model_name, prompts[:n], args.tokens))
+                plain, ngram, model = (statistics.median(rates[m]) for m in ("m0", "m1", "m2"))
                 print(f"{n:>8}{plain:>10.1f}{model:>13.1f}{model / plain:>8.2f}x{ngram:>9.1f}{ngram / plain:>8.2f}x")
                 sys.stdout.flush()
     finally:
