@@ -280,7 +280,8 @@ def test_merged_pruned_trees_with_temperature_top_k_top_p_match_the_target_distr
     # sampled draws lose their node; at T=0.7 with top_k and top_p the target has zeros too.
     params = SamplingParams(temperature=0.7, top_k=4, top_p=0.9)
     config = SpeculativeConfig.from_section(
-        {"drafters": ["ngram", "sampled"], "max_draft_tokens": 5, "prob_threshold": 0.0, "adaptive": False})
+        {"drafters": ["ngram", "sampled"], "max_draft_tokens": 5, "prob_threshold": 0.0, "adaptive": False,
+         "cost_gate": False})
     strategy = SpeculativeStrategy(config)
     strategy.bind_registry({"sampled": lambda model, options, context: SampledDrafter(seed=31)})
     strategy.attach()

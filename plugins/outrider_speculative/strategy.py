@@ -108,6 +108,14 @@ class BudgetController:
         self._ema.pop(seq_id, None)
 
 
+def _seeded(seq: Any) -> bool:
+    """A sampling request with a seed: its output must not depend on timing, so the gate leaves it
+    alone (at T = 0 the output never depends on the drafts)."""
+    params = getattr(seq, "params", None)
+    seed = getattr(params, "seed", None)
+    return seed is not None and float(getattr(params, "temperature", 0.0) or 0.0) > 0.0
+
+
 class CostGate:
     """Draft only while drafting steps yield more tokens per second than plain steps.
 
@@ -248,6 +256,25 @@ class CostGate:
         state["since_plain"] += 1
         return True
 
+    def end(self, key: Hashable, now: float) -> None:
+        """Close the key's step at `now` (a step-level key: the next step may have another key)."""
+        state = self._state.get(key)
+        last = state["last"] if state is not None else None
+        if last is not None and now > last[0] and last[2] > 0:
+            kind, seconds = ("draft" if last[1] else "plain"), now - last[0]
+            for table in (state, self.shared):
+                self._ema(table, kind, last[2] / seconds)
+                self._ema(table, kind + "_s", seconds)
+            state[kind + "_n"] += 1
+        if state is not None:
+            state["last"] = None
+
+    def forget_step(self, key: Hashable) -> None:
+        """The step that began at the key's last `begin` is not one to learn from."""
+        state = self._state.get(key)
+        if state is not None:
+            state["last"] = None
+
     def spent(self, key: Hashable, seconds: float) -> None:
         """The sequence's drafters took `seconds` in the step that began at its last `begin`."""
         self.clock += seconds
@@ -281,6 +308,10 @@ class SpeculativeStrategy:
             self.config.batch_draft_tokens, self.config.adaptive,
         )
         self.gate = CostGate() if self.config.cost_gate else None
+        # Several streams share a step, and one sequence's draft rows make the step slower for all:
+        # whether drafting pays is then judged on the whole step's tokens per second, per stream count.
+        self.step_gate = CostGate() if self.config.cost_gate else None
+        self._step_key: Optional[tuple] = None  # this step's key in step_gate, None when not judged
         self.factories: dict[str, Callable[..., Any]] = dict(BUILTIN_DRAFTERS)
         self.drafters: list[Any] = []
         self.attached = False
@@ -360,8 +391,21 @@ class SpeculativeStrategy:
     # -- budget ---------------------------------------------------------------------------
 
     def batch_budget(self, n_active: int) -> int:
-        """The most draft tokens one sequence may get when `n_active` sequences share a step."""
-        return self.controller.batch_budget(n_active)
+        """The most draft tokens one sequence may get when `n_active` sequences share a step (called
+        once a step: with several streams, 0 while drafting steps yield fewer tokens per second)."""
+        budget = self.controller.batch_budget(n_active)
+        if self.step_gate is None:
+            return budget
+        now = time.perf_counter()
+        if self._step_key is not None:
+            self.step_gate.end(self._step_key, now)
+        self._step_key = None
+        if n_active >= 2 and budget > 0:
+            self._step_key = ("streams", n_active)
+            if not self.step_gate.begin(self._step_key, now):
+                self.stats["gated_steps"] += n_active
+                return 0
+        return budget
 
     def budget(self, seq: Any, n_active: int = 1) -> int:
         """Draft nodes for this sequence this step: its adaptive budget, capped by the batch share."""
@@ -384,7 +428,7 @@ class SpeculativeStrategy:
         own = self.controller.budget(key)
         budget = own if budget is None else min(budget, own)
         tree = SpecTree()
-        if self.gate is not None and key is not None and not self.gate.begin(key, time.perf_counter()):
+        if self.gate is not None and key is not None and not _seeded(seq) and not self.gate.begin(key, time.perf_counter()):
             budget = 0  # drafting does not pay on this sequence now
             self.stats["gated_steps"] += 1
         if budget > 0:
@@ -421,8 +465,13 @@ class SpeculativeStrategy:
     def record(self, seq: Any, draft_tokens: int, accepted_tokens: int) -> None:
         """Feed one step's outcome to the sequence's adaptive budget."""
         key = sequence_key(seq)
+        if self._step_key is not None:
+            self.step_gate.tokens(self._step_key, accepted_tokens + 1)
         if key is not None and self.gate is not None:
-            self.gate.tokens(key, accepted_tokens + 1)
+            if self._step_key is not None and not self.step_gate._state[self._step_key]["last"][1]:
+                self.gate.forget_step(key)  # not this sequence's choice: a plain step of the whole batch
+            else:
+                self.gate.tokens(key, accepted_tokens + 1)
         if key is None or draft_tokens <= 0:
             return
         depth = self._depth.get(key) or draft_tokens
