@@ -312,6 +312,7 @@ class SpeculativeStrategy:
         # whether drafting pays is then judged on the whole step's tokens per second, per stream count.
         self.step_gate = CostGate() if self.config.cost_gate else None
         self._step_key: Optional[tuple] = None  # this step's key in step_gate, None when not judged
+        self._step_drafts = True  # step_gate's verdict for this step
         self.factories: dict[str, Callable[..., Any]] = dict(BUILTIN_DRAFTERS)
         self.drafters: list[Any] = []
         self.attached = False
@@ -391,9 +392,10 @@ class SpeculativeStrategy:
     # -- budget ---------------------------------------------------------------------------
 
     def batch_budget(self, n_active: int) -> int:
-        """The most draft tokens one sequence may get when `n_active` sequences share a step (called
-        once a step: with several streams, 0 while drafting steps yield fewer tokens per second)."""
+        """The most draft tokens one sequence may get when `n_active` sequences share a step. Called
+        once a step: with several streams it also asks the step gate whether this step drafts."""
         budget = self.controller.batch_budget(n_active)
+        self._step_drafts = True
         if self.step_gate is None:
             return budget
         now = time.perf_counter()
@@ -402,9 +404,8 @@ class SpeculativeStrategy:
         self._step_key = None
         if n_active >= 2 and budget > 0:
             self._step_key = ("streams", n_active)
-            if not self.step_gate.begin(self._step_key, now):
-                self.stats["gated_steps"] += n_active
-                return 0
+            # A losing step still lets seeded sampling requests draft (propose), for reproducibility.
+            self._step_drafts = self.step_gate.begin(self._step_key, now)
         return budget
 
     def budget(self, seq: Any, n_active: int = 1) -> int:
@@ -428,9 +429,11 @@ class SpeculativeStrategy:
         own = self.controller.budget(key)
         budget = own if budget is None else min(budget, own)
         tree = SpecTree()
-        if self.gate is not None and key is not None and not _seeded(seq) and not self.gate.begin(key, time.perf_counter()):
-            budget = 0  # drafting does not pay on this sequence now
-            self.stats["gated_steps"] += 1
+        if not _seeded(seq):  # a seeded sampling request drafts as configured: its output is reproducible
+            if not self._step_drafts or (self.gate is not None and key is not None
+                                         and not self.gate.begin(key, time.perf_counter())):
+                budget = 0  # drafting does not pay on this step or sequence now
+                self.stats["gated_steps"] += 1
         if budget > 0:
             started = time.perf_counter()
             trees: list[DraftTree] = []
