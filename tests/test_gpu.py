@@ -142,8 +142,8 @@ def test_engine_tokens_through_the_padded_forward_equal_eager_on_cpu():
     params = [{"prompt": p, "max_tokens": 30} for p in PROMPTS]
     for speculative in (False, True):
         model = tiny_model()
-        plain = _run(_engine(model, tokenizer, speculative=speculative), params)
-        engine = _engine(model, tokenizer, speculative=speculative)
+        plain = _run(_engine(model, tokenizer, speculative=speculative, cost_gate=False), params)
+        engine = _engine(model, tokenizer, speculative=speculative, cost_gate=False)  # drafts counted below
         engine.cache = SlotKVCache(model.config, engine.max_sequences, engine.max_length, torch.float32, "cpu",
                                    static=True)
         runner = model.use_cuda_graphs(engine.cache, capture=False)
@@ -252,7 +252,7 @@ def test_minilm_on_cuda_fp16_matches_cpu_fp32(batch):
 
 
 def _cuda_engine(model, tokenizer, speculative: bool, graphs: bool, **spec):
-    engine = _engine(model, tokenizer, speculative=speculative, **spec)
+    engine = _engine(model, tokenizer, speculative=speculative, **{"cost_gate": False, **spec})  # drafts counted
     model.graph_runner = None
     if graphs:
         model.use_cuda_graphs(engine.cache)

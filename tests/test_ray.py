@@ -32,7 +32,7 @@ sys.path.insert(0, str(TEST_PLUGINS))  # in-process replicas register test plugi
 
 ECHO = str(MANIFESTS / "echo.yaml")
 TINY = {"name": "tiny", "backend": "hf-llama", "options": {"seed": 3},
-        "speculative": {"drafters": ["ngram"], "max_draft_tokens": 8}}
+        "speculative": {"drafters": ["ngram"], "max_draft_tokens": 8, "cost_gate": False}}  # drafts counted
 RAYSERVICE = ROOT / "deploy" / "ray" / "rayservice.yaml"
 
 

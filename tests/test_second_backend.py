@@ -44,7 +44,7 @@ def test_tree_forward_matches_one_token_forwards():
 def test_second_generating_backend_served_with_speculation(tmp_path, server_factory):
     manifest = write_manifest(tmp_path, yaml.safe_dump({
         "name": "hf", "backend": "hf-llama", "options": {"seed": 3},
-        "speculative": {"drafters": ["ngram"], "max_draft_tokens": 8},
+        "speculative": {"drafters": ["ngram"], "max_draft_tokens": 8, "cost_gate": False},  # drafts counted
     }), "hf.yaml")
     server = server_factory([manifest], ["outrider_test_hf_llama", "outrider_speculative"])
     prompts = ["abc abc abc abc abc", "the cat sat. the cat sat. the", "0123 0123 0123 01"]

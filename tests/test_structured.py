@@ -77,7 +77,8 @@ def test_rules_match_a_reference_plain_and_speculative(tiny):
     model, tokenizer = tiny
     prompts = ["abcabcabcabc", "hellohellohello", "ababcdcdababcd"]
     plain = _run(_engine(model, tokenizer, speculative=False), [_params(p) for p in prompts])
-    spec = _run(_engine(model, tokenizer, speculative=True), [_params(p) for p in prompts])
+    spec = _run(_engine(model, tokenizer, speculative=True, cost_gate=False),  # drafts counted below
+                [_params(p) for p in prompts])
     bare = _run(_engine(model, tokenizer, speculative=False), [{"prompt": p, "max_tokens": 24} for p in prompts])
     for i, prompt in enumerate(prompts):
         want, want_logprobs = _reference_greedy(model, tokenizer.encode(prompt), 24, **RULES)
@@ -222,7 +223,8 @@ def smol_int8(tmp_path_factory):
 
     server = start_server(tmp_path_factory.mktemp("smol-int8"), [MANIFESTS / "smollm2-int8.yaml"],
                           ["outrider_llm", "outrider_speculative", "outrider_quantize"],
-                          args=["--set", "options.max_sequences=4", "--set", "options.max_length=1024"])
+                          args=["--set", "options.max_sequences=4", "--set", "options.max_length=1024",
+                                "--set", "speculative.cost_gate=false"])  # drafts are counted: no timing gate
     try:
         server.wait_ready(timeout=600)
         yield server
