@@ -109,8 +109,8 @@ class BudgetController:
 
 
 def _seeded(seq: Any) -> bool:
-    """A sampling request with a seed: its output must not depend on timing, so the gate leaves it
-    alone (at T = 0 the output never depends on the drafts)."""
+    """A sampling request with a seed: its output must not depend on timing, so the gate decides for
+    it once, at its start (at T = 0 the output never depends on the drafts)."""
     params = getattr(seq, "params", None)
     seed = getattr(params, "seed", None)
     return seed is not None and float(getattr(params, "temperature", 0.0) or 0.0) > 0.0
@@ -313,6 +313,7 @@ class SpeculativeStrategy:
         self.step_gate = CostGate() if self.config.cost_gate else None
         self._step_key: Optional[tuple] = None  # this step's key in step_gate, None when not judged
         self._step_drafts = True  # step_gate's verdict for this step
+        self._seeded_drafts: dict[Hashable, bool] = {}  # seeded sampling sequences: draft or not, fixed
         self.factories: dict[str, Callable[..., Any]] = dict(BUILTIN_DRAFTERS)
         self.drafters: list[Any] = []
         self.attached = False
@@ -379,6 +380,7 @@ class SpeculativeStrategy:
             self._depth.pop(key, None)
             if self.gate is not None:
                 self.gate.release(key)
+            self._seeded_drafts.pop(key, None)
         self._each_drafter("finish", seq)
 
     def _each_drafter(self, method: str, *args: Any) -> None:
@@ -388,6 +390,10 @@ class SpeculativeStrategy:
             hook = getattr(drafter, method, None)
             if hook is not None:
                 hook(*args)
+
+    def _instance_drafts(self) -> bool:
+        """Whether the instance drafts now: False once its gate found drafting losing."""
+        return self.gate is None or not (self.gate.shared["known"] and self.gate.shared["losing"])
 
     # -- budget ---------------------------------------------------------------------------
 
@@ -429,11 +435,16 @@ class SpeculativeStrategy:
         own = self.controller.budget(key)
         budget = own if budget is None else min(budget, own)
         tree = SpecTree()
-        if not _seeded(seq):  # a seeded sampling request drafts as configured: its output is reproducible
-            if not self._step_drafts or (self.gate is not None and key is not None
-                                         and not self.gate.begin(key, time.perf_counter())):
-                budget = 0  # drafting does not pay on this step or sequence now
+        if _seeded(seq):
+            # A seeded sampling request's output must not depend on timing: it follows the instance's
+            # verdict as it stood when the request started, for its whole length.
+            if key is not None and not self._seeded_drafts.setdefault(key, self._instance_drafts()):
+                budget = 0
                 self.stats["gated_steps"] += 1
+        elif not self._step_drafts or (self.gate is not None and key is not None
+                                       and not self.gate.begin(key, time.perf_counter())):
+            budget = 0  # drafting does not pay on this step or sequence now
+            self.stats["gated_steps"] += 1
         if budget > 0:
             started = time.perf_counter()
             trees: list[DraftTree] = []
