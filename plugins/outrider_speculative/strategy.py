@@ -392,8 +392,9 @@ class SpeculativeStrategy:
                 hook(*args)
 
     def _instance_drafts(self) -> bool:
-        """Whether the instance drafts now: False once its gate found drafting losing."""
-        return self.gate is None or not (self.gate.shared["known"] and self.gate.shared["losing"])
+        """Whether the instance's gate has found drafting paying (greedy and unseeded requests teach
+        it); until it has, seeded sampling requests decode plain, which is never slower."""
+        return self.gate is None or (self.gate.shared["known"] and not self.gate.shared["losing"])
 
     # -- budget ---------------------------------------------------------------------------
 
