@@ -22,12 +22,10 @@ from outrider.errors import ManifestError  # noqa: E402
 from outrider.generation.contract import Chunk  # noqa: E402
 from outrider.generation.sampling import SamplingParams, new_generator, target_distribution  # noqa: E402
 from outrider.generation.verify import verify  # noqa: E402
-from outrider.manifest import validate_manifest  # noqa: E402
-from outrider.plugins import create_registry  # noqa: E402
-from outrider.serving.request import PendingRequest  # noqa: E402
 
 from conftest import write_manifest  # noqa: E402
 from gguf_models import write_tiny_gemma3_gguf, write_tiny_gguf  # noqa: E402
+from test_eagle import _run, _strategy  # noqa: E402  (the engine and strategy set-up the head's tests use)
 
 PROMPTS = ["the cat sat on the mat", "hello there", "abcabcabc", "in the beginning", "one two three four"]
 
@@ -57,30 +55,6 @@ def target(files):
     model, tokenizer = load_tiles(load_gguf_tiles(files["target"], in_child=False))
     model.kv_dtype = np.float16
     return model, tokenizer
-
-
-def _strategy(drafters: list[str], **section):
-    manifest = validate_manifest({"name": "t", "backend": "llm", "speculative": {"drafters": drafters, **section}})
-    registry = create_registry(["outrider_llm", "outrider_speculative"], load_entry_points=False)
-    return registry.accelerators_for(manifest, registry.backends["llm"])["speculative"].for_instance()
-
-
-def _run(model, tokenizer, strategy, parameter_sets: list[dict]) -> dict:
-    from outrider.generation.engine import GenerationEngine
-
-    if strategy is not None:
-        strategy.attach(model, tokenizer)
-    engine = GenerationEngine(model, tokenizer, strategy, max_sequences=4, max_length=256)
-    finals: dict = {}
-
-    def send(request, kind, header, outputs):
-        if kind != "chunk":
-            finals[request.id] = header
-
-    engine.admit([PendingRequest(b"r", i, "generate", "t", {}, p, send) for i, p in enumerate(parameter_sets)])
-    while engine.busy():
-        engine.step()
-    return finals
 
 
 @pytest.mark.parametrize("shape", ["chain", "tree"])

@@ -53,7 +53,8 @@ from typing import Any, Optional
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "runtime"), str(ROOT / "plugins"), str(ROOT / "tools")]
 
-from bench_sizes import _CHILDREN, START_TIMEOUT_S, cpu_line, free_port, llama_bench, outrider_kernels  # noqa: E402
+import bench_sizes  # noqa: E402
+from bench_sizes import _CHILDREN, START_TIMEOUT_S, cpu_line, llama_bench, outrider_kernels  # noqa: E402
 from bench_spec import CHAT, humaneval_prompts  # noqa: E402
 from bench_quantize import Server  # noqa: E402
 from make_gguf import DEFAULT_DIR, DEFAULT_LLAMA_CPP, ensure  # noqa: E402
@@ -86,28 +87,6 @@ def requantized(llama_cpp: Path, source: Path, ftype: str, threads: int) -> Path
     return out
 
 
-def wait_ready(server: Server) -> None:
-    """Until every model is ready; a model that failed to load stops the benchmark with the log's tail."""
-    from outrider import Client, OutriderError
-
-    end = time.monotonic() + START_TIMEOUT_S
-    with Client(server.address, timeout=5.0) as client:
-        while time.monotonic() < end:
-            log = Path(server.dir) / "server.log"
-            if server.proc.poll() is not None:
-                raise RuntimeError(f"outrider serve exited: {log.read_text(errors='replace')[-3000:]}")
-            try:
-                states = {name: m["state"] for name, m in client.health(timeout=2.0)["models"].items()}
-            except OutriderError:
-                states = {}
-            if states and all(state == "ready" for state in states.values()):
-                return
-            if any(state == "failed" for state in states.values()):
-                raise RuntimeError(f"a model failed to load: {states}\n{log.read_text(errors='replace')[-3000:]}")
-            time.sleep(0.2)
-    raise RuntimeError("outrider serve not ready in time")
-
-
 def manifest(directory: Path, name: str, target: Path, threads: int, speculative: Optional[dict]) -> Path:
     text = MANIFEST.format(name=name, path=target, slots=SLOTS, length=LENGTH, threads=threads)
     if speculative is not None:
@@ -117,47 +96,21 @@ def manifest(directory: Path, name: str, target: Path, threads: int, speculative
     return path
 
 
-class LlamaServer:
-    """`llama-server` on 127.0.0.1 (a free port), optionally with a draft model."""
+class LlamaServer(bench_sizes.LlamaServer):
+    """bench_sizes' `llama-server` with one slot, optionally with a draft model, asked to sample."""
 
-    def __init__(self, build: Path, target: Path, threads: int, log: Path, draft: Optional[Path] = None,
-                 slots: int = 1) -> None:
-        self.url = f"http://127.0.0.1:{free_port()}"
-        command = [str(build / "bin" / "llama-server"), "-m", str(target), "-t", str(threads), "-tb", str(threads),
-                   "-np", str(slots), "-c", str(slots * LENGTH), "--host", "127.0.0.1",
-                   "--port", self.url.rsplit(":", 1)[1], "--no-webui"]
-        if draft is not None:
-            command += ["-md", str(draft), "--spec-type", "draft-simple", "-td", str(threads), "-tbd", str(threads)]
-        self.log = log
-        self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=open(log, "wb"), start_new_session=True)
-        _CHILDREN.append(self.proc)
+    def __init__(self, build: Path, target: Path, threads: int, log: Path, draft: Optional[Path] = None) -> None:
+        extra = [] if draft is None else ["-md", str(draft), "--spec-type", "draft-simple", "-td", str(threads),
+                                          "-tbd", str(threads)]
+        super().__init__(build / "bin" / "llama-server", target, threads, log, slots=1, length=LENGTH, extra=extra)
 
-    def wait_ready(self) -> None:
-        end = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < end:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited: {self.log.read_text(errors='replace')[-3000:]}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as reply:
-                    if reply.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError("llama-server not ready in time")
-
-    def complete(self, prompt: str, tokens: int, temperature: float, seed: int) -> dict:
+    def sample(self, prompt: str, tokens: int, temperature: float, seed: int) -> dict:
         body = {"prompt": prompt, "n_predict": tokens, "temperature": temperature, "seed": seed, "top_k": 0,
                 "top_p": 1.0, "min_p": 0.0, "cache_prompt": False}
         request = urllib.request.Request(self.url + "/completion", data=json.dumps(body).encode(),
                                          headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as reply:
             return json.loads(reply.read())
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(30)
 
 
 class Row:
@@ -195,7 +148,7 @@ def outrider_call(client: Any, model: str) -> Any:
 
 def llama_call(server: LlamaServer) -> Any:
     def call(prompt: str, tokens: int, temperature: float, seed: int) -> dict:
-        reply = server.complete(prompt, tokens, temperature, seed)
+        reply = server.sample(prompt, tokens, temperature, seed)
         timings = reply["timings"]
         decoded = max(int(timings["predicted_n"]) - 1, 0)
         seconds = decoded / timings["predicted_per_second"] if timings.get("predicted_per_second") else 1e-9
@@ -323,7 +276,7 @@ def economy(args: argparse.Namespace) -> None:
         server = Server([str(m) for m in manifests], 0)
         _CHILDREN.append(server.proc)
         try:
-            wait_ready(server)
+            server.wait_ready(START_TIMEOUT_S)
             with Client(server.address, timeout=REQUEST_TIMEOUT_S) as client:
                 rows = [Row(name, "outrider", outrider_call(client, f"e{i}")) for i, (name, _) in enumerate(specs)]
                 for row in rows:
@@ -396,7 +349,7 @@ def main() -> None:
     _CHILDREN.append(server.proc)
     llamas: list[LlamaServer] = []
     try:
-        wait_ready(server)
+        server.wait_ready(START_TIMEOUT_S)
         with Client(server.address, timeout=REQUEST_TIMEOUT_S) as client:
             rows = [Row(name, "outrider", outrider_call(client, f"m{i}")) for i, (name, _) in enumerate(specs)]
             if not args.no_llama:

@@ -113,10 +113,15 @@ class Server:
                     raise RuntimeError(f"server exited: {(Path(self.dir) / 'server.log').read_text()[-3000:]}")
                 try:
                     health = client.health(timeout=2.0)
-                    if health["ready"] and all(m["state"] == "ready" for m in health["models"].values()):
-                        return
                 except OutriderError:
-                    pass
+                    health = None
+                if health is not None:
+                    states = {name: m["state"] for name, m in health["models"].items()}
+                    if health["ready"] and all(state == "ready" for state in states.values()):
+                        return
+                    if any(state == "failed" for state in states.values()):  # it will not become ready
+                        raise RuntimeError(f"a model failed to load: {states}\n"
+                                           f"{(Path(self.dir) / 'server.log').read_text()[-3000:]}")
                 time.sleep(0.2)
         raise RuntimeError("server not ready in time")
 

@@ -75,7 +75,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
@@ -572,15 +572,16 @@ def free_port() -> int:
 class LlamaServer:
     """`llama-server` on 127.0.0.1 (a free port), in its own process group."""
 
-    def __init__(self, binary: Path, path: Path, threads: int, log: Path, kv_cache: str = "f16") -> None:
+    def __init__(self, binary: Path, path: Path, threads: int, log: Path, kv_cache: str = "f16",
+                 slots: int = SLOTS, length: int = LENGTH, extra: Sequence[str] = ()) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.started = time.perf_counter()
         self.log = log
         self.proc = subprocess.Popen(
-            [str(binary), "-m", str(path), "-t", str(threads), "-tb", str(threads), "-np", str(SLOTS),
-             "-c", str(SLOTS * LENGTH), "--host", "127.0.0.1", "--port", str(self.port),
-             "--no-webui", *kv_flags(kv_cache)],
+            [str(binary), "-m", str(path), "-t", str(threads), "-tb", str(threads), "-np", str(slots),
+             "-c", str(slots * length), "--host", "127.0.0.1", "--port", str(self.port),
+             "--no-webui", *kv_flags(kv_cache), *extra],
             stdout=subprocess.DEVNULL, stderr=open(log, "wb"), start_new_session=True)
         _CHILDREN.append(self.proc)
 

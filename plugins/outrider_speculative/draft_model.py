@@ -46,13 +46,13 @@ from typing import Any, Hashable, Mapping, Optional
 
 import numpy as np
 
-from outrider.generation.contract import Chunk, DrafterContext, SampledChildren
+from outrider.generation.contract import Chunk, DrafterContext
 from outrider.generation.sampling import host_array, is_greedy, target_distribution
 from outrider.generation.verify import sampling_knobs
 
 from .config import OptionError, read_bool, read_float, read_int
 from .drafters import sequence_key
-from .tree import SampledExpansion, SpecTree, build_dynamic_tree, draw_distinct
+from .tree import SampledExpansion, SpecTree, build_dynamic_tree, sample_children
 
 log = logging.getLogger("outrider.speculative")
 
@@ -221,11 +221,10 @@ class DraftModelDrafter:
     def _drawn(self, logits: np.ndarray, temperature: float, top_k: int, top_p: float,
                generator: Optional[np.random.Generator]) -> Any:
         q = target_distribution(logits, temperature, top_k, top_p)
-        draws = draw_distinct(q, self.max_children, generator if generator is not None else np.random.default_rng())
-        if not draws:
+        group = sample_children(q, self.max_children, generator if generator is not None else np.random.default_rng())
+        if not group.draws:
             return []
-        return SampledExpansion(SampledChildren(q=q, draws=draws, replacement=False),
-                                [(t, float(q[t])) for t in draws])
+        return SampledExpansion(group, [(t, float(q[t])) for t in group.draws])
 
     def _propose_chain(self, slot: int, n: int, root: np.ndarray, budget: int, sampled: bool,
                        knobs: tuple, generator: Any) -> SpecTree:
@@ -239,12 +238,12 @@ class DraftModelDrafter:
             parent = len(tree.tokens) - 1
             if sampled:
                 q = target_distribution(logits, *knobs)
-                draws = draw_distinct(q, 1, rng)
-                if not draws:
+                group = sample_children(q, 1, rng)
+                if not group.draws:
                     break
-                token = draws[0]
+                token = group.draws[0]
                 # Recorded before the threshold looks at it: a draw left out would bias the rule.
-                tree.sampled.setdefault(parent, []).append(SampledChildren(q=q, draws=draws, replacement=False))
+                tree.sampled.setdefault(parent, []).append(group)
                 prob = float(q[token] / q.sum(dtype=np.float64))
             else:
                 token = int(np.argmax(logits))

@@ -131,10 +131,11 @@ class CostGate:
     does not stop a drafter that is level) it decodes plain, then drafts
     `probe_steps` steps to measure again. The wait is long enough that the probes cost at most
     `overhead` of the plain steps around them (a drafting step that costs 9x a plain one waits
-    about 2 x 8 / overhead steps), and at least `backoff` steps (doubled by each lost probe up to
-    `max_backoff`: by default not, since the cost bound already holds, and a cheap drafter such as
-    the n-gram index, whose gains come in bursts, must not miss the next burst). Several sequences share a step: the time other sequences spent in their drafters
-    during a sequence's step is taken off that step's time. While
+    about probe_steps x 8 / overhead steps), and at least `backoff` steps (doubled by each lost
+    probe up to `max_backoff`: by default not, since the cost bound already holds, and a cheap
+    drafter such as the n-gram index, whose gains come in bursts, must not miss the next burst).
+    Several sequences share a step: the time other sequences spent in their drafters during a
+    sequence's step is taken off that step's time. While
     drafting loses, sequences that start meanwhile start plain and probe on the instance's
     schedule (plain steps counted across sequences), so short requests do not each pay a probe.
     The verdict never depends on the gate: output stays the target's at any temperature.
@@ -170,21 +171,26 @@ class CostGate:
             state = self._state[key] = self._new_state()
             state["key"] = key
         last = state["last"]
-        # Other sequences' drafting in the same steps is theirs, not this step's cost: a plain step
-        # beside a drafting one would otherwise look slow, and that drafting look cheap.
-        seconds = (now - last[0]) - (self.clock - last[3] - last[4]) if last is not None else 0.0
-        if last is not None and seconds > 0 and last[2] > 0:
-            kind = "draft" if last[1] else "plain"
-            for table in (state, self.shared):
-                self._ema(table, kind, last[2] / seconds)
-                self._ema(table, kind + "_s", seconds)
-            state[kind + "_n"] += 1
+        if last is not None:
+            # Other sequences' drafting in the same steps is theirs, not this step's cost: a plain step
+            # beside a drafting one would otherwise look slow, and that drafting look cheap.
+            self._learn(state, (now - last[0]) - (self.clock - last[3] - last[4]))
         drafting = self._decide(state)
         state["last"] = [now, drafting, 0, self.clock, 0.0]  # began, drafting, tokens, clock, own drafting
         if not drafting:
             state["since_plain"] = 0  # a plain step of any cause refreshes the plain rate
             self.shared["plain_since_probe"] += 1
         return drafting
+
+    def _learn(self, state: dict, seconds: float) -> None:
+        """Credit the step that began at `state`'s last `begin`, which took `seconds`, to its kind."""
+        last = state["last"]
+        if seconds > 0 and last[2] > 0:
+            kind = "draft" if last[1] else "plain"
+            for table in (state, self.shared):
+                self._ema(table, kind, last[2] / seconds)
+                self._ema(table, kind + "_s", seconds)
+            state[kind + "_n"] += 1
 
     def _new_state(self) -> dict:
         state = {"draft": None, "draft_n": 0, "plain": None, "plain_n": 0, "draft_s": None, "plain_s": None,
@@ -259,14 +265,8 @@ class CostGate:
     def end(self, key: Hashable, now: float) -> None:
         """Close the key's step at `now` (a step-level key: the next step may have another key)."""
         state = self._state.get(key)
-        last = state["last"] if state is not None else None
-        if last is not None and now > last[0] and last[2] > 0:
-            kind, seconds = ("draft" if last[1] else "plain"), now - last[0]
-            for table in (state, self.shared):
-                self._ema(table, kind, last[2] / seconds)
-                self._ema(table, kind + "_s", seconds)
-            state[kind + "_n"] += 1
-        if state is not None:
+        if state is not None and state["last"] is not None:
+            self._learn(state, now - state["last"][0])
             state["last"] = None
 
     def forget_step(self, key: Hashable) -> None:
@@ -483,7 +483,7 @@ class SpeculativeStrategy:
         if self._step_key is not None:
             self.step_gate.tokens(self._step_key, accepted_tokens + 1)
         if key is not None and self.gate is not None:
-            if self._step_key is not None and not self.step_gate._state[self._step_key]["last"][1]:
+            if self._step_key is not None and not self._step_drafts:
                 self.gate.forget_step(key)  # not this sequence's choice: a plain step of the whole batch
             else:
                 self.gate.tokens(key, accepted_tokens + 1)
