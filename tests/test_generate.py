@@ -210,13 +210,16 @@ def _limit(df: int) -> float:
 
 
 class VerifiedTokens:
-    """Records, per request, every token `verify` emitted, and what the verified trees looked like."""
+    """Records, per request, every token the engine's `verify` emitted, and what the verified trees looked like."""
 
-    def __init__(self, strategy) -> None:
+    def __init__(self, engine, monkeypatch) -> None:
+        from outrider.generation import engine as engine_module, verify as verify_module
+
         self.emitted: dict = {}  # request id -> tokens verify emitted, in order
         self.request_of: dict = {}  # the request's generator -> request id
         self.trees = self.branching = self.sampled = 0
-        verify, start = strategy.verify, strategy.start
+        strategy = engine.strategy
+        verify, start = verify_module.verify, strategy.start
 
         def recording_start(seq) -> None:
             self.request_of[seq.generator] = seq.request.id
@@ -232,15 +235,26 @@ class VerifiedTokens:
             self.emitted.setdefault(self.request_of[generator], []).extend(verdict.emitted)
             return verdict
 
-        strategy.start, strategy.verify = recording_start, recording_verify
+        strategy.start = recording_start
+        monkeypatch.setattr(engine_module, "verify", recording_verify)
 
 
-def _verified_counts(model, tokenizer, head_path, prompt: str, params: dict, samples: int) -> tuple[Counter, VerifiedTokens]:
+def _verified_counts(model, tokenizer, head_path, prompt: str, params: dict, samples: int,
+                     monkeypatch) -> tuple[Counter, VerifiedTokens]:
     """(t1, t2, t3) counts over `samples` seeded requests, each t2, t3 checked to come from verify."""
     engine = _engine(model, tokenizer, speculative=True, max_sequences=16, drafters=["ngram", "eagle"],
                      eagle={"weights": str(head_path)}, adaptive=False, prob_threshold=0.0, max_children=3,
                      max_draft_tokens=6, cost_gate=False)  # every step verified: no timing gate
-    seen = VerifiedTokens(engine.strategy)
+    with monkeypatch.context() as patch:
+        seen = VerifiedTokens(engine, patch)
+        counts = _count_first_tokens(engine, seen, prompt, params, samples)
+    assert seen.sampled > 0.9 * seen.trees, "the head did not sample its children: the q path is untested"
+    # Trees of the last steps have room for one node only, and a truncated q may hold one token.
+    assert seen.branching > 0.4 * seen.trees, "the trees rarely branched"
+    return counts, seen
+
+
+def _count_first_tokens(engine, seen: VerifiedTokens, prompt: str, params: dict, samples: int) -> Counter:
     counts: Counter = Counter()
     for start in range(0, samples, 256):
         # Six tokens so that the steps producing t2 and t3 have room for trees several nodes deep.
@@ -253,10 +267,7 @@ def _verified_counts(model, tokenizer, head_path, prompt: str, params: dict, sam
             assert seen.emitted[rid][:2] == tokens[1:3], "a counted token did not come from verify"
             counts[tuple(tokens[:3])] += 1
         seen.emitted.clear()
-    assert seen.sampled > 0.9 * seen.trees, "the head did not sample its children: the q path is untested"
-    # Trees of the last steps have room for one node only, and a truncated q may hold one token.
-    assert seen.branching > 0.4 * seen.trees, "the trees rarely branched"
-    return counts, seen
+    return counts
 
 
 SAMPLING_CASES = {
@@ -288,7 +299,7 @@ def test_verified_tokens_follow_the_target_distribution_and_wrong_rules_fail(fla
     model, tokenizer = flat_model
     prompt, params, mutants = SAMPLING_CASES[case]
     exact = _exact_after_first(model, tokenizer.encode(prompt), params)
-    counts, seen = _verified_counts(model, tokenizer, flat_head, prompt, params, samples=2048)
+    counts, seen = _verified_counts(model, tokenizer, flat_head, prompt, params, 2048, monkeypatch)
     stat, df = _conditional_chi_square(counts, exact)
     print(f"{case}: chi-square {stat:.1f} (df {df}, limit {_limit(df):.1f}); {seen.trees} trees")
     assert stat < _limit(df), (stat, df)
@@ -297,7 +308,7 @@ def test_verified_tokens_follow_the_target_distribution_and_wrong_rules_fail(fla
             _mutate(patch, mutant)
             # 512 requests: at this size the mutants measured 15x the limit or more (an impossible
             # token for the top-p one); the correct rule measured under 0.7x it at 1024.
-            wrong, _ = _verified_counts(model, tokenizer, flat_head, prompt, params, samples=512)
+            wrong, _ = _verified_counts(model, tokenizer, flat_head, prompt, params, 512, patch)
         wrong_stat, wrong_df = _conditional_chi_square(wrong, exact)
         print(f"{case}, {mutant}: chi-square {wrong_stat:.1f} (df {wrong_df}, limit {_limit(wrong_df):.1f})")
         assert wrong_stat > _limit(wrong_df), (mutant, wrong_stat, wrong_df)

@@ -108,14 +108,14 @@ def test_failing_chat_template_and_missing_template_fail_alone(tmp_path, server_
     _wait_all_slots_free(server, "bare")
 
 
-def test_drafter_failing_in_start_or_extend_fails_its_request_alone(tmp_path, server_factory):
+def test_drafter_failing_in_start_or_observe_fails_its_request_alone(tmp_path, server_factory):
     manifest = _manifest(tmp_path, "spec", speculative={"drafters": ["ngram", "exploding"]})
     server = server_factory([manifest], HF_PLUGINS)
-    outcome, (at_start, at_extend) = _alongside_a_stream(server, "spec", [
+    outcome, (at_start, at_observe) = _alongside_a_stream(server, "spec", [
         lambda c: c.generate("spec", prompt="boom start", max_tokens=8),
-        lambda c: c.generate("spec", prompt="boom extend", max_tokens=8),
+        lambda c: c.generate("spec", prompt="boom observe", max_tokens=8),
     ])
-    for error, where in ((at_start, "start"), (at_extend, "extend")):
+    for error, where in ((at_start, "start"), (at_observe, "observe")):
         assert isinstance(error, OutriderError) and error.code == "execution_error", error
         assert f"drafter {where} exploded on purpose" in error.message
     _check_unaffected(server, "spec", outcome)

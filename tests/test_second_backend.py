@@ -41,10 +41,12 @@ def test_tree_forward_matches_one_token_forwards():
         torch.testing.assert_close(out.logits[row], ref.logits[-1], atol=1e-4, rtol=1e-4)
 
 
-def test_second_generating_backend_served_with_speculation(tmp_path, server_factory):
+@pytest.mark.parametrize("drafter", ["ngram", "period"])
+def test_second_generating_backend_served_with_speculation(tmp_path, server_factory, drafter):
+    """`period` is a drafter a test plugin registers: the core's drafter contract is all it needs."""
     manifest = write_manifest(tmp_path, yaml.safe_dump({
         "name": "hf", "backend": "hf-llama", "options": {"seed": 3},
-        "speculative": {"drafters": ["ngram"], "max_draft_tokens": 8, "cost_gate": False},  # drafts counted
+        "speculative": {"drafters": [drafter], "max_draft_tokens": 8, "cost_gate": False},  # drafts counted
     }), "hf.yaml")
     server = server_factory([manifest], ["outrider_test_hf_llama", "outrider_speculative"])
     prompts = ["abc abc abc abc abc", "the cat sat. the cat sat. the", "0123 0123 0123 01"]
@@ -56,4 +58,4 @@ def test_second_generating_backend_served_with_speculation(tmp_path, server_fact
             assert spec.token_ids == plain.token_ids
             assert plain.stats["draft_tokens"] == 0
             accepted += spec.stats["accepted_tokens"]
-    assert accepted > 0, "speculation never accepted a draft: it did not run on this backend"
+    assert accepted > 0, f"speculation never accepted a {drafter} draft: it did not run on this backend"

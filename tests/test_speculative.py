@@ -24,7 +24,7 @@ import torch
 from outrider.errors import ManifestError
 from outrider.manifest import Manifest
 from outrider.plugins import create_registry
-from outrider.generation.contract import DraftTree
+from outrider.generation.contract import DraftLimits, DraftTree, StepOutcome
 from outrider.generation.sampling import (SamplingParams, draw, greedy_token, new_generator, sample_token,
                                           target_distribution)
 from outrider_speculative.config import SpeculativeConfig
@@ -181,17 +181,21 @@ def _ngram_strategy(**knobs: Any) -> SpeculativeStrategy:
     return strategy
 
 
-def _engine_like(strategy: SpeculativeStrategy, budget: int) -> tuple[Propose, Callable]:
-    """propose/after callbacks that drive the strategy the way the engine does."""
+def _room(room: int = 64) -> DraftLimits:
+    """DraftLimits of one sequence alone in a step, `room` tokens from its end."""
+    return DraftLimits(room=room, n_active=1, step=0)
+
+
+def _engine_like(strategy: SpeculativeStrategy) -> tuple[Propose, Callable]:
+    """propose/after callbacks that drive the strategy the way the engine does (the engine verifies)."""
 
     def propose(seq: Seq) -> DraftTree:
         if len(seq.token_ids) == len(PROMPT):
             strategy.start(seq)
-        return strategy.propose(seq, budget)
+        return strategy.propose(seq, _room())
 
     def after(seq: Seq, tree: DraftTree, verdict: Verdict) -> None:
-        strategy.record(seq, len(tree), verdict.accepted_tokens)
-        strategy.extend(seq, verdict.emitted)
+        strategy.observe(seq, StepOutcome("decode", len(tree), verdict.accepted_tokens, verdict.emitted))
 
     return propose, after
 
@@ -256,8 +260,8 @@ def _wrong_verify(mode: str) -> Verify:
 def test_ngram_tree_sampling_matches_the_target_distribution():
     params = SamplingParams(temperature=1.0)
     strategy = _ngram_strategy(max_draft_tokens=8, max_children=3)
-    propose, after = _engine_like(strategy, budget=8)
-    counts = _first_tokens(propose, strategy.verify, params, samples=15000, seed=11, after=after)
+    propose, after = _engine_like(strategy)
+    counts = _first_tokens(propose, verify, params, samples=15000, seed=11, after=after)
     _assert_lossless(counts, params)
     # The trees were real trees, and drafts were accepted.
     assert strategy.stats["accepted_tokens"] > 0.2 * 15000
@@ -285,10 +289,10 @@ def test_merged_pruned_trees_with_temperature_top_k_top_p_match_the_target_distr
     strategy = SpeculativeStrategy(config)
     strategy.bind_registry({"sampled": lambda model, options, context: SampledDrafter(seed=31)})
     strategy.attach()
-    propose, after = _engine_like(strategy, budget=5)
+    propose, after = _engine_like(strategy)
     counts = _first_tokens(propose, verify, params, samples=10000, seed=32, after=after)
     _assert_lossless(counts, params)
-    assert any(sampled_groups(strategy.propose(Seq(PROMPT), 5)) for _ in range(3))
+    assert any(sampled_groups(strategy.propose(Seq(PROMPT), _room())) for _ in range(3))
     _assert_detected(_first_tokens(propose, _wrong_verify("always_accept"), params, 3000, seed=33), params)
 
 
@@ -352,7 +356,7 @@ def test_greedy_verification_is_plain_greedy_decoding_even_with_ties():
     for trial in range(30):
         seq = Seq(prompt)
         while len(seq.token_ids) < len(plain):
-            tree = strategy.propose(seq, 12)
+            tree = strategy.propose(seq, _room())
             if trial % 2:  # random extra branches, sometimes right, sometimes not
                 noise = SpecTree(tokens=torch.randint(0, 8, (6,), generator=gen).tolist(),
                                  parents=[-1, 0, 1, -1, 3, 0], probs=[0.5] * 6)
@@ -468,8 +472,8 @@ def test_ngram_index_kept_incrementally_equals_one_built_at_once():
     for i in range(50, 200, 7):
         new = ids[i:i + 7]
         seq.token_ids += new
-        drafter.extend(seq, new)
-        drafter.extend(seq, new)  # idempotent: it syncs with seq.token_ids
+        drafter.observe(seq, StepOutcome("decode", 0, 0, new))
+        drafter.observe(seq, StepOutcome("decode", 0, 0, new))  # idempotent: it syncs with seq.token_ids
     once = NgramIndex(1, 4)
     once.extend(ids)
     assert drafter._indexes[seq].after == once.after
@@ -631,12 +635,17 @@ def test_budget_grows_with_acceptance_shrinks_without_and_shares_a_full_batch():
 def test_strategy_budget_follows_recorded_acceptance():
     strategy = _ngram_strategy(max_draft_tokens=8)
     seq = Seq([1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2])
-    tree = strategy.propose(seq, 8)
+    tree = strategy.propose(seq, _room())
     assert len(tree) > 0
     for _ in range(4):
-        strategy.record(seq, len(tree), 0)
+        strategy.observe(seq, StepOutcome("decode", len(tree), 0, []))
     assert strategy.budget(seq) == strategy.config.min_draft_tokens
-    assert len(strategy.propose(seq, 8)) <= strategy.config.min_draft_tokens
+    assert len(strategy.propose(seq, _room())) <= strategy.config.min_draft_tokens
+    # The grammar's forced tokens and the prefill teach it nothing about the drafters.
+    for phase in ("forced", "prefill"):
+        strategy.observe(seq, StepOutcome(phase, 8, 8, []))
+    assert strategy.budget(seq) == strategy.config.min_draft_tokens
+    assert max(strategy.propose(seq, _room(1)).depths()) == 1  # cut to the room the engine gives
     strategy.finish(seq)
     assert strategy.budget(seq) == 8
 

@@ -18,7 +18,7 @@ State: one incremental index per sequence, `{n-gram tuple: [positions after it]}
 syncs it with `seq.token_ids`, which only ever grows: it indexes the tokens appended since the
 last call (and starts over when the list got shorter or its token at the last indexed position
 changed: committed tokens never change, so that check is enough). So `start(seq)` at
-admission and `extend(seq, new)` after each step are optional and idempotent (they move the
+admission and `observe(seq, outcome)` after each step are optional and idempotent (they move the
 indexing cost off the propose path); `finish(seq)` frees the index. A view that cannot be
 hashed gets a throwaway index, which is correct but costs O(length) a call.
 """
@@ -121,7 +121,7 @@ class NgramDrafter:
         """Index a new sequence's tokens now (optional: `propose` catches up by itself)."""
         self._index_for(seq)
 
-    def extend(self, seq: Any, new_tokens: Any = ()) -> None:
+    def observe(self, seq: Any, outcome: Any = None) -> None:
         """Index the tokens appended to `seq.token_ids` since the last call (idempotent)."""
         if sequence_key(seq) in self._indexes:
             self._index_for(seq)

@@ -4,23 +4,21 @@
     strategy.bind_registry(registry)                         # core: drafter factories by name
     strategy.attach(model, tokenizer)                        # once the model is loaded
     strategy.start(seq)                                      # admitted (indexes the prompt)
-    each step:
-        share = strategy.batch_budget(len(active))
-        tree = strategy.propose(seq, min(share, room))       # capped by seq's adaptive budget too
-        ... one forward over [pending, *tree.tokens], tree.mask(), positions length + depth ...
-        verdict = strategy.verify(tree, logits, seq.params, seq.generator)
-        cache.commit(slot, verdict.keep()); emit verdict.emitted
-        strategy.record(seq, len(tree), verdict.accepted_tokens)
-        strategy.extend(seq, new_tokens)                     # after seq.token_ids grew
+    each step, for each decoding sequence:
+        tree = strategy.propose(seq, DraftLimits(room, n_active, step))
+        ... the engine: one forward over [pending, *tree.tokens], verify.verify, commit, emit ...
+        strategy.observe(seq, StepOutcome(phase, drafted, accepted, new_tokens))
     strategy.finish(seq)                                     # ended or cancelled
 
 `seq` is the engine's Sequence (the SequenceView drafters read); per-sequence state is keyed by
-`seq.seq_id` when it has one, else by the object itself (drafters.sequence_key).
+`seq.seq_id` (drafters.sequence_key).
 
-The budget has two parts. `batch_budget(n_active)` shares `batch_draft_tokens` among the active
-sequences, because a full batch has no spare compute for tokens that will mostly be thrown away;
-and a `BudgetController` keeps one budget per sequence, grown when most of the drafted depth is
-accepted and shrunk when little is. `propose` applies the smaller of the two.
+`propose` is the one place the draft budget is decided: the smallest of the sequence's adaptive
+budget (a `BudgetController`, grown when most of the drafted depth is accepted and shrunk when
+little is), its share of `batch_draft_tokens` among the `n_active` sequences of the step (a full
+batch has no spare compute for tokens that will mostly be thrown away), and nothing at all when
+a `CostGate` finds drafting slower than plain for the sequence or for the step; the tree is
+also cut to `room` deep.
 """
 
 from __future__ import annotations
@@ -33,12 +31,11 @@ from typing import Any, Callable, Hashable, Optional
 import numpy as np
 
 from outrider.errors import ManifestError
-from outrider.generation.contract import DraftTree, DrafterContext
+from outrider.generation.contract import DraftLimits, DraftTree, DrafterContext, StepOutcome
 
 from .config import OptionError, SpeculativeConfig
 from .drafters import make_ngram_drafter, sequence_key
 from .tree import SpecTree, merge_trees, prune_tree
-from outrider.generation.verify import Verdict, verify
 
 log = logging.getLogger("outrider.speculative")
 
@@ -313,6 +310,7 @@ class SpeculativeStrategy:
         self.step_gate = CostGate() if self.config.cost_gate else None
         self._step_key: Optional[tuple] = None  # this step's key in step_gate, None when not judged
         self._step_drafts = True  # step_gate's verdict for this step
+        self._step: Optional[int] = None  # the engine's step number the above belong to
         self._seeded_drafts: dict[Hashable, bool] = {}  # seeded sampling sequences: draft or not, fixed
         self.factories: dict[str, Callable[..., Any]] = dict(BUILTIN_DRAFTERS)
         self.drafters: list[Any] = []
@@ -368,9 +366,16 @@ class SpeculativeStrategy:
         """A sequence was admitted: drafters may index its prompt now."""
         self._each_drafter("start", seq)
 
-    def extend(self, seq: Any, new_tokens: Any) -> None:
-        """Tokens were appended to `seq.token_ids`: drafters may update their state."""
-        self._each_drafter("extend", seq, new_tokens)
+    def observe(self, seq: Any, outcome: StepOutcome) -> None:
+        """What a step did to `seq` (its new tokens already appended): the gates and the adaptive
+        budget learn from a drafted step, every drafter hears of every step."""
+        if outcome.drafted > 0:
+            self.stats["steps"] += 1
+            self.stats["draft_tokens"] += outcome.drafted
+            self.stats["accepted_tokens"] += outcome.accepted
+        if outcome.phase == "decode":  # not the prefill, nor the grammar's forced tokens
+            self._learn(seq, outcome.drafted, outcome.accepted)
+        self._each_drafter("observe", seq, outcome)
 
     def finish(self, seq: Any) -> None:
         """A sequence ended or was cancelled: drop its budget and every drafter's state for it."""
@@ -398,22 +403,24 @@ class SpeculativeStrategy:
 
     # -- budget ---------------------------------------------------------------------------
 
-    def batch_budget(self, n_active: int) -> int:
-        """The most draft tokens one sequence may get when `n_active` sequences share a step. Called
-        once a step: with several streams it also asks the step gate whether this step drafts."""
-        budget = self.controller.batch_budget(n_active)
+    def _begin_step(self, limits: DraftLimits, share: int) -> None:
+        """The first proposal of an engine step: with several streams, close the last step's
+        timing and ask the step gate whether this one drafts."""
+        previous, self._step = self._step, limits.step
         self._step_drafts = True
         if self.step_gate is None:
-            return budget
+            return
         now = time.perf_counter()
         if self._step_key is not None:
-            self.step_gate.end(self._step_key, now)
+            if previous is not None and limits.step == previous + 1:
+                self.step_gate.end(self._step_key, now)
+            else:  # steps without proposals came between: not one step's time
+                self.step_gate.forget_step(self._step_key)
         self._step_key = None
-        if n_active >= 2 and budget > 0:
-            self._step_key = ("streams", n_active)
-            # A losing step still lets seeded sampling requests draft (propose), for reproducibility.
+        if limits.n_active >= 2 and share > 0:
+            self._step_key = ("streams", limits.n_active)
+            # A losing step still lets seeded sampling requests draft, for reproducibility.
             self._step_drafts = self.step_gate.begin(self._step_key, now)
-        return budget
 
     def budget(self, seq: Any, n_active: int = 1) -> int:
         """Draft nodes for this sequence this step: its adaptive budget, capped by the batch share."""
@@ -421,21 +428,19 @@ class SpeculativeStrategy:
 
     # -- one step ---------------------------------------------------------------------------
 
-    def limit_depth(self, tree: DraftTree, max_depth: int) -> DraftTree:
-        """Drop nodes deeper than `max_depth` (room left in the context or in max_tokens)."""
-        depths = tree.depths()
-        if not depths or max(depths) <= max_depth:
-            return tree
-        return prune_tree(tree, len(tree), max_depth)
-
-    def propose(self, seq: Any, budget: Optional[int] = None) -> SpecTree:
-        """Ask every drafter, merge, and cut to the budget, depth, threshold and fan-out caps."""
+    def propose(self, seq: Any, limits: DraftLimits) -> SpecTree:
+        """Decide this step's budget, ask every drafter, merge, and cut to the budget, `limits.room`
+        deep, the probability threshold and the fan-out cap."""
         if not self.attached:
             self.attach()
         key = sequence_key(seq)
-        own = self.controller.budget(key)
-        budget = own if budget is None else min(budget, own)
+        share = self.controller.batch_budget(limits.n_active)
+        if limits.step != self._step:
+            self._begin_step(limits, share)
+        budget = min(share, self.controller.budget(key))
         tree = SpecTree()
+        if budget <= 0 or limits.room <= 0:
+            return tree
         if _seeded(seq):
             # A seeded sampling request's output must not depend on timing: it follows the instance's
             # verdict as it stood when the request started, for its whole length.
@@ -459,26 +464,16 @@ class SpeculativeStrategy:
             if trees:
                 merged = trees[0] if len(trees) == 1 else merge_trees(*trees)
                 cfg = self.config
-                tree = prune_tree(merged, budget, cfg.max_depth, cfg.prob_threshold, cfg.max_children)
+                tree = prune_tree(merged, budget, min(cfg.max_depth, limits.room), cfg.prob_threshold,
+                                  cfg.max_children)
             if self.gate is not None and key is not None:
                 self.gate.spent(key, time.perf_counter() - started)
         if key is not None:
             self._depth[key] = max(tree.depths(), default=0)
         return tree
 
-    def verify(
-        self, tree: DraftTree, logits: np.ndarray, params: Any, generator: np.random.Generator,
-        adjust: Any = None,
-    ) -> Verdict:
-        """The lossless verdict on `tree` (verify.verify, rows adjusted by the request's rules), counted in `stats`."""
-        verdict = verify(tree, logits, params, generator, adjust)
-        self.stats["steps"] += 1
-        self.stats["draft_tokens"] += verdict.draft_tokens
-        self.stats["accepted_tokens"] += verdict.accepted_tokens
-        return verdict
-
-    def record(self, seq: Any, draft_tokens: int, accepted_tokens: int) -> None:
-        """Feed one step's outcome to the sequence's adaptive budget."""
+    def _learn(self, seq: Any, draft_tokens: int, accepted_tokens: int) -> None:
+        """Feed one decode step's outcome to the gates and the sequence's adaptive budget."""
         key = sequence_key(seq)
         if self._step_key is not None:
             self.step_gate.tokens(self._step_key, accepted_tokens + 1)

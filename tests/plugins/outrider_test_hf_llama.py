@@ -187,7 +187,7 @@ class HFLlamaBackend(GeneratingBackend):
 
 
 class ExplodingDrafter:
-    """Proposes nothing; raises in `start` or `extend` for a prompt holding "boom start" / "boom extend"."""
+    """Proposes nothing; raises in `start` or `observe` for a prompt holding "boom start" / "boom observe"."""
 
     name = "exploding"
 
@@ -199,14 +199,52 @@ class ExplodingDrafter:
         if "boom start" in self._prompt(seq):
             raise RuntimeError("drafter start exploded on purpose")
 
-    def extend(self, seq: Any, new_tokens: list[int]) -> None:
-        if "boom extend" in self._prompt(seq):
-            raise RuntimeError("drafter extend exploded on purpose")
+    def observe(self, seq: Any, outcome: Any) -> None:
+        if "boom observe" in self._prompt(seq):
+            raise RuntimeError("drafter observe exploded on purpose")
 
     def propose(self, seq: Any, budget: int) -> Any:
         from outrider.generation.contract import DraftTree
 
         return DraftTree()
+
+
+class PeriodDrafter:
+    """A drafter written against the core's contract alone (no core edit): when the sequence's tail
+    repeats with a period of 1-8 tokens, it proposes the next period as a chain. It learns from
+    `observe`: after `patience` steps in a row with nothing accepted it rests for as many steps."""
+
+    name = "period"
+
+    def __init__(self, patience: int = 3) -> None:
+        self.patience = patience
+        self.misses: dict[Any, int] = {}  # seq_id -> drafted steps in a row with nothing accepted
+        self.resting: dict[Any, int] = {}
+
+    def propose(self, seq: Any, budget: int) -> Any:
+        from outrider.generation.contract import DraftTree
+
+        if self.resting.get(seq.seq_id, 0) > 0:
+            self.resting[seq.seq_id] -= 1
+            return DraftTree()
+        ids = seq.token_ids
+        for period in range(1, 9):
+            if len(ids) >= 2 * period and ids[-period:] == ids[-2 * period:-period]:
+                tokens = [ids[-period + i % period] for i in range(budget)]
+                return DraftTree(tokens, list(range(-1, len(tokens) - 1)), [0.9 ** (i + 1) for i in range(len(tokens))])
+        return DraftTree()
+
+    def observe(self, seq: Any, outcome: Any) -> None:
+        if outcome.phase != "decode" or outcome.drafted == 0:
+            return
+        misses = 0 if outcome.accepted else self.misses.get(seq.seq_id, 0) + 1
+        self.misses[seq.seq_id] = misses
+        if misses >= self.patience:
+            self.misses[seq.seq_id], self.resting[seq.seq_id] = 0, self.patience
+
+    def finish(self, seq: Any) -> None:
+        self.misses.pop(seq.seq_id, None)
+        self.resting.pop(seq.seq_id, None)
 
 
 @hookimpl
@@ -217,5 +255,6 @@ def outrider_register_backends(register: Callable[[type], None]) -> None:
 
 @hookimpl
 def outrider_register_drafters(register: Callable[[str, Any], None]) -> None:
-    """Register the drafter `exploding`."""
+    """Register the drafters `exploding` and `period`."""
     register("exploding", lambda model, options, context: ExplodingDrafter())
+    register("period", lambda model, options, context: PeriodDrafter(int(options.get("patience", 3))))

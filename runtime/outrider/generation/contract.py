@@ -143,59 +143,101 @@ class DrafterContext:
         return path if path.is_absolute() or self.directory is None else Path(self.directory) / path
 
 
-class Drafter(Protocol):
-    """Proposes a draft tree for a sequence (registered via `outrider_register_drafters`).
+@dataclass
+class DraftLimits:
+    """What bounds one sequence's draft in one step (the engine's side of the budget).
 
-    Made once per engine by `factory(model, options, context)` (model: the target CausalLM; options:
-    the manifest's `speculative.<name>` mapping merged over the shared limits; context: DrafterContext).
-    A factory raises OptionError-like ValueError/TypeError for bad options (the strategy names the
-    field). Beside `propose`, a drafter may define `start(seq)`, `extend(seq, new_tokens)` and
-    `finish(seq)` (per-sequence state: admitted, grew, ended) and `warmup()`. Trees may carry
-    `SpecTree.sampled` groups (the q each sampled child was drawn from): the verifier then accepts
-    a draw with min(1, p/q), so drafts drawn from a good q are accepted far more often at T > 0.
+    The strategy decides how many nodes to draft (its adaptive budget, the share of a step that
+    `n_active` sequences split, whether drafting pays); the engine only says how deep a tree can
+    go: `room` more tokens fit in the context and in the request's max_tokens after the pending
+    one. `step` numbers the engine's steps (consecutive steps differ by one), so a strategy can
+    tell when a new step begins without a separate call.
+    """
+
+    room: int
+    n_active: int
+    step: int
+
+
+@dataclass
+class StepOutcome:
+    """What one step did to a sequence, handed to the strategy and its drafters to learn from.
+
+    `phase`: "prefill" (the prompt was fed, its first token sampled), "decode" (the pending token
+    and the strategy's draft were verified) or "forced" (the draft was what the grammar forces,
+    not the drafters': nothing to learn about them). `drafted` nodes were verified, `accepted` of
+    them kept; `new_tokens` were appended to `seq.token_ids` (empty when the step emitted EOS).
+    """
+
+    phase: str
+    drafted: int
+    accepted: int
+    new_tokens: list[int]
+
+
+class Drafter(Protocol):
+    """Proposes a draft tree for a sequence: drafts are data, the engine verifies them.
+
+    Registered by a plugin (`outrider_register_drafters(register)`: `register(name, factory)`)
+    and made once per engine by `factory(model, options, context)` (model: the target CausalLM;
+    options: the manifest's `speculative.<name>` mapping merged over the shared limits; context:
+    DrafterContext). A factory raises ValueError/TypeError for bad options (the manifest error
+    names the field), or the speculative plugin's OptionError to name a sub-field.
+
+    `propose(seq, budget)` returns at most `budget` nodes (more are cut by probability): a
+    DraftTree of deterministic candidates (one-hot proposals: n-gram lookups, a head's top-k), or
+    a SpecTree whose `sampled` groups say which q each sampled child was drawn from, so that the
+    accept rule takes a draw with min(1, p/q) and the output keeps the target's distribution. A
+    drafter never verifies, commits or counts: the engine does (verify.verify), and an exception
+    in `propose` costs that step's draft, never the request.
+
+    Optional hooks, each given the engine's Sequence as a SequenceView: `start(seq)` (admitted),
+    `observe(seq, outcome: StepOutcome)` (after every step of it, its new tokens appended),
+    `finish(seq)` (ended or cancelled: drop its state) and `warmup()` (before the model is
+    reported ready). An exception in `start` or `observe` fails that request alone.
     """
 
     name: str
 
-    def propose(self, state: "SequenceView", budget: int) -> DraftTree: ...
+    def propose(self, seq: "SequenceView", budget: int) -> DraftTree: ...
 
 
 class SequenceView(Protocol):
-    """What a drafter may read about a sequence."""
+    """What a drafter may read about a sequence (the engine's Sequence; read only)."""
 
+    seq_id: Any  # identifies the sequence while it lives (a key for per-sequence state)
     token_ids: list[int]  # prompt + generated so far, including the pending token (last)
     prompt_length: int
+    params: Any  # sampling.SamplingParams: temperature, top_k, top_p, seed, ...
+    generator: np.random.Generator  # the request's own random stream (seeded requests reproduce)
     last_hidden: Any  # [hidden] target's last-layer hidden state at the last committed position
 
 
 class DecodeStrategy(Protocol):
-    """What a generating engine asks each step (the `speculative` accelerator implements it).
+    """What a generating engine asks about drafts (the `speculative` accelerator implements it).
 
-        strategy = accelerator.for_instance(); strategy.attach(model, tokenizer)   # at load
+        strategy = accelerator.for_instance()                    # one per engine
+        strategy.bind_registry(registry)                         # core: the drafter factories
+        strategy.attach(model, tokenizer)                        # once the model is loaded
         strategy.start(seq)                                      # a sequence was admitted
         each step, for each decoding sequence:
-            tree = strategy.propose(seq, min(strategy.batch_budget(n_active), room))
-            tree = strategy.limit_depth(tree, room)
-            ... one forward over [pending, *tree.tokens] with tree.mask() ...
-            verdict = strategy.verify(tree, logits, seq.params, seq.generator, adjust)   # verify.verify
-            cache.commit(slot, verdict.keep()); strategy.record(seq, len(tree), verdict.accepted_tokens)
-            strategy.extend(seq, new_tokens)
+            tree = strategy.propose(seq, DraftLimits(room, n_active, step))
+            ... the engine: one forward over [pending, *tree.tokens] with tree.mask(),
+                verify.verify (the only accept rule), cache.commit, emit ...
+            strategy.observe(seq, StepOutcome(...))              # also after the prefill step
         strategy.finish(seq)                                     # ended or cancelled
 
-    Only `verify` decides what is kept, and it must be `verify.verify` (or exactly as lossless):
-    everything else (drafters, budgets, thresholds) is draft-side heuristics.
+    `propose` is the one place the draft budget is decided (nodes, depth within `room`, whether
+    drafting pays at all); the engine refuses a tree deeper than `room` (that request fails).
+    Everything here is draft-side: the output is the target's whatever the strategy proposes.
     """
 
     def for_instance(self) -> "DecodeStrategy": ...
+    def bind_registry(self, registry: Any) -> None: ...  # {name: factory} of every loaded plugin
     def attach(self, model: CausalLM, tokenizer: Any) -> None: ...
     def start(self, seq: SequenceView) -> None: ...
-    def batch_budget(self, n_active: int) -> int: ...
-    def propose(self, seq: SequenceView, budget: int) -> DraftTree: ...
-    def limit_depth(self, tree: DraftTree, max_depth: int) -> DraftTree: ...
-    def verify(self, tree: DraftTree, logits: np.ndarray, params: Any, generator: np.random.Generator,
-               adjust: Any = None) -> Any: ...  # adjust: verify.Adjust, the request's rules per row
-    def record(self, seq: SequenceView, draft_tokens: int, accepted_tokens: int) -> None: ...
-    def extend(self, seq: SequenceView, new_tokens: list[int]) -> None: ...
+    def propose(self, seq: SequenceView, limits: DraftLimits) -> DraftTree: ...
+    def observe(self, seq: SequenceView, outcome: StepOutcome) -> None: ...
     def finish(self, seq: SequenceView) -> None: ...
 
 

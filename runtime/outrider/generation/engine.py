@@ -15,6 +15,7 @@ resets their slots, and the engine keeps serving (waiting requests stay queued).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import deque
@@ -28,14 +29,16 @@ from outrider.serving.request import PendingRequest
 from outrider.serving.scheduler import InstanceHandle, Scheduler
 
 from .constraints import TokenRules, check_grammar_state, parse_logit_bias, token_logprobs
-from .contract import Chunk, DraftTree, children_of, sampled_groups
+from .contract import Chunk, DraftLimits, DraftTree, StepOutcome, children_of, sampled_groups
 from .prefix_cache import BLOCK_TOKENS, PrefixCache, block_keys
 from .sampling import SamplingParams, host_array, new_generator, parse_prompt, parse_sampling, sample_token
 from .text import IncrementalText
+from .verify import verify
 
 log = logging.getLogger("outrider.llm")
 
 MAX_FORCED_DRAFT = 16  # forced tokens drafted in one step
+_sequence_ids = itertools.count()
 
 
 class Sequence:
@@ -44,6 +47,7 @@ class Sequence:
     def __init__(self, request: Optional[PendingRequest], slot: int, prompt_ids: list[int],
                  params: SamplingParams, text: IncrementalText, speculate: bool) -> None:
         self.request = request
+        self.seq_id = next(_sequence_ids)  # unique in the process: drafters key their state by it
         self.slot = slot
         self.token_ids: list[int] = list(prompt_ids)  # prompt + generated (+ the pending token)
         self.prompt_length = len(prompt_ids)
@@ -246,14 +250,13 @@ class GenerationEngine:
         if not self.active:
             return
 
-        budget = self.strategy.batch_budget(len(self.active)) if self.strategy is not None else 0
         planned: list[tuple[Sequence, Chunk, Optional[DraftTree]]] = []
         prefilling: set[bytes] = set()  # first blocks of the prompts prefilled in this step
         for seq in list(self.active):
             if self._shares_a_prefill(seq, prefilling):
                 continue  # next step it finds that prompt's blocks in the prefix cache
             try:
-                planned.append((seq, *self._plan(seq, budget)))
+                planned.append((seq, *self._plan(seq)))
             except Exception as exc:  # drafting for this sequence: its own failure
                 self._abort(seq, exc, "preparing its step")
         if not planned:
@@ -291,7 +294,7 @@ class GenerationEngine:
             self.stats.add("decode_steps", 1)
             self.stats.add("decode_sequences", decoding)
 
-    def _plan(self, seq: Sequence, budget: int) -> tuple[Chunk, Optional[DraftTree]]:
+    def _plan(self, seq: Sequence) -> tuple[Chunk, Optional[DraftTree]]:
         """What `seq` feeds this step: its prompt (tree None), or its pending token plus a draft tree."""
         length = self.cache.length(seq.slot)
         if not seq.prefilled:
@@ -305,7 +308,7 @@ class GenerationEngine:
         remaining = seq.params.max_tokens - len(seq.generated)
         room = min(self.max_length - length - 1, remaining - 1)
         seq.forced_draft = False
-        if seq.speculate and budget > 0 and room > 0:
+        if seq.speculate and room > 0:
             forced = seq.rules.forced_tokens(min(room, MAX_FORCED_DRAFT)) if seq.rules is not None else []
             if forced:
                 # What the grammar forces next (a key, punctuation), drafted as a chain: the target
@@ -313,8 +316,10 @@ class GenerationEngine:
                 tree = DraftTree(list(forced), list(range(-1, len(forced) - 1)), [1.0] * len(forced))
                 seq.forced_draft = True
             else:
-                tree = self.strategy.propose(seq, min(budget, room))
-                tree = self.strategy.limit_depth(tree, room)
+                tree = self.strategy.propose(seq, DraftLimits(room, len(self.active), self.steps))
+                depth = max(tree.depths(), default=0)
+                if depth > room:  # positions past the context: a strategy bug, this request's alone
+                    raise ExecutionError(f"the decode strategy drafted {depth} tokens deep; room for {room}")
                 if seq.rules is not None and seq.rules.grammar is not None and len(tree):
                     tree = _grammatical(tree, seq.rules)
         tokens = np.array([seq.token_ids[-1], *tree.tokens], dtype=np.int64)
@@ -335,12 +340,10 @@ class GenerationEngine:
             row = logits[-1] if adjust is None else adjust(logits[-1], [])
             token = sample_token(row, seq.params, seq.generator)
             seq.first_token_seconds = time.monotonic() - seq.started
-            self._emit(seq, [token], rows)
+            self._emit(seq, [token], rows, "prefill")
             return
         if len(tree):
-            # adjust only when there is one: a strategy written before request rules keeps working without them
-            verdict = self.strategy.verify(tree, logits, seq.params, seq.generator,
-                                           **({"adjust": adjust} if adjust is not None else {}))
+            verdict = verify(tree, logits, seq.params, seq.generator, adjust)  # the one accept rule
             accepted, bonus = list(verdict.accepted), int(verdict.bonus)
         else:
             row = logits[0] if adjust is None else adjust(logits[0], [])
@@ -352,12 +355,12 @@ class GenerationEngine:
         seq.accepted_tokens += len(accepted)
         if len(tree) and self.stats is not None:
             self.stats.add("speculative_steps", 1)
-        if seq.speculate:
-            if not seq.forced_draft:  # the adaptive budget learns the drafter's confidence, not the grammar's
-                self.strategy.record(seq, len(tree), len(accepted))
-        self._emit(seq, [tree.tokens[i] for i in accepted] + [bonus], rows)
+        self._emit(seq, [tree.tokens[i] for i in accepted] + [bonus], rows,
+                   "forced" if seq.forced_draft else "decode", len(tree), len(accepted))
 
-    def _emit(self, seq: Sequence, tokens: list[int], rows: Optional[list[np.ndarray]] = None) -> None:
+    def _emit(self, seq: Sequence, tokens: list[int], rows: Optional[list[np.ndarray]] = None,
+              phase: str = "decode", drafted: int = 0, accepted: int = 0) -> None:
+        """Append `tokens` (up to EOS or max_tokens), tell the strategy what the step did, stream."""
         new: list[int] = []
         logprobs: list[dict] = []
         for index, token in enumerate(tokens):
@@ -379,8 +382,8 @@ class GenerationEngine:
             if seq.rules.finished and seq.finish_reason is None:
                 seq.finish_reason = "stop"  # the grammar allows only the end now: EOS with probability 1
         seq.logprobs.extend(logprobs)
-        if seq.speculate and new:
-            self.strategy.extend(seq, new)
+        if seq.speculate:  # before _finish below, which makes the strategy forget the sequence
+            self.strategy.observe(seq, StepOutcome(phase, drafted, accepted, new))
         delta = seq.text.update(seq.generated, final=seq.finish_reason is not None)
         if seq.text.stopped:
             seq.finish_reason = "stop"
