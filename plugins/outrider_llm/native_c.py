@@ -622,11 +622,13 @@ class LayerStack:
 
     def __call__(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, kv: Union[KvCaches, np.ndarray],
                  chunks: np.ndarray, visible: Optional[np.ndarray] = None,
-                 positions: Optional[np.ndarray] = None) -> None:
+                 positions: Optional[np.ndarray] = None, span: Optional[tuple[int, int]] = None) -> None:
         """Every layer on x float32 [rows, hidden] in place: cos and sin float32 [rows, D], or
         [rope tables, rows, D] where layers rotate by tables of their own; kv a `KvCaches` (build it
         once) or its [layers, 2, slots, KV, capacity, D] array; chunks and visible as `attend`'s, for
-        every layer; positions int64 [rows], each row's position (needed where a layer has a window)."""
+        every layer; positions int64 [rows], each row's position (needed where a layer has a window).
+        `span` (start, stop): only layers start..stop-1 (the residual stream between them is what an
+        EAGLE-3 head reads)."""
         lib = _lib()
         if not isinstance(kv, KvCaches):
             kv = KvCaches(kv, self.num_kv_heads)
@@ -646,9 +648,14 @@ class LayerStack:
         elif self.windowed and rows:
             raise ValueError("llama_layers: a layer with a sliding window needs the rows' positions")
         ch, count, vis, width = _chunk_args(chunks, visible, rows, "llama_layers")
+        start, stop = (0, len(self.layers)) if span is None else (int(span[0]), int(span[1]))
+        if not 0 <= start <= stop <= len(self.layers):
+            raise ValueError(f"llama_layers: layers {start}..{stop - 1} of {len(self.layers)}")
+        kv_table = ctypes.addressof(kv.table) + start * ctypes.sizeof(_Kv)
+        layer_table = ctypes.addressof(self.table) + start * ctypes.sizeof(_Layer)
         err = ctypes.create_string_buffer(_ERR_SIZE)
         _raise(lib.outrider_llama_layers(x.ctypes.data, rows, self.hidden, cos.ctypes.data, sin.ctypes.data,
-                                         self.rope_tables, pos, kv.table, self.table, len(self.layers), ch, count,
+                                         self.rope_tables, pos, kv_table, layer_table, stop - start, ch, count,
                                          vis, width, self.num_heads, self.num_kv_heads, self.head_dim, self.inter, self.eps, err, _ERR_SIZE),
                err)
 

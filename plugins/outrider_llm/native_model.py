@@ -286,8 +286,10 @@ class NativeLlama:
         self.embed_rows = embed
         self.vocab_size = embed.rows if head is embed.part else _rows_of(head, config)
         self.hidden_size = config.hidden_size
+        self.num_layers = config.num_layers
         self._fingerprint = fingerprint
         self._weight_bytes = weight_bytes
+        self.captured_layers: tuple[int, ...] = ()  # see capture_hidden
         self._rope_table(ROPE_ROWS_AT_START)
 
     # ---- loading ---------------------------------------------------------------------------
@@ -393,6 +395,35 @@ class NativeLlama:
             return RingSlotKVCache(cfg, num_slots, max_length, STEP_ROWS, dtype=self.kv_dtype)
         return NumpySlotKVCache(cfg, num_slots, max_length, dtype=self.kv_dtype)
 
+    def capture_hidden(self, layers: "tuple[int, ...] | list[int]") -> None:
+        """From now on every forward also returns `aux_hidden`, fp32 [rows, len(layers) x hidden]: the
+        residual stream entering each of `layers` (ascending, 0 .. num_layers - 1), side by side, as
+        EAGLE-3 heads read the target's low, middle and high features. The layer stack then runs in
+        pieces between them (one C call each), the same arithmetic as one call."""
+        layers = tuple(int(i) for i in layers)
+        if list(layers) != sorted(layers) or not all(0 <= i < self.config.num_layers for i in layers):
+            raise ValueError(f"capture_hidden: layers {list(layers)}: expected ascending layer numbers in "
+                             f"0..{self.config.num_layers - 1} (none: capture nothing)")
+        self.captured_layers = layers
+
+    def _run_layers(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, kv: native_c.KvCaches,
+                    chunks: np.ndarray, visible: Optional[np.ndarray], positions: Optional[np.ndarray],
+                    aux: Optional[np.ndarray], rows: Optional[np.ndarray] = None) -> None:
+        """The layer stack on x in place; with `aux`, the residual stream entering each captured layer
+        copied into its rows (`rows`: which of aux's rows x's rows are; all when None)."""
+        if aux is None:
+            self.layers(x, cos, sin, kv, chunks, visible, positions)
+            return
+        start, width = 0, self.hidden_size
+        for i, layer in enumerate(self.captured_layers):
+            self.layers(x, cos, sin, kv, chunks, visible, positions, span=(start, layer))
+            if rows is None:
+                aux[:, i * width:(i + 1) * width] = x
+            else:
+                aux[rows, i * width:(i + 1) * width] = x
+            start = layer
+        self.layers(x, cos, sin, kv, chunks, visible, positions, span=(start, len(self.layers)))
+
     def load_draft_model(self, path: "str | Path") -> tuple["NativeLlama", Any]:
         """(model, tokenizer) of another GGUF on this runtime, for the draft-model drafter: its tiles
         packed from the mapped file into the artifact cache once (as the target's), its KV cache of
@@ -491,17 +522,19 @@ class NativeLlama:
         sin = np.ascontiguousarray(self._sin_signed[..., positions, :])
         x = np.ascontiguousarray(self.embed(tokens))
         kv = self._kv_table(cache)
+        aux = np.empty((total, len(self.captured_layers) * self.hidden_size), np.float32) \
+            if self.captured_layers else None
         if isinstance(cache, RingSlotKVCache) and max(t[2] for t in table) > cache.step_rows:
             # A ring holds a window and one step's rows: a longer prefill goes in passes of at most
             # step_rows rows a chunk, each row computed as in one pass (rows never depend on each other).
-            self._in_passes(x, cos, sin, kv, table, positions, cache.step_rows)
+            self._in_passes(x, cos, sin, kv, table, positions, cache.step_rows, aux)
         else:
-            self.layers(x, cos, sin, kv, chunk_table, visible, positions if self.layers.windowed else None)
+            self._run_layers(x, cos, sin, kv, chunk_table, visible, positions if self.layers.windowed else None, aux)
         hidden = native_c.rms_norm(x, self.final_norm, self.config.rms_norm_eps)
         for slot, _, n, *_ in table:
             cache._fed[slot] = n
         rows = hidden if logit_rows is None else np.ascontiguousarray(hidden[np.asarray(logit_rows, dtype=np.int64)])
-        return ForwardOutput(logits=self.lm_head(rows), hidden=hidden)
+        return ForwardOutput(logits=self.lm_head(rows), hidden=hidden, aux_hidden=aux)
 
 
     def _kv_table(self, cache: NumpySlotKVCache) -> native_c.KvCaches:
@@ -517,7 +550,7 @@ class NativeLlama:
         return kv
 
     def _in_passes(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, kv: native_c.KvCaches, table: list,
-                   positions: np.ndarray, rows: int) -> None:
+                   positions: np.ndarray, rows: int, aux: Optional[np.ndarray] = None) -> None:
         """The layer stack over causal chunks (`table` as forward builds it) in passes of at most
         `rows` rows a chunk: pass k takes each chunk's k-th piece, its earlier pieces already in the
         cache as if committed (the chunk's length grows by the rows before)."""
@@ -541,8 +574,9 @@ class NativeLlama:
                     visible[start:start + take, :take] = np.tril(np.ones((take, take), bool)) if mask is None else mask
             pick = np.concatenate(picks)
             part = np.ascontiguousarray(x[pick])
-            self.layers(part, np.ascontiguousarray(cos[..., pick, :]), np.ascontiguousarray(sin[..., pick, :]), kv,
-                        np.array(entries, dtype=np.int64), visible, np.ascontiguousarray(positions[pick]))
+            self._run_layers(part, np.ascontiguousarray(cos[..., pick, :]), np.ascontiguousarray(sin[..., pick, :]),
+                             kv, np.array(entries, dtype=np.int64), visible, np.ascontiguousarray(positions[pick]),
+                             aux, pick)
             x[pick] = part
 
 

@@ -6,16 +6,15 @@ tree) and the drafter "eagle" (a small trained draft head over the target's hidd
 weights ship in `weights/`). The generation engine drives the loop; this plugin only proposes
 and verifies:
 
-- `strategy.py`  SpeculativeStrategy (budget, propose, verify, release) and BudgetController
+- `strategy.py`  SpeculativeStrategy (start, propose, observe, finish: the budget and the cost gates)
 - `config.py`    the `speculative` section's knobs, validated (no torch import)
 - `drafters.py`  NgramDrafter and its incremental per-sequence index
 - `draft_model.py` DraftModelDrafter: a small model of the same vocabulary, its own KV cache
 - `eagle.py`     DraftHead, its weights file (tied to the target by fingerprint), EagleDrafter
+- `eagle3.py`    Eagle3Drafter: EAGLE-3 heads as published (SafeAILab/EAGLE, SpecForge safetensors)
 - `draft_head.py` the head file, the fingerprint check and the tree growth both head drafters
                  share, and HostEagleDrafter (numpy, for a target without torch)
 - `tree.py`      SpecTree (sampled candidates), prune_tree, merge_trees, build_dynamic_tree
-- `verify.py`    Verdict and the accept rule (greedy; multi-candidate speculative sampling), on
-                 the target distribution plain decoding defines (outrider.generation.sampling)
 - `training.py`  the draft head's trainer (collection, training, export; tools/train_draft.py
                  is its command line); imported by nothing here, it needs torch
 
@@ -98,6 +97,13 @@ def make_eagle_drafter(model: Any, options: Optional[Mapping[str, Any]] = None, 
     return make(model, options)
 
 
+def make_eagle3_drafter(model: Any, options: Optional[Mapping[str, Any]] = None, context: Any = None):
+    """Drafter factory: a published EAGLE-3 head over the target's captured layers (eagle3.py)."""
+    from .eagle3 import make_eagle3_drafter as make
+
+    return make(model, options, context)
+
+
 @hookimpl
 def outrider_register_accelerators(register: Callable[..., None]) -> None:
     """Register speculative decoding: the decode strategy of the section `speculative`, for generating backends."""
@@ -110,8 +116,10 @@ def outrider_register_accelerators(register: Callable[..., None]) -> None:
 
 @hookimpl
 def outrider_register_drafters(register: Callable[[str, Any], None]) -> None:
-    """Register the n-gram (prompt lookup) drafter as "ngram", the trained draft head as "eagle" and
-    a draft model (a small GGUF of the target's vocabulary) as "model"."""
+    """Register the n-gram (prompt lookup) drafter as "ngram", the trained draft head as "eagle", a
+    draft model (a small GGUF of the target's vocabulary) as "model" and published EAGLE-3 heads as
+    "eagle3"."""
     register("ngram", make_ngram_drafter)
     register("eagle", make_eagle_drafter)
     register("model", make_draft_model_drafter)
+    register("eagle3", make_eagle3_drafter)

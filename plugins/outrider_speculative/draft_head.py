@@ -139,6 +139,11 @@ class HeadDrafter:
         hidden = getattr(view, "last_hidden", None)
         if budget <= 0 or hidden is None or not view.token_ids:
             return SpecTree()
+        with self._lock:
+            return self._grow(view, budget, self._root(hidden))
+
+    def _grow(self, view: Any, budget: int, root_state: Any) -> SpecTree:
+        """The tree from `root_state` (the root's state for `_run`), the drafter's lock held."""
         k = self.max_children
         params = getattr(view, "params", None)
         temperature, top_k, top_p = sampling_knobs(params if params is not None else {})
@@ -157,9 +162,8 @@ class HeadDrafter:
             probs, ids = self._top(logits, k)
             return [[(t, p, features[i]) for t, p in zip(ids[i], probs[i])] for i in range(len(nodes))]
 
-        with self._lock:
-            return build_dynamic_tree(expand_fn, budget, self.max_depth, self.prob_threshold, k,
-                                      root_state=self._root(hidden), batched=True, frontier=self.frontier)
+        return build_dynamic_tree(expand_fn, budget, self.max_depth, self.prob_threshold, k,
+                                  root_state=root_state, batched=True, frontier=self.frontier)
 
 
 # ---- on numpy -------------------------------------------------------------------------------------

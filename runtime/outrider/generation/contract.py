@@ -45,6 +45,9 @@ class Chunk:
 class ForwardOutput:
     logits: Any  # float32 [total_tokens, vocab], chunks concatenated in order (numpy or torch)
     hidden: Any  # float32 [total_tokens, hidden_size], last layer after the final norm
+    # float32 [total_tokens, k x hidden_size] once `capture_hidden(layers)` was called: the residual
+    # stream entering each of those k layers (what an EAGLE-3 head reads); None otherwise.
+    aux_hidden: Any = None
 
 
 class KVCache(Protocol):
@@ -91,6 +94,10 @@ class CausalLM(Protocol):
     # runtime, same artifact cache, same KV cache type) with its tokenizer. A model without it
     # cannot be drafted for by a draft model (the drafter's factory says so).
     # def load_draft_model(self, path: str) -> tuple["CausalLM", Any]: ...
+    # Optional, for EAGLE-3 heads: make every later forward return `aux_hidden` for these layers
+    # (ascending, 0 .. num_layers - 1); `num_layers` says how many it has. A model without it cannot
+    # serve such a head (the drafter's factory says so).
+    # def capture_hidden(self, layers: tuple[int, ...]) -> None: ...
 
 
 @dataclass
@@ -211,6 +218,9 @@ class SequenceView(Protocol):
     params: Any  # sampling.SamplingParams: temperature, top_k, top_p, seed, ...
     generator: np.random.Generator  # the request's own random stream (seeded requests reproduce)
     last_hidden: Any  # [hidden] target's last-layer hidden state at the last committed position
+    # [k, layers x hidden] the model's captured layers (CausalLM.capture_hidden) at the k positions
+    # the last step committed, which end at the last committed one; None when nothing is captured.
+    new_features: Any
 
 
 class DecodeStrategy(Protocol):

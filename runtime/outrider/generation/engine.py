@@ -60,6 +60,9 @@ class Sequence:
         self.prefilled = False
         self.released = False
         self.last_hidden: Any = None  # the model's hidden-state row (numpy or torch), for draft heads
+        # ForwardOutput.aux_hidden rows of the tokens the last step committed (the last ones of
+        # token_ids[:-1]), when the model captures layers for an EAGLE-3 head; else None.
+        self.new_features: Any = None
         self.finish_reason: Optional[str] = None
         self.started = time.monotonic()
         self.first_token_seconds: Optional[float] = None
@@ -283,6 +286,8 @@ class GenerationEngine:
             n = len(chunk.tokens)
             width = 1 if tree is None else n
             hidden = out.hidden[offset:offset + n]
+            aux = getattr(out, "aux_hidden", None)
+            seq.new_features = None if aux is None else aux[offset:offset + n]
             logits = logits_all[row:row + width]
             offset += n
             row += width
@@ -351,6 +356,8 @@ class GenerationEngine:
         keep = [0] + [i + 1 for i in accepted]
         self.cache.commit(seq.slot, keep)
         seq.last_hidden = hidden[keep[-1]]
+        if seq.new_features is not None:
+            seq.new_features = seq.new_features[keep]
         seq.draft_tokens += len(tree)
         seq.accepted_tokens += len(accepted)
         if len(tree) and self.stats is not None:
