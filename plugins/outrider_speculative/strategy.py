@@ -127,8 +127,9 @@ class CostGate:
     gain). When a sequence's drafting rate falls below its plain rate (less `tolerance`, so noise
     does not stop a drafter that is level) it decodes plain, then drafts
     `probe_steps` steps to measure again. The wait is long enough that the probes cost at most
-    `overhead` of the plain steps around them (a drafting step that costs 9x a plain one waits
-    about probe_steps x 8 / overhead steps), and at least `backoff` steps (doubled by each lost
+    `overhead` of the plain steps around them, counted as the tokens a probe step loses against
+    plain (a drafter whose steps cost 9x a plain one and never gain waits about probe_steps x 8 /
+    overhead steps; one that is nearly level probes again soon), and at least `backoff` steps (doubled by each lost
     probe up to `max_backoff`: by default not, since the cost bound already holds, and a cheap
     drafter such as the n-gram index, whose gains come in bursts, must not miss the next burst).
     Several sequences share a step: the time other sequences spent in their drafters during a
@@ -200,11 +201,16 @@ class CostGate:
         return state
 
     def _wait(self, state: dict) -> int:
-        """Plain steps before the next probe: probes cost at most `overhead`, and at least the backoff."""
+        """Plain steps before the next probe: probes cost at most `overhead`, and at least the backoff.
+
+        A probe step of `draft_s` seconds yields draft x draft_s tokens where plain steps would have
+        yielded plain x draft_s: it loses (1 - draft / plain) x draft_s / plain_s plain steps' worth.
+        A drafter that never helps (one token a step) loses draft_s / plain_s - 1 of them, a drafter
+        nearly level with plain almost nothing, so it probes again soon: its gains may be near."""
         wait = state["backoff"]
-        if state["draft_s"] and state["plain_s"]:
-            extra = max(0.0, state["draft_s"] / state["plain_s"] - 1.0)
-            wait = max(wait, int(self.probe_steps * extra / self.overhead))
+        if state["draft_s"] and state["plain_s"] and state["draft"] and state["plain"]:
+            loss = max(0.0, 1.0 - state["draft"] / state["plain"]) * state["draft_s"] / state["plain_s"]
+            wait = max(wait, int(self.probe_steps * loss / self.overhead))
         return min(wait, self.max_wait)
 
     def _decide(self, state: dict) -> bool:
