@@ -851,3 +851,34 @@ def test_importing_the_plugin_imports_no_torch():
     code = "import sys, outrider_speculative; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
+
+
+def test_seeded_sampling_requests_follow_the_sampling_gates_verdict_not_the_greedy_ones():
+    """A seeded request at T > 0 must not depend on timing: it drafts for its whole length only where
+    the instance's *sampling* gate found drafting paying when it started. The greedy gate's verdict
+    says nothing about T > 0 (fewer drafts are accepted there)."""
+    config = SpeculativeConfig.from_section({"drafters": ["ngram"], "prob_threshold": 0.0})
+    strategy = SpeculativeStrategy(config)
+    strategy.attach()
+    repeating = [1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2]
+
+    def seq(temperature: float, seed):
+        view = Seq(repeating)
+        view.params = SamplingParams(temperature=temperature, seed=seed)
+        return view
+
+    def drafts(view) -> int:
+        return sum(len(strategy.propose(view, DraftLimits(8, 1, step))) for step in range(6))
+
+    paying = {"known": True, "losing": False}
+    strategy.gates["greedy"].shared.update(paying)
+    seeded = seq(1.0, 7)
+    assert drafts(seeded) == 0  # the sampling gate knows nothing yet: plain, whatever the greedy one says
+    strategy.gates["sampling"].shared.update(paying)
+    assert drafts(seeded) == 0  # decided at its start, for its whole length
+    later = seq(1.0, 8)
+    assert drafts(later) > 0
+    strategy.gates["sampling"].shared.update(losing=True)
+    assert drafts(later) > 0 and drafts(seq(1.0, 9)) == 0
+    assert strategy._gate(seq(0.0, None)) is strategy.gates["greedy"]
+    assert strategy._gate(seq(0.7, None)) is strategy.gates["sampling"]

@@ -32,6 +32,7 @@ import numpy as np
 
 from outrider.errors import ManifestError
 from outrider.generation.contract import DraftLimits, DraftTree, DrafterContext, StepOutcome
+from outrider.generation.sampling import is_greedy
 
 from .config import OptionError, SpeculativeConfig
 from .drafters import make_ngram_drafter, sequence_key
@@ -110,7 +111,7 @@ def _seeded(seq: Any) -> bool:
     it once, at its start (at T = 0 the output never depends on the drafts)."""
     params = getattr(seq, "params", None)
     seed = getattr(params, "seed", None)
-    return seed is not None and float(getattr(params, "temperature", 0.0) or 0.0) > 0.0
+    return seed is not None and not is_greedy(float(getattr(params, "temperature", 0.0) or 0.0))
 
 
 class CostGate:
@@ -141,13 +142,14 @@ class CostGate:
 
     def __init__(self, plain_every: int = 32, probe_steps: int = 3, backoff: int = 8, max_backoff: int = 8,
                  max_wait: int = 4096, overhead: float = 0.015, alpha: float = 0.15, first_steps: int = 4,
-                 tolerance: float = 0.03) -> None:
+                 tolerance: float = 0.03, clock: Optional[list] = None) -> None:
         self.plain_every = plain_every
         self.probe_steps = probe_steps
         self.first_backoff = backoff
         self.max_backoff = max_backoff
         self.max_wait = max_wait
-        self.clock = 0.0  # seconds every sequence spent in its drafters so far
+        # [seconds every sequence spent in its drafters so far], shared by the gates of one strategy
+        self._clock = clock if clock is not None else [0.0]
         self.overhead = overhead
         self.alpha = alpha
         self.first_steps = first_steps
@@ -172,9 +174,9 @@ class CostGate:
         if last is not None:
             # Other sequences' drafting in the same steps is theirs, not this step's cost: a plain step
             # beside a drafting one would otherwise look slow, and that drafting look cheap.
-            self._learn(state, (now - last[0]) - (self.clock - last[3] - last[4]))
+            self._learn(state, (now - last[0]) - (self._clock[0] - last[3] - last[4]))
         drafting = self._decide(state)
-        state["last"] = [now, drafting, 0, self.clock, 0.0]  # began, drafting, tokens, clock, own drafting
+        state["last"] = [now, drafting, 0, self._clock[0], 0.0]  # began, drafting, tokens, clock, own drafting
         if not drafting:
             state["since_plain"] = 0  # a plain step of any cause refreshes the plain rate
             self.shared["plain_since_probe"] += 1
@@ -280,7 +282,7 @@ class CostGate:
 
     def spent(self, key: Hashable, seconds: float) -> None:
         """The sequence's drafters took `seconds` in the step that began at its last `begin`."""
-        self.clock += seconds
+        self._clock[0] += seconds
         state = self._state.get(key)
         if state is not None and state["last"] is not None:
             state["last"][4] += seconds
@@ -310,7 +312,10 @@ class SpeculativeStrategy:
             self.config.max_draft_tokens, self.config.min_draft_tokens,
             self.config.batch_draft_tokens, self.config.adaptive,
         )
-        self.gate = CostGate() if self.config.cost_gate else None
+        # Greedy and sampling sequences gain differently from the same drafts (at T > 0 fewer are
+        # accepted): each kind has its own gate, and its own instance verdict.
+        clock = [0.0]
+        self.gates = {kind: CostGate(clock=clock) for kind in ("greedy", "sampling")} if self.config.cost_gate else None
         # Several streams share a step, and one sequence's draft rows make the step slower for all:
         # whether drafting pays is then judged on the whole step's tokens per second, per stream count.
         self.step_gate = CostGate() if self.config.cost_gate else None
@@ -389,8 +394,9 @@ class SpeculativeStrategy:
         if key is not None:
             self.controller.release(key)
             self._depth.pop(key, None)
-            if self.gate is not None:
-                self.gate.release(key)
+            if self.gates is not None:
+                for gate in self.gates.values():
+                    gate.release(key)
             self._seeded_drafts.pop(key, None)
         self._each_drafter("finish", seq)
 
@@ -402,10 +408,18 @@ class SpeculativeStrategy:
             if hook is not None:
                 hook(*args)
 
+    def _gate(self, seq: Any) -> Optional[CostGate]:
+        """The cost gate of `seq`'s kind (greedy or sampling), None when the gate is off."""
+        if self.gates is None:
+            return None
+        params = getattr(seq, "params", None)
+        return self.gates["greedy" if is_greedy(float(getattr(params, "temperature", 0.0) or 0.0)) else "sampling"]
+
     def _instance_drafts(self) -> bool:
-        """Whether the instance's gate has found drafting paying (greedy and unseeded requests teach
-        it); until it has, seeded sampling requests decode plain, which is never slower."""
-        return self.gate is None or (self.gate.shared["known"] and not self.gate.shared["losing"])
+        """Whether the instance's sampling gate has found drafting paying (unseeded sampling requests
+        teach it); until it has, seeded sampling requests decode plain, which is never slower."""
+        gate = self.gates["sampling"] if self.gates is not None else None
+        return gate is None or (gate.shared["known"] and not gate.shared["losing"])
 
     # -- budget ---------------------------------------------------------------------------
 
@@ -440,6 +454,7 @@ class SpeculativeStrategy:
         if not self.attached:
             self.attach()
         key = sequence_key(seq)
+        gate = self._gate(seq)
         share = self.controller.batch_budget(limits.n_active)
         if limits.step != self._step:
             self._begin_step(limits, share)
@@ -453,8 +468,8 @@ class SpeculativeStrategy:
             if key is not None and not self._seeded_drafts.setdefault(key, self._instance_drafts()):
                 budget = 0
                 self.stats["gated_steps"] += 1
-        elif not self._step_drafts or (self.gate is not None and key is not None
-                                       and not self.gate.begin(key, time.perf_counter())):
+        elif not self._step_drafts or (gate is not None and key is not None
+                                       and not gate.begin(key, time.perf_counter())):
             budget = 0  # drafting does not pay on this step or sequence now
             self.stats["gated_steps"] += 1
         if budget > 0:
@@ -472,8 +487,8 @@ class SpeculativeStrategy:
                 cfg = self.config
                 tree = prune_tree(merged, budget, min(cfg.max_depth, limits.room), cfg.prob_threshold,
                                   cfg.max_children)
-            if self.gate is not None and key is not None:
-                self.gate.spent(key, time.perf_counter() - started)
+            if gate is not None and key is not None:
+                gate.spent(key, time.perf_counter() - started)
         if key is not None:
             self._depth[key] = max(tree.depths(), default=0)
         return tree
@@ -483,11 +498,12 @@ class SpeculativeStrategy:
         key = sequence_key(seq)
         if self._step_key is not None:
             self.step_gate.tokens(self._step_key, accepted_tokens + 1)
-        if key is not None and self.gate is not None:
+        gate = self._gate(seq)
+        if key is not None and gate is not None:
             if self._step_key is not None and not self._step_drafts:
-                self.gate.forget_step(key)  # not this sequence's choice: a plain step of the whole batch
+                gate.forget_step(key)  # not this sequence's choice: a plain step of the whole batch
             else:
-                self.gate.tokens(key, accepted_tokens + 1)
+                gate.tokens(key, accepted_tokens + 1)
         if key is None or draft_tokens <= 0:
             return
         depth = self._depth.get(key) or draft_tokens
