@@ -207,7 +207,8 @@ def test_what_is_not_served_is_refused_saying_why(tmp_path):
     """A Gemma 3 with a float matrix (the native runtime serves it from block types alone), and the
     conversion for the torch model asked for it, each fail once with the reason."""
     from outrider.artifacts import ArtifactCache
-    from outrider_llm.artifact import GGUFError, load_native_artifact
+    from outrider_llm.artifact import GGUFError
+    from outrider_llm.conversion import load_native_artifact
     from outrider_llm.gguf_tiles import load_gguf_tiles
 
     _native_c()

@@ -33,6 +33,7 @@ from outrider_llm.cuda_graphs import (  # noqa: E402
     plan_step,
     slot_bucket,
     span_bucket,
+    use_cuda_graphs,
     width_bucket,
 )
 from outrider_llm.kv_cache import SlotKVCache  # noqa: E402
@@ -126,7 +127,7 @@ def test_padded_forward_equals_the_eager_forward_on_cpu():
     model = tiny_model(vocab=32)
     eager = _steps(model, SlotKVCache(model.config, 4, 40, torch.float32, "cpu", static=True))
     cache = SlotKVCache(model.config, 4, 40, torch.float32, "cpu", static=True)
-    runner = model.use_cuda_graphs(cache, capture=False)
+    runner = use_cuda_graphs(model, cache, capture=False)
     try:
         padded = _steps(model, cache)
     finally:
@@ -146,7 +147,7 @@ def test_engine_tokens_through_the_padded_forward_equal_eager_on_cpu():
         engine = _engine(model, tokenizer, speculative=speculative, cost_gate=False)  # drafts counted below
         engine.cache = SlotKVCache(model.config, engine.max_sequences, engine.max_length, torch.float32, "cpu",
                                    static=True)
-        runner = model.use_cuda_graphs(engine.cache, capture=False)
+        runner = use_cuda_graphs(model, engine.cache, capture=False)
         padded = _run(engine, params)
         for i in range(len(PROMPTS)):
             assert padded.final[i]["token_ids"] == plain.final[i]["token_ids"], (speculative, PROMPTS[i])
@@ -255,7 +256,7 @@ def _cuda_engine(model, tokenizer, speculative: bool, graphs: bool, **spec):
     engine = _engine(model, tokenizer, speculative=speculative, **{"cost_gate": False, **spec})  # drafts counted
     model.graph_runner = None
     if graphs:
-        model.use_cuda_graphs(engine.cache)
+        use_cuda_graphs(model, engine.cache)
     return engine
 
 

@@ -79,12 +79,13 @@ def test_the_check_names_file_and_line() -> None:
     assert found == [(1, "os"), (5, "outrider_torch"), (6, "outrider_http")]
 
 
-def core_import_graph() -> dict[str, set[str]]:
-    """{core module: the core modules it imports} over runtime/outrider, lazy imports included; an
-    import of a package counts as one of its `__init__`, and a module's own packages are not edges."""
+def import_graph(root: Path, top: Path) -> dict[str, set[str]]:
+    """{module: the modules it imports} over the .py files under `root`, named as imported from `top`
+    (runtime/ for the core, plugins/ for the plugins, tools/ for the tools), lazy imports included;
+    an import of a package counts as one of its `__init__`, and a module's own packages are not edges."""
     modules: dict[str, Path] = {}
-    for path in (RUNTIME / "outrider").rglob("*.py"):
-        parts = list(path.relative_to(RUNTIME).with_suffix("").parts)
+    for path in root.rglob("*.py"):
+        parts = list(path.relative_to(top).with_suffix("").parts)
         modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
 
     def known(name: str) -> str | None:
@@ -113,6 +114,11 @@ def core_import_graph() -> dict[str, set[str]]:
                     edges.add(found)
         graph[name] = edges
     return graph
+
+
+def core_import_graph() -> dict[str, set[str]]:
+    """The core's import graph (runtime/outrider)."""
+    return import_graph(RUNTIME / "outrider", RUNTIME)
 
 
 def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -164,3 +170,21 @@ def test_the_echo_template_builds_as_a_plugin_of_its_own(tmp_path) -> None:
         entry_points = archive.read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
     assert "outrider_echo/__init__.py" in names
     assert "[outrider]" in entry_points and "echo = outrider_echo" in entry_points
+
+
+def _cycles_text(cycles: list[list[str]]) -> str:
+    return "\n".join(" -> ".join(cycle) for cycle in cycles)
+
+
+def test_no_plugin_has_an_import_cycle() -> None:
+    graph = import_graph(PLUGINS, PLUGINS)
+    assert {"outrider_llm.native_model", "outrider_http.kserve", "outrider_speculative.strategy"} <= set(graph)
+    cycles = import_cycles(graph)
+    assert not cycles, "import cycles in plugins/ (lazy imports count):\n" + _cycles_text(cycles)
+
+
+def test_the_tools_have_no_import_cycle() -> None:
+    graph = import_graph(ROOT / "tools", ROOT / "tools")
+    assert {"bench", "bench_sizes", "bench_draft_model"} <= set(graph)
+    cycles = import_cycles(graph)
+    assert not cycles, "import cycles in tools/ (lazy imports count):\n" + _cycles_text(cycles)

@@ -29,6 +29,11 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import offline_backend as _offline_backend  # noqa: E402
+from bench_common import start_server as _start_server  # noqa: E402
+from bench_common import wait_ready as _wait_ready  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 RAW_ECHO = r"""
 import sys, zmq
@@ -72,26 +77,6 @@ class _RawEcho:
         self.sock.close(0)
         self.proc.kill()
         self.proc.wait()
-
-
-def _start_server(manifests: list[str], address: str, env_extra: dict | None = None,
-                  args: list[str] | None = None) -> subprocess.Popen:
-    env = dict(os.environ, **(env_extra or {}))
-    return subprocess.Popen(
-        [sys.executable, "-m", "outrider.cli", "serve", *manifests, "--bind", address, *(args or [])],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, cwd=ROOT,
-    )
-
-
-def _wait_ready(address: str, timeout: float = 120.0) -> float:
-    from outrider import Client, OutriderError
-
-    with Client(address, timeout=0.5) as client:
-        try:
-            client.wait_ready(timeout, interval=0.005)
-        except OutriderError as exc:
-            raise RuntimeError(exc.message) from None
-    return time.monotonic()
 
 
 def _wait_http_ready(http: str, timeout: float = 120.0) -> float:
@@ -360,20 +345,6 @@ def _batch_sizes(client_class, address: str) -> tuple[int, float]:
 def _mean_batch(before: tuple[int, float], after: tuple[int, float]) -> float:
     batches = after[0] - before[0]
     return (after[1] - before[1]) / batches if batches else 0.0
-
-
-def _offline_backend(manifest_path: str, sets: list[str]):
-    """The minilm ORT backend in this process: no server, no queue, no sockets."""
-    from outrider.manifest import load_manifest
-    from outrider.plugins import create_registry
-
-    registry = create_registry(modules=["outrider_text", "outrider_onnxruntime"], load_entry_points=False)
-    manifest = load_manifest(manifest_path, sets)
-    choice = registry.choose_backend(manifest)
-    backend = choice.backend(manifest, choice.device, registry.make_task(manifest))
-    backend.load()
-    backend.warmup()
-    return manifest, backend
 
 
 def _offline_rows(backend, sizes: list[int], seconds: float) -> list[dict]:

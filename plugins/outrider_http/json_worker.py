@@ -104,7 +104,7 @@ def main() -> None:
     """The worker: parse, then pack or drop, one request at a time, until stdin closes."""
     from outrider.protocol import Limits
 
-    from .kserve import parse_document, pack_inputs
+    from .infer_request import pack_inputs, parse_document
 
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
 

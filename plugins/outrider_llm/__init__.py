@@ -111,7 +111,7 @@ class LlmBackend(GeneratingBackend):
         """The GGUF, converted once into the artifact cache: in its own block types (a quantized
         file served as it is), or as float weights (`weights: float`, and what `quantize:` starts
         from). Also sets the process's compute threads, before any transform computes."""
-        from .artifact import load_native_artifact, load_weights_artifact
+        from .conversion import load_native_artifact, load_weights_artifact
 
         options = self.options
         on_cuda = self.device.startswith("cuda")
@@ -281,12 +281,15 @@ class LlmBackend(GeneratingBackend):
         if self.engine.strategy is not None:
             self.engine.strategy.attach(self.model, self.tokenizer)
         if on_cuda and options.cuda_graphs:
-            self.model.use_cuda_graphs(self.engine.cache)
+            from .cuda_graphs import use_cuda_graphs
+
+            use_cuda_graphs(self.model, self.engine.cache)
 
     def _native_model(self, options: LlmOptions) -> tuple[Any, Any]:
         """(NativeLlama, tokenizer), or (None, None) where it does not cover the artifact under
         `runtime: auto` (the torch model serves then, and the log says why)."""
-        from .native_model import TILES_INDEX, load_tiles
+        from .artifact import TILES_INDEX
+        from .native_model import load_tiles
 
         try:
             return load_tiles(self.artifact)

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from outrider.artifacts import Artifact, ArtifactCache
+from outrider.artifacts import Artifact
 from outrider.errors import ArtifactError
 
 
@@ -35,6 +35,7 @@ NATIVE_KIND = "llama-gguf-blocks"  # the same layout, quantized matrices in the 
 # Part of that artifact's key: bumped when the block conversion changes (2: fp32 K-type scale tables; 3: config.sliding_window).
 BLOCKS_FORMAT = 3
 WEIGHTS_FILE, TOKENIZER_FILE, META_FILE = "weights.safetensors", "tokenizer.json", "meta.json"
+TILES_FILE, TILES_INDEX = "tiles.bin", "tiles.json"  # a packed model (native_model.py, gguf_tiles.py)
 RAW_Q4_1 = ".q4_1."
 # Tokens that end a turn or a document in the chat models we ship; added to the GGUF's own EOS.
 STOP_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
@@ -133,42 +134,6 @@ def smollm2_gguf_path() -> Path:
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing from the {SMOLLM2_PACKAGE!r} package")
     return path
-
-
-def load_weights_artifact(gguf_path: "str | Path", cache: Optional[ArtifactCache] = None,
-                          in_child: bool = False) -> Artifact:
-    """The GGUF converted to a "llama-weights" artifact (see the module docstring), built once;
-    with `in_child`, built by a child process (conversion.py: what a server does)."""
-    return _converted("float", gguf_path, cache, in_child)
-
-
-def load_native_artifact(gguf_path: "str | Path", cache: Optional[ArtifactCache] = None,
-                         in_child: bool = False) -> Artifact:
-    """The GGUF as a "llama-weights" artifact holding its quantized matrices in their own block
-    types (`_read_gguf(native=True)`), built once: a warm start reads it without conversion. With
-    `in_child`, built by a child process (conversion.py: what a server does)."""
-    return _converted("native", gguf_path, cache, in_child)
-
-
-def _converted(kind: str, gguf_path: "str | Path", cache: Optional[ArtifactCache], in_child: bool) -> Artifact:
-    """The cached conversion of `gguf_path` of `kind` (conversion.KINDS), built once."""
-    path = Path(gguf_path)
-    if not path.is_file():
-        raise FileNotFoundError(f"GGUF file {path} does not exist")
-    cache = cache or ArtifactCache()
-
-    def build(directory: Path, progress: Any) -> dict:
-        from .conversion import convert, convert_in_child
-
-        return (convert_in_child if in_child else convert)(kind, path, directory)
-
-    native = kind == "native"
-    return cache.get_or_build(
-        NATIVE_KIND if native else WEIGHTS_KIND, build,
-        label=f"{path.name} -> {'its own blocks' if native else 'fp32 weights'}", sources=[path],
-        versions=["torch", "gguf", "transformers"],
-        options={"format": CACHE_FORMAT, **({"blocks": BLOCKS_FORMAT} if native else {})},
-    )
 
 
 def read_artifact_meta(artifact: "Artifact | str | Path") -> dict:

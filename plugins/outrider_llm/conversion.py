@@ -22,6 +22,11 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any, Optional
+
+from outrider.artifacts import Artifact, ArtifactCache
+
+from .artifact import BLOCKS_FORMAT, CACHE_FORMAT, NATIVE_KIND, WEIGHTS_KIND, GGUFError
 
 KINDS = ("native", "float", "tokenizer")  # tokenizer: tokenizer.json alone (gguf_tiles.py packs the rest)
 
@@ -49,7 +54,6 @@ class ChildConversion:
         self._proc.communicate()
 
     def result(self) -> dict:
-        from .artifact import GGUFError  # not .loading: this process may serve without torch
 
         stdout, _ = self._proc.communicate()
         answer = None
@@ -77,7 +81,9 @@ def convert_in_child(kind: str, gguf: Path, directory: Path) -> dict:
 def convert(kind: str, gguf: Path, directory: Path) -> dict:
     """Write the "llama-weights" artifact of `gguf` into `directory`: the file's own blocks
     (`native`) or fp32 weights (`float`); the figures its provenance records."""
-    from .loading import WEIGHTS_FILE, _gguf_tokenizer, _read_gguf, _write_artifact
+    from .artifact import WEIGHTS_FILE
+    from .gguf_reading import gguf_tokenizer as _gguf_tokenizer
+    from .gguf_to_artifact import _read_gguf, _write_artifact
 
     if kind not in KINDS:
         raise ValueError(f"conversion kind {kind!r}: expected one of {KINDS}")
@@ -94,6 +100,40 @@ def convert(kind: str, gguf: Path, directory: Path) -> dict:
         figures["block_types"] = meta["block_types"]
         figures["converted"] = {k: len(v) for k, v in meta["converted"].items()}
     return figures
+
+
+def load_weights_artifact(gguf_path: "str | Path", cache: Optional[ArtifactCache] = None,
+                          in_child: bool = False) -> Artifact:
+    """The GGUF converted to a "llama-weights" artifact (see the module docstring), built once;
+    with `in_child`, built by a child process (conversion.py: what a server does)."""
+    return _converted("float", gguf_path, cache, in_child)
+
+
+def load_native_artifact(gguf_path: "str | Path", cache: Optional[ArtifactCache] = None,
+                         in_child: bool = False) -> Artifact:
+    """The GGUF as a "llama-weights" artifact holding its quantized matrices in their own block
+    types (`_read_gguf(native=True)`), built once: a warm start reads it without conversion. With
+    `in_child`, built by a child process (conversion.py: what a server does)."""
+    return _converted("native", gguf_path, cache, in_child)
+
+
+def _converted(kind: str, gguf_path: "str | Path", cache: Optional[ArtifactCache], in_child: bool) -> Artifact:
+    """The cached conversion of `gguf_path` of `kind` (conversion.KINDS), built once."""
+    path = Path(gguf_path)
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file {path} does not exist")
+    cache = cache or ArtifactCache()
+
+    def build(directory: Path, progress: Any) -> dict:
+        return (convert_in_child if in_child else convert)(kind, path, directory)
+
+    native = kind == "native"
+    return cache.get_or_build(
+        NATIVE_KIND if native else WEIGHTS_KIND, build,
+        label=f"{path.name} -> {'its own blocks' if native else 'fp32 weights'}", sources=[path],
+        versions=["torch", "gguf", "transformers"],
+        options={"format": CACHE_FORMAT, **({"blocks": BLOCKS_FORMAT} if native else {})},
+    )
 
 
 def main(argv: list[str]) -> int:

@@ -42,6 +42,15 @@ from .model import decoder_layer
 
 log = logging.getLogger("outrider.llm")
 
+def use_cuda_graphs(model: Any, cache: Any, **options: Any) -> "CudaGraphRunner":
+    """Replay CUDA graphs for the decode and verify steps `model` (a LlamaModel) runs on `cache` (a
+    static SlotKVCache). Steps the graphs do not cover (prefill, chunks wider than the largest
+    bucket) stay eager. Returns the runner, also set as `model.graph_runner`; options go to it
+    (`capture=False` runs the same padded forward without graphs, on any device)."""
+    model.graph_runner = CudaGraphRunner(model, cache, **options)
+    return model.graph_runner
+
+
 # Draft trees of the speculative strategy feed 1 + up to 16 tokens per sequence by default; the
 # steps between powers of two keep the padding of a 17- or 25-token tree under a third.
 WIDTH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)

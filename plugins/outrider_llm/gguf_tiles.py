@@ -30,7 +30,7 @@ from typing import Any, Optional
 import numpy as np
 
 from . import native_c
-from .artifact import CACHE_FORMAT, META_FILE, TOKENIZER_FILE, GGUFError
+from .artifact import CACHE_FORMAT, META_FILE, TILES_FILE, TILES_INDEX, TOKENIZER_FILE, GGUFError
 from .chat_templates import BUILTIN_TEMPLATES
 from .gguf_reading import (_FUSED, _LAYER_NAMES, _PERMUTED_QK, _TOP_NAMES, GEMMA_POST_NORMS, NATIVE_ONLY, GGUFFile,
                            _config_from_gguf, _field, _fused_parts)
@@ -273,7 +273,7 @@ def build(path: Path, directory: Path, five_bit: bool) -> dict:
     p = plan(reader, path)
     config = p.config
     drop = _Dropper(reader)
-    out = _TilesFile(directory / "tiles.bin")
+    out = _TilesFile(directory / TILES_FILE)
     served: dict[str, int] = {}
     q_scale = config.query_scale or config.head_dim ** -0.5
     layers = []
@@ -327,15 +327,10 @@ def build(path: Path, directory: Path, five_bit: bool) -> dict:
             "eos_token_ids": [eos] if eos is not None else [], "source": str(path), "block_types": served,
             "converted": {}, "config": config.to_dict(), "format": CACHE_FORMAT}
     (directory / META_FILE).write_text(json.dumps(meta))
-    index = {"config": config.to_dict(), "fingerprint": "", "weight_bytes": (directory / "tiles.bin").stat().st_size,
+    index = {"config": config.to_dict(), "fingerprint": "", "weight_bytes": (directory / TILES_FILE).stat().st_size,
              "layers": layers, "final_norm": final_norm, "head": head, "embed": embed,
              "embed_shape": [vocab_rows, hidden]}
-    from .native_model import TILES_INDEX, _fingerprint, _map_tiles
-
-    (directory / TILES_INDEX).write_text(json.dumps(index))
-    model = _map_tiles(directory)  # the fingerprint from the mapped rows, as a warm start reads them
-    index["fingerprint"] = _fingerprint(model.config, model.embed_rows, model.final_norm, model.layers.layers)
-    del model
+    # No fingerprint recorded: the model computes it from the mapped rows when a draft head asks.
     (directory / TILES_INDEX).write_text(json.dumps(index))
     return {"block_types": served, "weight_bytes": index["weight_bytes"]}
 

@@ -21,7 +21,7 @@ linear.py): they then run through torch's packed weight-only kernels with bf16 a
 and checked at load by `linear.choose_kernel`; embeddings and norms stay fp32 in every mode.
 Runs under `torch.no_grad()`. Built for CPU; on CUDA the linears are plain `F.linear` in fp16 or
 bf16 (quantized weights dequantized to dense), the KV cache is static, and decode and verify steps
-replay CUDA graphs (`cuda_graphs.py`, attached with `use_cuda_graphs`).
+replay CUDA graphs (`cuda_graphs.py`, attached with `cuda_graphs.use_cuda_graphs`).
 """
 
 from __future__ import annotations
@@ -392,7 +392,7 @@ class LlamaModel(torch.nn.Module):
             use_onednn = self.device.type == "cpu" and onednn_works(self.dtype)
         self.uses_onednn = bool(use_onednn)
         self.batch_attention = True  # let small chunks attend together when cheaper (see _plan)
-        self.graph_runner = None  # CUDA graphs for decode/verify steps (use_cuda_graphs)
+        self.graph_runner = None  # CUDA graphs for decode/verify steps (cuda_graphs.use_cuda_graphs)
         if config.num_heads % config.num_kv_heads:
             raise ValueError("num_heads must be a multiple of num_kv_heads")
         self._load(state_dict)
@@ -584,18 +584,6 @@ class LlamaModel(torch.nn.Module):
         """A KV cache for `num_slots` sequences of up to `max_length` tokens each (static on CUDA)."""
         return SlotKVCache(self.config, num_slots, max_length, torch.float32, self.device,
                            static=self.device.type == "cuda")
-
-    def use_cuda_graphs(self, cache: SlotKVCache, **options) -> "object":
-        """Replay CUDA graphs for the decode and verify steps that run on `cache` (a static cache).
-
-        Steps the graphs do not cover (prefill, chunks wider than the largest bucket) stay eager.
-        Returns the `CudaGraphRunner`; options go to it (`capture=False` runs the same padded
-        forward without graphs, on any device).
-        """
-        from .cuda_graphs import CudaGraphRunner
-
-        self.graph_runner = CudaGraphRunner(self, cache, **options)
-        return self.graph_runner
 
     @torch.no_grad()
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,7 @@ import numpy as np
 from outrider.generation.contract import Chunk, ForwardOutput
 
 from . import native_c
-from .artifact import (BLOCKS_FORMAT, META_FILE, TOKENIZER_FILE, WEIGHTS_FILE, _artifact_dir, artifact_tokenizer,
+from .artifact import (BLOCKS_FORMAT, META_FILE, TILES_FILE, TILES_INDEX, TOKENIZER_FILE, WEIGHTS_FILE, _artifact_dir, artifact_tokenizer,
                        read_artifact_meta)
 from .config import FINGERPRINT_ROW_STRIDE, LlamaConfig, local_rope_config, rope_tables, weights_fingerprint
 from .gguf_blocks import AffineGroups
@@ -46,7 +46,6 @@ ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")  # from an artifact; Gemma 3
 # The packed model, mapped at start: its kernels' tiles as one file (see `load_tiles`).
 TILES_KIND = "llama-native-tiles"
 TILES_FORMAT = 2  # part of that artifact's key: bumped when what `_save_tiles` writes changes (2: the torch model's fingerprint)
-TILES_FILE, TILES_INDEX = "tiles.bin", "tiles.json"
 ALIGN = 64  # bytes: every array in the tiles file starts on a cache line
 ROPE_ROWS_AT_START = 2048  # positions the RoPE tables hold before a longer sequence grows them
 #: rows a chunk may feed a sliding layer's ring in one pass (a longer prefill goes in passes): the
@@ -473,7 +472,10 @@ class NativeLlama:
         return lambda x: np.asarray(x, dtype=np.float32) @ transposed
 
     def fingerprint(self) -> str:
-        """Identifies the weights: the torch model's fingerprint of the same file (config.weights_fingerprint)."""
+        """Identifies the weights: the torch model's fingerprint of the same file (config.weights_fingerprint);
+        computed from the mapped rows on first use where the packed file does not record it."""
+        if not self._fingerprint:
+            self._fingerprint = _fingerprint(self.config, self.embed_rows, self.final_norm, self.layers.layers)
         return self._fingerprint
 
     def forward(self, cache: NumpySlotKVCache, chunks: list[Chunk],

@@ -28,8 +28,6 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Hashable, Optional
 
-import numpy as np
-
 from outrider.errors import ManifestError
 from outrider.generation.contract import DraftLimits, DraftTree, DrafterContext, StepOutcome
 from outrider.generation.sampling import is_greedy
