@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Iterator, Optional
 
 import pytest
+
+from outrider.harness import ServerProcess, free_port  # noqa: F401  (tests import both from here)
 
 ROOT = Path(__file__).resolve().parent.parent
 MANIFESTS = ROOT / "manifests"
@@ -19,42 +17,6 @@ TEST_PLUGINS = Path(__file__).resolve().parent / "plugins"
 
 # Nothing in tests/ loads plugins through entry points by accident: each test registers what it needs.
 os.environ["OUTRIDER_PLUGINS"] = "none"
-
-
-class ServerProcess:
-    """A real `outrider serve` process; stopped (SIGTERM, then SIGKILL) by the fixture."""
-
-    def __init__(self, proc: subprocess.Popen, address: str, log_path: Path) -> None:
-        self.proc = proc
-        self.address = address
-        self.log_path = log_path
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def client(self, timeout: float = 30.0):
-        from outrider import Client
-
-        return Client(self.address, timeout=timeout)
-
-    def wait_ready(self, timeout: float = 120.0) -> None:
-        from outrider import Client, OutriderError
-
-        with Client(self.address, timeout=1.0) as client:
-            try:
-                client.wait_ready(timeout, process=self.proc)
-            except OutriderError as exc:
-                raise AssertionError(f"{exc.message}:\n{self.log()}") from None
-
-    def stop(self, timeout: float = 30.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
 
 
 def start_server(
@@ -65,19 +27,11 @@ def start_server(
     env: Optional[dict[str, str]] = None,
     address: Optional[str] = None,
 ) -> ServerProcess:
+    """`outrider serve` with exactly `plugins` (the test plugins importable), its log in `tmp_path`."""
     address = address or f"ipc://{tmp_path}/outrider-{time.monotonic_ns()}.sock"
-    log_path = tmp_path / f"server-{time.monotonic_ns()}.log"
-    cmd = [sys.executable, "-m", "outrider.cli", "serve", *map(str, manifests), "--bind", address]
-    for plugin in plugins:
-        cmd += ["--plugin", plugin]
-    cmd += args or []
-    full_env = dict(os.environ)
-    full_env["OUTRIDER_PLUGINS"] = "none"
-    full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TEST_PLUGINS), full_env.get("PYTHONPATH")]))
-    full_env.update(env or {})
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, cwd=ROOT)
-    return ServerProcess(proc, address, log_path)
+    paths = os.pathsep.join(filter(None, [str(TEST_PLUGINS), os.environ.get("PYTHONPATH")]))
+    return ServerProcess.start(manifests, address, plugins=plugins, args=args, env={"PYTHONPATH": paths, **(env or {})},
+                               log_path=tmp_path / f"server-{time.monotonic_ns()}.log", cwd=ROOT)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -122,13 +76,6 @@ def raw_dealer(address: str, **options):
         sock.setsockopt(getattr(zmq, name), value)
     sock.connect(address)
     return sock
-
-
-def free_port() -> int:
-    """A loopback TCP port nobody listens on now (for a server a test starts)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def write_manifest(tmp_path: Path, text: str, name: str = "m.yaml") -> Path:

@@ -262,16 +262,9 @@ class FuzzReport:
 
 
 def rss_mb(pid: Optional[int]) -> float:
-    if pid is None:
-        return 0.0
-    try:
-        with open(f"/proc/{pid}/status") as status:
-            for line in status:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return 0.0
+    from outrider.harness import rss_mb as read
+
+    return 0.0 if pid is None else read(pid)
 
 
 def fuzz(address: str, model: str, count: int, seed: int = 0, window: int = 64, drain_s: float = 30.0,

@@ -55,10 +55,11 @@ def _wait_state(client, name: str, state: str, timeout: float = 30.0) -> dict:
 
 
 def _rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
+    from outrider.harness import rss_mb
+
+    value = rss_mb(pid)
+    assert value > 0, f"no VmRSS for process {pid}"
+    return value
 
 
 def test_a_repository_lists_every_model_and_loads_only_what_it_is_told(server_factory, tmp_path):

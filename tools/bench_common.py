@@ -3,9 +3,7 @@ the MiniLM ONNX Runtime backend loaded in this process (no server)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -13,12 +11,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def start_server(manifests: list[str], address: str, env_extra: dict | None = None,
-                  args: list[str] | None = None) -> subprocess.Popen:
-    env = dict(os.environ, **(env_extra or {}))
-    return subprocess.Popen(
-        [sys.executable, "-m", "outrider.cli", "serve", *manifests, "--bind", address, *(args or [])],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, cwd=ROOT,
-    )
+                 args: list[str] | None = None) -> subprocess.Popen:
+    """`outrider serve` (its output discarded: an unread pipe would block a server that logs much)."""
+    from outrider.harness import ServerProcess
+
+    return ServerProcess.start(manifests, address, args=args, env=env_extra, cwd=ROOT).proc
 
 
 def wait_ready(address: str, timeout: float = 120.0) -> float:

@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -45,14 +43,15 @@ PROMPTS = [
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    from outrider.harness import free_port as find
+
+    return find()
 
 
 def start_server(manifests: list[str], address: str, http: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "outrider.cli", "serve", *manifests, "--bind", address,
-                             "--http", http], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    from outrider.harness import ServerProcess
+
+    return ServerProcess.start(manifests, address, args=["--http", http], cwd=ROOT).proc
 
 
 def wait_ready(address: str, proc: subprocess.Popen, timeout: float = 300.0) -> None:

@@ -56,10 +56,9 @@ def _serve(manifests: list[str], tmp: Path, name: str, extra: list[str]) -> tupl
 
 
 def _rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS"):
-            return int(line.split()[1]) / 1024
-    return 0.0
+    from outrider.harness import rss_mb
+
+    return rss_mb(pid)
 
 
 def secure_vs_plain(tmp: Path, requests: int, llm: bool) -> None:

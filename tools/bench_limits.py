@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -47,11 +46,12 @@ SMALL = "A man is eating food in the park."
 
 
 def _status_mib(pid: int, field: str) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no {field} in /proc/{pid}/status")
+    from outrider.harness import rss_mb
+
+    value = rss_mb(pid, field)
+    if value <= 0:
+        raise RuntimeError(f"no {field} in /proc/{pid}/status")
+    return value
 
 
 def _reset_peak(pid: int) -> bool:
@@ -64,34 +64,12 @@ def _reset_peak(pid: int) -> bool:
         return False
 
 
-class Server:
-    def __init__(self, manifest: Path, directory: str, label: str) -> None:
-        self.address = f"ipc://{directory}/{label}.sock"
-        self.log_path = Path(directory) / f"{label}.log"
-        cmd = [sys.executable, "-m", "outrider.cli", "serve", str(manifest), "--bind", self.address]
-        for plugin in PLUGINS:
-            cmd += ["--plugin", plugin]
-        env = dict(os.environ, OUTRIDER_PLUGINS="none")
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-        self.pid = self.proc.pid
+def Server(manifest: Path, directory: str, label: str) -> Any:
+    """`outrider serve MANIFEST` with PLUGINS only, on ipc://DIRECTORY/LABEL.sock, its log beside it."""
+    from outrider.harness import ServerProcess
 
-    def wait_ready(self, timeout: float = 300.0) -> None:
-        from outrider import Client, OutriderError
-
-        with Client(self.address, timeout=1.0) as client:
-            try:
-                client.wait_ready(timeout, interval=0.05, process=self.proc)
-            except OutriderError as exc:
-                raise SystemExit(f"{exc.message}:\n{self.log_path.read_text()[-3000:]}") from None
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+    return ServerProcess.start([manifest], f"ipc://{directory}/{label}.sock", plugins=PLUGINS,
+                               log_path=Path(directory) / f"{label}.log", cwd=ROOT)
 
 
 def _small_requests(address: str, model: str, concurrency: int, count: Optional[int],

@@ -80,11 +80,9 @@ CHAT = [
 
 def rss_mb(pid: int) -> tuple[float, float]:
     """(current, peak) resident memory of a process, in MB."""
-    fields = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        fields[key] = value.strip()
-    return int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024
+    from outrider.harness import rss_mb as read
+
+    return read(pid), read(pid, "VmHWM")
 
 
 class Server:

@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -38,9 +37,9 @@ PAYLOAD = np.linspace(0, 1, 384, dtype=np.float32).reshape(1, 384)
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    from outrider.harness import free_port as find
+
+    return find()
 
 
 def loadavg() -> str:

@@ -52,10 +52,9 @@ def _manifest_text(name: str) -> str:
 
 
 def _rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS"):
-            return int(line.split()[1]) / 1024
-    return 0.0
+    from outrider.harness import rss_mb
+
+    return rss_mb(pid)
 
 
 def _settled_rss_mb(pid: int, transients: list[float]) -> float:

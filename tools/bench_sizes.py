@@ -65,7 +65,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -127,39 +126,25 @@ atexit.register(_kill_all)
 # ---- processes and memory ---------------------------------------------------------------------
 
 
-def _status(pid: int) -> dict[str, str]:
-    fields = {}
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            key, _, value = line.partition(":")
-            fields[key] = value.strip()
-    except OSError:
-        pass
-    return fields
+def _hwm_mb(pid: int) -> float:
+    """The peak resident memory (VmHWM) of `pid`, in MB."""
+    from outrider.harness import rss_mb
 
-
-def _kb(fields: dict[str, str], key: str) -> int:
-    value = fields.get(key, "0 kB").split()
-    return int(value[0]) if value else 0
+    return rss_mb(pid, "VmHWM")
 
 
 def process_tree(pid: int) -> list[int]:
-    """`pid` and every process under it (from /proc/PID/task/*/children), bounded."""
-    out, todo = [], [pid]
-    while todo and len(out) < 4096:
-        p = todo.pop()
-        out.append(p)
-        try:
-            for task in Path(f"/proc/{p}/task").iterdir():
-                todo += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            pass
-    return out
+    """`pid` and every process under it (outrider.harness)."""
+    from outrider.harness import process_tree as tree
+
+    return tree(pid)
 
 
 def tree_rss_mb(pid: int) -> float:
-    """VmRSS of `pid` and every process under it, summed, in MB."""
-    return sum(_kb(_status(p), "VmRSS") for p in process_tree(pid)) / 1024
+    """VmRSS of `pid` and every process under it, summed, in MB (outrider.harness)."""
+    from outrider.harness import tree_rss_mb as read
+
+    return read(pid)
 
 
 class RssSampler:
@@ -175,7 +160,7 @@ class RssSampler:
     def _run(self) -> None:
         while not self._stop.is_set():
             self.peak = max(self.peak, tree_rss_mb(self.pid))
-            self.hwm = max(self.hwm, _kb(_status(self.pid), "VmHWM") / 1024)
+            self.hwm = max(self.hwm, _hwm_mb(self.pid))
             self._stop.wait(POLL_S)
 
     def peak_mb(self) -> float:
@@ -540,7 +525,7 @@ def bench_outrider(path: Path, prompts: Prompts, args: argparse.Namespace, workd
 
             with section(row, f"streams_{n}"):
                 row[f"streams_{n}"], row[f"streams_{n}_tokens"] = streams(n, one)
-        row["serving_peak"] = max(_kb(_status(server.proc.pid), "VmHWM") / 1024, tree_rss_mb(server.proc.pid))
+        row["serving_peak"] = max(_hwm_mb(server.proc.pid), tree_rss_mb(server.proc.pid))
     finally:
         server.stop()
         shutil.rmtree(cache, ignore_errors=True)
@@ -564,9 +549,9 @@ def llama_bench(binary: Path, path: Path, threads: int, extra: list[str]) -> lis
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from outrider.harness import free_port as find
+
+    return find()
 
 
 class LlamaServer:
@@ -668,7 +653,7 @@ def bench_llama_cpp(path: Path, prompts: Prompts, args: argparse.Namespace, work
             with section(row, f"streams_{n}"):
                 row[f"streams_{n}"], row[f"streams_{n}_tokens"] = streams(
                     n, lambda i: int(server.complete(texts[i], args.stream_tokens)["tokens_predicted"]))
-        row["serving_peak"] = max(_kb(_status(server.proc.pid), "VmHWM") / 1024, tree_rss_mb(server.proc.pid))
+        row["serving_peak"] = max(_hwm_mb(server.proc.pid), tree_rss_mb(server.proc.pid))
     finally:
         server.stop()
     return row

@@ -10,6 +10,9 @@ Use from pytest:
         sample_inputs = {"x": np.ones((2, 4), np.float32)}
 
 or call `check_backend(...)` directly; every failure is an AssertionError that says what is wrong.
+
+Running a real server (`ServerProcess`, `free_port`, `rss_mb`, `tree_rss_mb`) is `outrider.harness`'s,
+re-exported here.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Any, Optional
 import numpy as np
 
 from .backend import Availability, Backend, warmup_inputs
+from .harness import ServerProcess, free_port, process_tree, rss_mb, tree_rss_mb  # noqa: F401  (re-exported)
 from .manifest import Manifest, TensorSpec, validate_manifest
 from .plugins import PluginRegistry, create_registry
 from .protocol import datatype_of
