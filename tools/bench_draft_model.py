@@ -30,7 +30,10 @@ cannot pay, and what acceptance each runtime gets.
    native runtime: what one forward of 1 + k rows (a chain, as a drafted path is verified) costs
    against one row after a 512-token context, k = 4, 8, 16; and the served 1B/3B with the n-gram
    drafter and with the tiny random model of the same vocabulary (`tiny`, acceptance near zero) as
-   the draft model, greedy, against plain (the never-slower check).
+   the draft model, greedy, against plain (the never-slower check). With --eagle3, also what an
+   EAGLE-3 head of the published shape for each target costs (a random head: its cost does not
+   depend on its values): the target's step with its three layers captured, the head's committed
+   rows and tree nodes, fp32 and int4.
 
 The CPU, its kernel set and the load are printed; compare ratios within one run only.
 """
@@ -40,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -252,6 +256,8 @@ def economy(args: argparse.Namespace) -> None:
             times[rows] = statistics.median(samples)
         print(f"{path.name:<18}{'outrider':<11}{times[1] * 1e3:>10.1f}"
               + "".join(f"{times[r] / times[1]:>10.2f}x" for r in (5, 9, 17)))
+        if args.eagle3:
+            eagle3_cost(model, path.name, args.repeats)
         del model, cache
         if (Path(args.llama_cpp) / "bin" / "llama-bench").exists():
             tests = llama_bench(Path(args.llama_cpp) / "bin" / "llama-bench", path, args.threads,
@@ -296,6 +302,97 @@ def economy(args: argparse.Namespace) -> None:
             server.stop()
 
 
+def eagle3_cost(model: Any, name: str, repeats: int) -> None:
+    """What an EAGLE-3 head of the published shape for this target costs next to the target's own step:
+    a random head (its cost does not depend on its values; acceptance cannot be measured without a
+    real one), the target's forward with its three layers captured, and the head's rows."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from outrider.generation.contract import Chunk, DrafterContext
+    from outrider_speculative.eagle3 import make_eagle3_drafter
+
+    cfg = model.config
+    hidden, heads, kv, inter = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
+    dim, draft_vocab = hidden // heads, 32000
+    rng = np.random.default_rng(0)
+
+    def rand(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape, dtype=np.float32) / np.sqrt(shape[-1])).astype(np.float16)
+
+    m = "midlayer."
+    tensors = {"fc.weight": rand(hidden, 3 * hidden), "norm.weight": np.ones(hidden, np.float16),
+               "lm_head.weight": rand(draft_vocab, hidden), "d2t": np.zeros(draft_vocab, np.int64),
+               m + "input_layernorm.weight": np.ones(hidden, np.float16),
+               m + "hidden_norm.weight": np.ones(hidden, np.float16),
+               m + "post_attention_layernorm.weight": np.ones(hidden, np.float16),
+               m + "self_attn.q_proj.weight": rand(heads * dim, 2 * hidden),
+               m + "self_attn.k_proj.weight": rand(kv * dim, 2 * hidden),
+               m + "self_attn.v_proj.weight": rand(kv * dim, 2 * hidden),
+               m + "self_attn.o_proj.weight": rand(hidden, heads * dim),
+               m + "mlp.gate_proj.weight": rand(inter, hidden), m + "mlp.up_proj.weight": rand(inter, hidden),
+               m + "mlp.down_proj.weight": rand(hidden, inter)}
+    folder = Path(tempfile.mkdtemp(prefix="bench-eagle3-"))
+    save_file(tensors, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps({
+        "hidden_size": hidden, "num_attention_heads": heads, "num_key_value_heads": kv, "intermediate_size": inter,
+        "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "vocab_size": model.vocab_size, "draft_vocab_size": draft_vocab}))
+    head_mb = (folder / "model.safetensors").stat().st_size / 1e6
+
+    def median_ms(call: Any) -> float:
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            call()
+            samples.append(time.perf_counter() - start)
+        return statistics.median(samples) * 1e3
+
+    def step_ms() -> float:
+        cache = model.new_cache(1, 1024)
+        context = rng.integers(0, 30000, 512)
+        model.forward(cache, [Chunk(0, context, np.arange(512))], logit_rows=np.array([511]))
+        cache.commit(0, list(range(512)))
+
+        def one() -> None:
+            model.forward(cache, [Chunk(0, rng.integers(0, 30000, 1), np.array([512]))], logit_rows=np.arange(1))
+            cache.commit(0, [])
+        return median_ms(one)
+
+    plain = step_ms()
+    print(f"  EAGLE-3 head of this shape (random, {draft_vocab}-token draft vocabulary): target step ms plain and "
+          f"with three layers captured, head ms per committed row fed, per tree node (and x the target step), "
+          f"per 8 nodes in one call")
+    print(f"  {'file':<16}{'head':<13}{'MB':>8}{'step':>9}{'captured':>10}{'feed/row':>10}{'node':>9}{'x step':>9}"
+          f"{'8 nodes':>10}")
+    for quantize in ("none", "int4"):
+        drafter = make_eagle3_drafter(model, {"path": str(folder), "quantize": quantize}, DrafterContext())
+        captured = step_ms()
+        tokens = [int(t) for t in rng.integers(0, 30000, 514)]
+        features = rng.standard_normal((512, 3 * hidden), dtype=np.float32)
+
+        class View:
+            seq_id, token_ids, new_features = "bench", tokens, features
+
+        start = time.perf_counter()
+        drafter.observe(View())
+        drafter.propose(View(), 1)  # the 512 committed rows fed
+        feed = (time.perf_counter() - start) * 1e3 / 512
+        cache = drafter._caches["bench"]
+        drafter._current = cache
+
+        def nodes(n: int) -> Any:
+            state = (cache.root[1], (), 513)
+            return lambda: (drafter._tentative.clear(), drafter._run([state] * n, [1] * n))
+
+        one, eight = median_ms(nodes(1)), median_ms(nodes(8))
+        drafter._current = None
+        drafter.finish(View())
+        print(f"  {name:<16}{'eagle3 ' + quantize:<13}{head_mb:>8.0f}{plain:>9.1f}{captured:>10.1f}{feed:>10.2f}"
+              f"{one:>9.2f}{one / plain:>8.2f}x{eight:>10.2f}")
+    model.capture_hidden(())
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--llama-cpp", default=DEFAULT_LLAMA_CPP, help="llama.cpp build dir (bin/llama-quantize, "
@@ -315,6 +412,8 @@ def main() -> None:
     parser.add_argument("--no-llama", action="store_true", help="skip llama-server's rows")
     parser.add_argument("--only-economy", action="store_true", help="only the --economy part")
     parser.add_argument("--verify-cost-only", action="store_true", help="in --economy, skip the served rows")
+    parser.add_argument("--eagle3", action="store_true",
+                        help="in --economy, also what an EAGLE-3 head of the published shape costs beside the target")
     args = parser.parse_args()
     args.temperatures = [float(t) for t in args.temperatures.split(",") if t.strip()]
     args.economy = [s for s in args.economy.split(",") if s]
