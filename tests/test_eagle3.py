@@ -27,17 +27,11 @@ from outrider.generation.contract import Chunk  # noqa: E402
 
 from conftest import write_manifest  # noqa: E402
 from gguf_models import write_tiny_gguf  # noqa: E402
+from test_draft_model import _native_c  # noqa: E402
 from test_eagle import _run, _strategy  # noqa: E402
 
 LAYERS = 7  # the default features: entering layers 2, 3 and 4
 PROMPTS = ["the cat sat on the mat", "hello there", "abcabcabc", "one two three four"]
-
-
-def _native_c():
-    from outrider_llm import native_c
-
-    if not native_c.library()[0]:
-        pytest.skip(f"native C library not loaded: {native_c.library()[1]}")
 
 
 @pytest.fixture(scope="module")

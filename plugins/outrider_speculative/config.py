@@ -18,7 +18,7 @@ This module imports no torch: a manifest can be checked without loading a framew
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 from outrider.errors import ManifestError
 
@@ -30,6 +30,23 @@ class OptionError(ValueError):
         super().__init__(f"field '{field}': {message}")
         self.field = field
         self.message = message
+
+
+def known_options(options: Optional[Mapping[str, Any]], known: Sequence[str], drafter: str) -> dict[str, Any]:
+    """A drafter's options as a dict, or OptionError naming the first one it does not know."""
+    options = dict(options or {})
+    for name in options:
+        if name not in known:
+            raise OptionError(name, f"unknown {drafter} option (misspelled?); expected one of {list(known)}")
+    return options
+
+
+def read_path(options: Mapping[str, Any], expected: str) -> str:
+    """The required `path` option, or OptionError saying what it should name."""
+    path = options.get("path")
+    if not isinstance(path, str) or not path:
+        raise OptionError("path", f"expected {expected}, got {path!r}")
+    return path
 
 
 def read_int(options: Mapping[str, Any], name: str, default: int, low: int, high: int) -> int:

@@ -25,7 +25,7 @@ from outrider.generation.contract import SampledChildren
 from outrider.generation.sampling import host_array, is_greedy, target_distribution
 from outrider.generation.verify import sampling_knobs
 
-from .config import OptionError, read_bool, read_float, read_int
+from .config import OptionError, known_options, read_bool, read_float, read_int
 from .tree import SampledExpansion, SpecTree, build_dynamic_tree, draw_distinct
 
 FORMAT = "outrider-eagle/1"
@@ -253,10 +253,7 @@ def make_host_eagle_drafter(model: Any, options: Optional[Mapping[str, Any]] = N
     """Drafter factory for a target without torch: the same options and checks as eagle.make_eagle_drafter."""
     import os
 
-    options = dict(options or {})
-    for name in options:
-        if name not in OPTIONS:
-            raise OptionError(name, f"unknown eagle option (misspelled?); expected one of {list(OPTIONS)}")
+    options = known_options(options, OPTIONS, "eagle")
     weights = options.get("weights") or DEFAULT_WEIGHTS
     if not isinstance(weights, (str, os.PathLike)):
         raise OptionError("weights", f"expected a path to a .safetensors head (got {weights!r})")

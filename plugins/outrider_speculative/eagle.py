@@ -53,7 +53,7 @@ import torch.nn.functional as F
 
 from outrider.errors import ManifestError
 
-from .config import OptionError, read_bool, read_float, read_int
+from .config import OptionError, known_options, read_bool, read_float, read_int
 from .draft_head import (  # noqa: F401  (re-exported: eagle.py was their home)
     DEFAULT_WEIGHTS, FORMAT, OPTIONS, TRAIN_HINT, WEIGHTS_DIR, HeadConfig, HeadDrafter, check_fingerprint,
     target_fingerprint,
@@ -282,10 +282,7 @@ class EagleDrafter(HeadDrafter):
 
 def make_eagle_drafter(model: Any, options: Optional[Mapping[str, Any]] = None) -> EagleDrafter:
     """Drafter factory for `outrider_register_drafters`: loads and checks the head, warms it up."""
-    options = dict(options or {})
-    for name in options:
-        if name not in OPTIONS:
-            raise OptionError(name, f"unknown eagle option (misspelled?); expected one of {list(OPTIONS)}")
+    options = known_options(options, OPTIONS, "eagle")
     if model is None or not hasattr(model, "embed"):
         raise ValueError("the eagle drafter needs the loaded target model (its embeddings and LM head)")
     weights = options.get("weights") or DEFAULT_WEIGHTS

@@ -51,7 +51,7 @@ import numpy as np
 from outrider.generation.contract import DrafterContext
 from outrider.generation.sampling import host_array
 
-from .config import OptionError, read_bool, read_float, read_int
+from .config import OptionError, known_options, read_bool, read_float, read_int, read_path
 from .draft_head import HeadDrafter, _rms_norm
 from .drafters import sequence_key
 from .tree import SpecTree
@@ -381,10 +381,9 @@ class Eagle3Drafter(HeadDrafter):
     def warmup(self) -> None:
         """One committed row and one tree row through the layer, so the first request pays no setup."""
         layer, width = self.layer, self.layer.fc_inputs
-        seq = _WarmupView([0, 0, 0])
         cache = self._cache(None)
         cache.waiting.append((0, np.zeros((2, width), np.float32)))
-        self._feed(cache, seq.token_ids)
+        self._feed(cache, [0, 0, 0])
         self._current = cache
         try:
             self._run([(np.zeros(layer.hidden, np.float32), (), 2)], [0])
@@ -392,22 +391,12 @@ class Eagle3Drafter(HeadDrafter):
             self._current, self._tentative = None, []
 
 
-class _WarmupView:
-    def __init__(self, token_ids: list[int]) -> None:
-        self.token_ids = token_ids
-
-
 def make_eagle3_drafter(model: Any, options: Optional[Mapping[str, Any]] = None,
                         context: Optional[DrafterContext] = None) -> Eagle3Drafter:
     """Drafter factory ("eagle3"): the head at `options.path`, checked against the target's shape."""
-    options = dict(options or {})
+    options = known_options(options, OPTIONS, "eagle3")
     context = context or DrafterContext()
-    for name in options:
-        if name not in OPTIONS:
-            raise OptionError(name, f"unknown eagle3 option (misspelled?); expected one of {list(OPTIONS)}")
-    path = options.get("path")
-    if not isinstance(path, str) or not path:
-        raise OptionError("path", f"expected the folder of an EAGLE-3 head (config.json + .safetensors), got {path!r}")
+    path = read_path(options, "the folder of an EAGLE-3 head (config.json + .safetensors)")
     capture = getattr(model, "capture_hidden", None)
     layers_total = int(getattr(model, "num_layers", 0) or 0)
     if capture is None or not layers_total or getattr(model, "array_api", None) != "numpy":
