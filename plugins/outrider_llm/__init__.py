@@ -29,7 +29,6 @@ running out of GPU memory during warmup fails the load with that reason.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Any, Callable, Literal, Optional
@@ -38,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from outrider import hookimpl
 from outrider.backend import Availability, GeneratingBackend, require_packages, torch_device
+from outrider.hardware import usable_cpus
 from outrider.manifest import Manifest
 from outrider.torch_process import CudaHealth, is_out_of_memory, release_cpu_threads, set_torch_threads
 
@@ -126,7 +126,7 @@ class LlmBackend(GeneratingBackend):
                                     f"{self.device} was asked for, but torch {torch.__version__} sees no CUDA GPU")
         self.runtime, self._runtime_reason = self._choose_runtime(options, on_cuda)
         # CUDA work needs no intra-op threads; on CPU the first model of the process sets them.
-        self.threads = None if on_cuda else self._set_threads(options.threads or _physical_cores())
+        self.threads = None if on_cuda else self._set_threads(options.threads or usable_cpus())
         self._loading_since = time.perf_counter()
         quantized = bool(self.accelerators.artifact_transforms)
         self.serves_file_blocks = (self.runtime == "native" and not quantized) or self._serves_file_blocks(options,
@@ -300,7 +300,7 @@ class LlmBackend(GeneratingBackend):
                 raise ManifestError(f"{self.manifest.source_file or self.manifest.name}: options.runtime: native "
                                     f"cannot serve this model: {exc}") from None
             self.runtime, self._runtime_reason = "torch", str(exc)
-            self.threads = set_torch_threads(self.threads or _physical_cores(), f"model {self.manifest.name!r}")
+            self.threads = set_torch_threads(self.threads or usable_cpus(), f"model {self.manifest.name!r}")
             return None, None
 
     def _max_length(self, asked: int) -> int:
@@ -411,10 +411,3 @@ class LlmBackend(GeneratingBackend):
     def unload(self) -> None:
         self.engine = None
         self.model = None  # graphs, static cache and weights go with it
-
-
-def _physical_cores() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:
-        return os.cpu_count() or 1

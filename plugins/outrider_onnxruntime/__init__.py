@@ -57,7 +57,7 @@ from outrider.onnx.artifact import onnx_model
 from outrider.onnx.export import DEFAULT_OPSET  # stdlib only at import: no torch
 from outrider.onnx.profiles import concat_rows, profile_bounds, profile_shapes, row_chunks
 
-from .cores import physical_cores
+from outrider.hardware import physical_cores
 from .profiles import onnx_input_dims, ort_profile_options
 
 if TYPE_CHECKING:

@@ -49,7 +49,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from .plugins import create_registry
         from .protocol import Limits
         from .server import Server
-        from .serving.repository import parse_bytes
+        from .serving.memory_budget import parse_bytes
         from .transport import CurveServerKeys
 
         timeline.mark("core imported")

@@ -32,7 +32,9 @@ from .front import Front
 from .manifest import Manifest
 from .plugins import PluginRegistry
 from .protocol import DEFAULT_LIMITS, Limits, parse_tensors
-from .serving.repository import ModelRepository, PendingLoad, bound_malloc_arenas
+from .hardware import bound_malloc_arenas
+from .serving.pending_load import PendingLoad
+from .serving.repository import ModelRepository
 from .serving.request import PendingRequest
 from .serving.served_model import ServedModel
 from .transport import DEFAULT_ADDRESS, CurveServerKeys

@@ -16,18 +16,13 @@ Ollama's load on first request and keep-alive, ModelMesh's memory budget).
 
 from __future__ import annotations
 
-import gc
-import hashlib
-import json
 import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-from ..artifacts import cache_root
 from ..errors import (
     InsufficientMemoryError,
     ManifestError,
@@ -38,117 +33,19 @@ from ..errors import (
 )
 from ..manifest import Manifest, load_manifest
 from ..plugins import PluginRegistry
+from ..hardware import release_memory, resident_bytes
 from .assembly import build_model
+from .entries import READY, ModelEntry, artifact_changed, entry_fingerprint, raw_part
+from .memory_budget import estimate_cost, mib as _mib, record_measured_cost
+from .pending_load import PendingLoad
 from .request import ModelState
 from .served_model import ServedModel
 
 log = logging.getLogger("outrider.repository")
 
-AVAILABLE, LOADING, READY, UNLOADING, FAILED = "available", "loading", "ready", "unloading", "failed"
 #: seconds between two scans of a watched directory
 WATCH_INTERVAL_S = float(os.environ.get("OUTRIDER_WATCH_INTERVAL_S", "1.0"))
-#: the file, in the artifact cache, with each model's resident cost measured at its last load
-LOAD_COSTS_FILE = "load-costs.json"
 _MANIFEST_SUFFIXES = (".yaml", ".yml")
-
-
-def parse_bytes(text: str) -> int:
-    """'2GiB', '512MiB', '1.5G', '800M', '1000000': a size in bytes (binary units for K/M/G/T
-    with or without 'i', as memory is counted); raises ValueError naming the expected forms."""
-    units = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
-             "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30, "T": 1 << 40, "TB": 1 << 40, "TIB": 1 << 40}
-    stripped = text.strip().upper().replace(" ", "")
-    number = stripped.rstrip("KMGTIB")
-    unit = stripped[len(number):]
-    try:
-        value = float(number)
-    except ValueError:
-        value = -1.0
-    if unit not in units or not (value > 0) or value == float("inf"):
-        raise ValueError(f"{text!r} is not a size: expected a positive number with an optional unit, "
-                         f"e.g. 2GiB, 512MiB, 1.5G")
-    return int(value * units[unit])
-
-
-def resident_bytes() -> int:
-    """This process's resident memory (RSS), from /proc; 0 where there is no /proc."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-def release_memory() -> None:
-    """Collect garbage and hand freed heap pages back to the OS (glibc keeps them otherwise, and
-    the RSS after an unload would stay at its peak)."""
-    import ctypes
-
-    gc.collect()
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc (musl, macOS): freed memory is reused, not returned
-        pass
-
-
-def bound_malloc_arenas(arenas: int = 2) -> bool:
-    """At most `arenas` glibc malloc arenas (unless MALLOC_ARENA_MAX says otherwise). Each thread
-    that allocates may get an arena of its own (up to 8 per core), and a model's weights freed in
-    one stay as fragments there: 20 load/unload cycles of smollm2-int8 grew the RSS by 80 MB with
-    the default, by none with 2 (and decoding was no slower). Called before the server's threads
-    start; False where this is not glibc."""
-    if os.environ.get("MALLOC_ARENA_MAX"):
-        return False
-    import ctypes
-
-    try:
-        return ctypes.CDLL(None).mallopt(-8, arenas) == 1  # M_ARENA_MAX
-    except (OSError, AttributeError):
-        return False
-
-
-def _mib(n: float) -> str:
-    return f"{n / (1 << 20):.0f} MiB"
-
-
-@dataclass(eq=False)
-class ModelEntry:
-    """One model the server may serve: its manifest file, what is loaded of it, and why not."""
-
-    name: str
-    path: Optional[Path]  # the manifest file (None for a manifest built in process)
-    manifest: Optional[Manifest]  # None when its file does not validate (`reason` says why)
-    fingerprint: str = ""
-    served: Optional[ServedModel] = None
-    #: a newer version loading beside `served` (a reload); takes the name once ready
-    pending: Optional[ServedModel] = None
-    version: int = 0
-    unloading: bool = False
-    reason: str = ""  # why the last load or reload failed, or why the file does not validate
-    #: RSS at the load's start; its resident cost is measured once it is ready (`measured`)
-    rss_before_load: int = 0
-    measured: bool = True
-    #: whether the load's backend had loaded a model in this process before it (its libraries
-    #: imported, its arenas made): such a load costs only what the model itself holds
-    warm_load: bool = False
-    #: (fingerprint and warmth, estimate) of `ModelRepository._estimate`: health asks for it on
-    #: every call, and finding it reads the cost file and walks the model's directory
-    estimate_memo: Optional[tuple[str, Optional[tuple[int, str]]]] = None
-    #: a load under way before its ServedModel exists (making room, building)
-    loader: Optional["PendingLoad"] = None
-    #: guards the fields above; held only to decide, never while loading or draining
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    @property
-    def state(self) -> str:
-        if self.unloading:
-            return UNLOADING
-        if self.served is None:
-            return LOADING if self.loader is not None else (FAILED if self.reason else AVAILABLE)
-        state = self.served.state
-        if state in (ModelState.READY, ModelState.DEGRADED):
-            return READY if self.served.ready else FAILED
-        return {ModelState.LOADING: LOADING, ModelState.FAILED: FAILED}.get(state, AVAILABLE)
 
 
 class ModelRepository:
@@ -179,7 +76,7 @@ class ModelRepository:
         self._warm_backends: set[str] = set()
         for manifest in manifests:
             path = Path(manifest.source_file) if manifest.source_file else None
-            self._add(ModelEntry(manifest.name, path, manifest, _fingerprint(path, manifest)))
+            self._add(ModelEntry(manifest.name, path, manifest, entry_fingerprint(path, manifest)))
         if self.directory is not None:
             if not self.directory.is_dir():
                 raise ManifestError(f"--models {self.directory}: not a directory")
@@ -202,8 +99,8 @@ class ModelRepository:
         try:
             manifest = load_manifest(path, self.overrides, self.registry.check_section)
         except ManifestError as exc:
-            return ModelEntry(path.stem, path, None, _fingerprint(path, None), reason=exc.message)
-        return ModelEntry(manifest.name, path, manifest, _fingerprint(path, manifest))
+            return ModelEntry(path.stem, path, None, entry_fingerprint(path, None), reason=exc.message)
+        return ModelEntry(manifest.name, path, manifest, entry_fingerprint(path, manifest))
 
     def _add(self, entry: ModelEntry) -> None:
         self.entries[entry.name] = entry
@@ -355,31 +252,8 @@ class ModelRepository:
         return name in self._warm_backends
 
     def _estimate(self, entry: ModelEntry) -> Optional[tuple[int, str]]:
-        """(bytes, how it was found): the resident cost of loading `entry`, from its last measured
-        load of the same warmth (a backend's first load in a process also pays for its libraries),
-        else of the other, else from the size of its model file or directory; None when neither
-        is known."""
-        manifest = entry.manifest
-        if manifest is None:
-            return None
-        warm = self._backend_is_warm(entry)
-        memo_key = f"{entry.fingerprint}:{warm}"
-        memo = entry.estimate_memo
-        if memo is not None and memo[0] == memo_key:
-            return memo[1]
-        estimate: Optional[tuple[int, str]] = None
-        measured = _load_costs().get(_cost_key(entry), {})
-        same, other = ("warm", "first") if warm else ("first", "warm")
-        if measured.get(same):
-            estimate = measured[same], f"measured at its last {same} load"
-        elif measured.get(other):
-            estimate = measured[other], f"measured at its last {other} load"
-        else:
-            size = _artifact_bytes(manifest)
-            if size:
-                estimate = size, f"the size of its model files ({_mib(size)})"
-        entry.estimate_memo = (memo_key, estimate)
-        return estimate
+        """The resident cost of loading `entry` (memory_budget.estimate_cost), for its backend's warmth."""
+        return estimate_cost(entry, self._backend_is_warm(entry))
 
     def _make_room(self, entry: ModelEntry) -> None:
         """Under a budget: unload idle models, least recently used first, until `entry` fits;
@@ -585,39 +459,21 @@ class ModelRepository:
             entry.measured = True
         self._warm_backends.add(served.choice.backend.name)
         if self.memory_budget is not None:
-            self._record_cost(entry)
-
-    def _record_cost(self, entry: ModelEntry) -> None:
-        """Store what the load just measured (RSS growth from its start to ready, once the load's
-        freed scratch is handed back: what the model keeps), as a first or a warm load of its
-        backend, for the next budget decision; concurrent loads each see the other's growth, so it
-        errs high."""
-        release_memory()  # a build leaves freed scratch (graph optimisation, packing) that glibc keeps
-        grown = resident_bytes() - entry.rss_before_load
-        if grown <= 0:
-            return
-        kind = "warm" if entry.warm_load else "first"
-        key = _cost_key(entry)
-        with _COSTS_LOCK:  # read, change and write as one: two loads may finish together
-            costs = _load_costs()
-            costs[key] = {**costs.get(key, {}), kind: grown}
-            _store_load_costs(costs)
-        entry.estimate_memo = None
-        log.debug("model %s: resident cost of a %s load measured at %s", entry.name, kind, _mib(grown))
+            record_measured_cost(entry)
 
     def scan(self) -> None:
         """Compare the directory with the entries: a new file adds a model (available), a changed
         one reloads a loaded model (or replaces an unloaded entry), a removed one unloads."""
         assert self.directory is not None
         try:
-            files = {p: _fingerprint(p, None) for p in self._manifest_files()}
+            files = {p: entry_fingerprint(p, None) for p in self._manifest_files()}
         except OSError as exc:
             log.error("--models %s: cannot be read: %s", self.directory, exc)
             return
         by_path = {e.path: e for e in self.entries.values() if e.path is not None}
         for path, raw in files.items():
             entry = by_path.get(path)
-            if entry is not None and _raw_part(entry.fingerprint) == raw and not _artifact_changed(entry):
+            if entry is not None and raw_part(entry.fingerprint) == raw and not artifact_changed(entry):
                 continue
             fresh = self._read(path)
             if entry is None:
@@ -653,194 +509,3 @@ class ModelRepository:
                     self.entries.pop(entry.name, None)
 
 
-def _raw_part(fingerprint: str) -> str:
-    return fingerprint.split("+", 1)[0]
-
-
-def _fingerprint(path: Optional[Path], manifest: Optional[Manifest]) -> str:
-    """The manifest file's bytes hash, then (for a manifest) its model file's size and mtime."""
-    raw = ""
-    if path is not None:
-        try:
-            raw = hashlib.blake2b(path.read_bytes(), digest_size=16).hexdigest()
-        except OSError:
-            raw = "unreadable"
-    if manifest is None:
-        return raw
-    return raw + "+" + _artifact_stamp(manifest)
-
-
-def _model_path(manifest: Manifest) -> Optional[Path]:
-    if manifest.model is None:
-        return None
-    base = Path(manifest.source_file).parent if manifest.source_file else Path.cwd()
-    try:
-        return manifest.model.resolve(base)
-    except ManifestError:
-        return None
-
-
-def _artifact_stamp(manifest: Manifest) -> str:
-    path = _model_path(manifest)
-    if path is None or not path.is_file():
-        return ""  # a package directory is versioned by pip, not watched file by file
-    try:
-        st = path.stat()
-    except OSError:
-        return ""
-    return f"{st.st_size}:{st.st_mtime_ns}"
-
-
-def _artifact_changed(entry: ModelEntry) -> bool:
-    if entry.manifest is None:
-        return False
-    return entry.fingerprint.split("+", 1)[-1] != _artifact_stamp(entry.manifest)
-
-
-def _artifact_bytes(manifest: Manifest) -> int:
-    path = _model_path(manifest)
-    if path is None:
-        return 0
-    try:
-        if path.is_file():
-            return path.stat().st_size
-        if path.is_dir():
-            return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and p.suffix != ".py")
-    except OSError:
-        return 0
-    return 0
-
-
-def _cost_key(entry: ModelEntry) -> str:
-    manifest = entry.manifest
-    assert manifest is not None
-    where = str(_model_path(manifest) or "")
-    return f"{entry.name}:{hashlib.blake2b((where + _artifact_stamp(manifest) + manifest.model_dump_json()).encode(), digest_size=8).hexdigest()}"
-
-
-_COSTS_LOCK = threading.RLock()
-
-
-def _load_costs() -> dict[str, dict[str, int]]:
-    """{cost key: {"first" | "warm": bytes}}; a file from an older version (one number per model)
-    reads as a first load's cost, which errs high."""
-    try:
-        data = json.loads((cache_root() / LOAD_COSTS_FILE).read_text())
-    except (OSError, ValueError):
-        return {}
-    if not isinstance(data, dict):
-        return {}
-    costs: dict[str, dict[str, int]] = {}
-    for key, value in data.items():
-        if isinstance(value, (int, float)):
-            costs[key] = {"first": int(value)}
-        elif isinstance(value, dict):
-            costs[key] = {k: int(v) for k, v in value.items() if k in ("first", "warm") and isinstance(v, (int, float))}
-    return costs
-
-
-def _store_load_costs(costs: dict[str, dict[str, int]]) -> None:
-    root = cache_root()
-    with _COSTS_LOCK:
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-            tmp = root / f".{LOAD_COSTS_FILE}.{os.getpid()}"
-            tmp.write_text(json.dumps(dict(list(costs.items())[-512:]), indent=1))
-            os.replace(tmp, root / LOAD_COSTS_FILE)
-        except OSError as exc:  # a read-only cache: the next estimate comes from the file size
-            log.debug("load costs not stored: %s", exc)
-
-
-class PendingLoad:
-    """A load whose model is not built yet (room is being made, the backend chosen and checked):
-    requests to it wait here and move to the model's queue once it exists; if the load fails
-    they are answered with its error. `submit` never blocks (called on I/O threads)."""
-
-    def __init__(self, repository: ModelRepository, entry: ModelEntry, on_demand: bool) -> None:
-        self.repository, self.entry, self.on_demand = repository, entry, on_demand
-        manifest = entry.manifest
-        assert manifest is not None
-        self.name, self.manifest = entry.name, manifest
-        # Known before the build from the backend classes named (None: the candidates differ).
-        names = [manifest.backend] if isinstance(manifest.backend, str) else list(manifest.backend)
-        kinds = {getattr(repository.registry.backends.get(n), "generates", None) for n in names}
-        self.generates: Optional[bool] = kinds.pop() if len(kinds) == 1 else None
-        self.served: Optional[ServedModel] = None
-        self.error: Optional[OutriderError] = None
-        self._waiting: list[Any] = []
-        self._closed = False
-        self._lock = threading.Lock()
-        self._done = threading.Event()
-        self._limit = manifest.scheduling.max_queue_size
-
-    def start(self) -> None:
-        threading.Thread(target=self._run, name=f"outrider-load-{self.name}", daemon=True).start()
-
-    def make_task(self) -> Any:
-        """The manifest's task (fronts tokenize with it before the model exists), as ServedModel's."""
-        return self.repository.registry.make_task(self.manifest)
-
-    def submit(self, request: Any) -> None:
-        with self._lock:
-            if not self._closed:
-                if len(self._waiting) >= self._limit:
-                    from ..errors import OverloadedError
-
-                    raise OverloadedError(f"model {self.name!r} is loading and {len(self._waiting)} requests wait "
-                                          f"for it (scheduling.max_queue_size)")
-                self._waiting.append(request)
-                return
-        self._hand_over(request)
-
-    def _hand_over(self, request: Any) -> None:
-        if request.done:
-            return
-        if self.error is not None:
-            request.fail(self.error)
-            return
-        served = self.served
-        assert served is not None
-        if (request.kind == "generate") != served.generates:
-            from ..errors import BadRequestError
-
-            request.fail(BadRequestError(f"model {self.name!r} " + (
-                "generates text; send generate" if served.generates else "does not generate text; use infer")))
-            return
-        if request.deadline is None and served.manifest.scheduling.timeout_ms:
-            request.deadline = request.received + served.manifest.scheduling.timeout_ms / 1000
-        try:
-            served.submit(request)
-        except OutriderError as exc:
-            request.fail(exc)
-
-    def wait(self, timeout: float) -> ServedModel:
-        if not self._done.wait(timeout):
-            raise ModelNotReadyError(f"model {self.name!r} is still loading after {timeout:g}s")
-        if self.error is not None:
-            raise self.error
-        assert self.served is not None
-        return self.served
-
-    def _run(self) -> None:
-        try:
-            self.served = self.repository._finish_load(self)
-        except OutriderError as exc:
-            self.error = exc
-            self.entry.reason = f"load failed: {exc.message}"
-            log.error("model %s: load failed: %s", self.name, exc.message)
-        except Exception as exc:  # a bug must not leave its requests waiting for ever
-            log.exception("model %s: load failed", self.name)
-            from ..errors import InternalError
-
-            self.error = InternalError(f"loading model {self.name!r}: {type(exc).__name__}: {exc}")
-            self.entry.reason = f"load failed: {self.error.message}"
-        finally:
-            with self.entry.lock:
-                if self.entry.loader is self:
-                    self.entry.loader = None
-            with self._lock:
-                self._closed = True
-                waiting, self._waiting = self._waiting, []
-            for request in waiting:
-                self._hand_over(request)
-            self._done.set()
