@@ -22,19 +22,28 @@ from conftest import MANIFESTS  # noqa: E402
 class CharTokenizer:
     """Token i <-> the i-th character of a small alphabet; no end-of-sequence token."""
 
+    chat_template = "joined"  # the messages' contents, joined
+
     def __init__(self, vocab_size: int) -> None:
         self.alphabet = "abcdefghijklmnopqrstuvwxyz .,!?-0123456789"[:vocab_size]
+        self.vocab_size = len(self.alphabet)
         self.eos_token_ids: set[int] = set()
         self.bos_token_id = None
 
     def encode(self, text: str) -> list[int]:
         return [self.alphabet.index(c) for c in text]
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return "".join(self.alphabet[i] for i in ids)
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
         return "".join(m["content"] for m in messages)
+
+    def token_text(self, token_id: int) -> str | None:
+        return self.alphabet[token_id] if 0 <= token_id < len(self.alphabet) else None
+
+    def to_json(self) -> None:
+        return None  # no structured output on this test tokenizer
 
 
 class Capture:
@@ -530,3 +539,25 @@ def test_cli_generate_streams(smollm2):
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip()
     assert '"new_tokens"' in result.stderr
+
+
+def test_an_engine_refuses_a_tokenizer_that_lacks_the_contract(tiny):
+    """The engine and the fronts call the Tokenizer contract's members directly: a tokenizer missing
+    any of them is refused when the engine is made, naming what it lacks."""
+    from outrider.generation.engine import GenerationEngine
+
+    model, tokenizer = tiny
+
+    class Partial:
+        eos_token_ids: set = set()
+
+        def encode(self, text: str) -> list[int]:
+            return tokenizer.encode(text)
+
+        def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+            return tokenizer.decode(ids)
+
+    with pytest.raises(TypeError, match=r"Partial\) lacks vocab_size, chat_template, apply_chat_template, "
+                                        r"token_text, to_json"):
+        GenerationEngine(model, Partial(), None, max_sequences=1, max_length=64)
+    GenerationEngine(model, tokenizer, None, max_sequences=1, max_length=64)  # the test tokenizer has them all

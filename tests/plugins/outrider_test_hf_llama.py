@@ -38,6 +38,7 @@ class CharTokenizer:
 
     eos_token_ids: set[int] = set()
     bos_token_id = None
+    vocab_size = len(ALPHABET)
 
     def __init__(self, chat_template: Any = DEFAULT_TEMPLATE) -> None:
         self.chat_template = "builtin" if chat_template is DEFAULT_TEMPLATE else chat_template
@@ -52,7 +53,13 @@ class CharTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return "".join(ALPHABET[i] for i in ids)
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
+    def token_text(self, token_id: int) -> Optional[str]:
+        return ALPHABET[token_id] if 0 <= token_id < len(ALPHABET) else None
+
+    def to_json(self) -> None:
+        return None  # no structured output on this test tokenizer
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **extra: Any) -> str:
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template")  # as outrider_llm's ChatTokenizer
         if self._template is not None:

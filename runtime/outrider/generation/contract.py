@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Collection, Optional, Protocol
 
 import numpy as np
 
@@ -64,6 +64,33 @@ class KVCache(Protocol):
     # Optional, for a cache whose windowed layers forget old rows: how many leading blocks (copies
     # of `read`, in order) can be written back exactly (the engine copies no more).
     # def restorable(self, blocks: list[Any]) -> int: ...
+
+
+class Tokenizer(Protocol):
+    """What the engine and the fronts use of a generating backend's tokenizer (`backend.tokenizer`;
+    plugins/outrider_llm's ChatTokenizer is one). Checked when an engine is made (`check_tokenizer`)."""
+
+    vocab_size: int
+    eos_token_ids: Collection[int]  # ids that end a generation
+    chat_template: Optional[str]  # None or "": no template, so chat messages are refused with a 400
+
+    def encode(self, text: str) -> list[int]: ...
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str: ...
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **extra: Any) -> str: ...
+    def token_text(self, token_id: int) -> Optional[str]: ...  # the token's own text (None: no such id)
+    def to_json(self) -> Optional[str]: ...  # tokenizers' JSON for the grammar engine; None: no structured output
+
+
+TOKENIZER_MEMBERS = ("vocab_size", "eos_token_ids", "chat_template", "encode", "decode", "apply_chat_template",
+                     "token_text", "to_json")
+
+
+def check_tokenizer(tokenizer: Any, where: str = "the tokenizer") -> None:
+    """TypeError naming every member of `Tokenizer` that `tokenizer` lacks."""
+    missing = [name for name in TOKENIZER_MEMBERS if not hasattr(tokenizer, name)]
+    if missing:
+        raise TypeError(f"{where} ({type(tokenizer).__name__}) lacks {', '.join(missing)}: a generating backend's "
+                        f"tokenizer implements outrider.generation.contract.Tokenizer")
 
 
 class CausalLM(Protocol):

@@ -29,7 +29,7 @@ from outrider.serving.request import PendingRequest
 from outrider.serving.scheduler import InstanceHandle, Scheduler
 
 from .constraints import TokenRules, check_grammar_state, parse_logit_bias, token_logprobs
-from .contract import Chunk, DraftLimits, DraftTree, StepOutcome, children_of, sampled_groups
+from .contract import Chunk, DraftLimits, DraftTree, StepOutcome, check_tokenizer, children_of, sampled_groups
 from .prefix_cache import BLOCK_TOKENS, PrefixCache, block_keys
 from .sampling import SamplingParams, host_array, new_generator, parse_prompt, parse_sampling, sample_token
 from .text import IncrementalText
@@ -102,6 +102,7 @@ class GenerationEngine:
 
     def __init__(self, model: Any, tokenizer: Any, strategy: Any = None, max_sequences: int = 8,
                  max_length: int = 2048, stats: Any = None, prefix_cache_bytes: int = 0) -> None:
+        check_tokenizer(tokenizer, "the generation engine's tokenizer")
         self.model = model
         self.tokenizer = tokenizer
         self.strategy = strategy
@@ -140,7 +141,7 @@ class GenerationEngine:
         params = parse_sampling(request.parameters, self.max_length)
         prompt, messages = parse_prompt(request.parameters)
         if messages is not None:
-            if not getattr(self.tokenizer, "chat_template", True):
+            if not self.tokenizer.chat_template:
                 raise BadRequestError(f"model {request.model!r} has no chat template; send 'prompt' instead of 'messages'")
             try:
                 text = self.tokenizer.apply_chat_template(messages)
@@ -202,11 +203,11 @@ class GenerationEngine:
             if self._grammars is None:
                 from .grammar import GrammarCompiler
 
-                to_json = getattr(self.tokenizer, "to_json", None)
-                if to_json is None:
+                tokenizer_json = self.tokenizer.to_json()
+                if tokenizer_json is None:
                     raise BadRequestError("this model's tokenizer cannot be given to the grammar engine: "
                                           "parameter 'constraint' is not supported here")
-                self._grammars = GrammarCompiler(to_json(), vocab, sorted(self.eos))
+                self._grammars = GrammarCompiler(tokenizer_json, vocab, sorted(self.eos))
             grammar = self._grammars.state(*params.constraint)
         rules = TokenRules(vocab, bias, params.presence_penalty, params.frequency_penalty, grammar, frozenset(self.eos))
         return rules if rules.active else None
