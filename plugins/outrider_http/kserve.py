@@ -46,7 +46,7 @@ def routes(dispatch: Dispatcher) -> list[Route]:
         name = request.path_params["name"]
         model = server.find_model(name, load)
         version = request.path_params.get("version")
-        serving = str(getattr(model, "version", MODEL_VERSION))
+        serving = str(model.version)
         if version is not None and version != serving:
             raise ModelNotFoundError(f"model {name!r} serves version {serving}, not {version[:32]!r}")
         return model
@@ -100,7 +100,7 @@ def routes(dispatch: Dispatcher) -> list[Route]:
             if not header.get("ok"):
                 failure = header.get("error") or {}
                 return JSONResponse({"error": failure.get("message", "")}, status_code=status_of(failure.get("code", "")))
-            return infer_response(model.name, document, outputs or {}, str(getattr(model, "version", MODEL_VERSION)))
+            return infer_response(model.name, document, outputs or {}, str(model.version))
         except ClientGone:
             return Response(status_code=499)
         except OutriderError as exc:

@@ -444,7 +444,7 @@ class OnnxRuntimeBackend(Backend, BakesModel):
 
     def _tensorrt_profile(self) -> dict[str, str]:
         """The TensorRT provider's explicit profile from the manifest (needs `onnx` to read the inputs)."""
-        bounds = profile_bounds(self.manifest, getattr(self.task, "max_length", None), self.accelerators.batch_policy)
+        bounds = profile_bounds(self.manifest, (self.task.max_length if self.task else None), self.accelerators.batch_policy)
         self.profile_bounds = bounds
         dims = onnx_input_dims(self.onnx_path)
         if dims is None:
@@ -525,8 +525,7 @@ class OnnxRuntimeBackend(Backend, BakesModel):
         if self.session is None:
             raise ExecutionError(f"model {self.manifest.name!r}: execute() before load()")
         feeds = self.task.preprocess(inputs) if self.task else inputs
-        empty = getattr(self.task, "empty_outputs", None)
-        outputs = empty(feeds) if empty else None
+        outputs = self.task.empty_outputs(feeds) if self.task else None
         if outputs is None:
             missing = [n for n in self._input_names if n not in feeds]
             if missing:

@@ -172,7 +172,7 @@ class TensorRTBackend(Backend):
         onnx_path = onnx_model(self.manifest)
         if opts.fp16:
             onnx_path = fp16_onnx(cache, onnx_path, label=f"{self.manifest.name} fp16 ONNX")
-        self.bounds = profile_bounds(self.manifest, getattr(self.task, "max_length", None), self.accelerators.batch_policy)
+        self.bounds = profile_bounds(self.manifest, (self.task.max_length if self.task else None), self.accelerators.batch_policy)
         build_options = {"bounds": self.bounds.__dict__, "fp16": opts.fp16, "workspace_mb": opts.workspace_mb,
                          "strongly_typed": True}
         self.gpu = torch.cuda.get_device_name(self._device)
@@ -253,8 +253,7 @@ class TensorRTBackend(Backend):
         if self.poisoned:
             raise InstanceCrashed(f"model {self.manifest.name!r}: {self.poisoned}", reason=self.poisoned)
         feeds = self.task.preprocess(inputs) if self.task else inputs
-        empty = getattr(self.task, "empty_outputs", None)
-        outputs = empty(feeds) if empty else None
+        outputs = self.task.empty_outputs(feeds) if self.task else None
         if outputs is None:
             feeds = {name: feeds[name] for name in self._inputs}
             outputs = concat_rows([self._run(piece) for piece in row_chunks(feeds, self.bounds.max_batch)])

@@ -167,8 +167,7 @@ class TorchBackend(Backend):
         if self.model is None:
             raise ExecutionError(f"model {self.manifest.name!r}: execute() before load()")
         feeds = self.task.preprocess(inputs) if self.task else inputs
-        empty = getattr(self.task, "empty_outputs", None)
-        outputs = empty(feeds) if empty else None
+        outputs = self.task.empty_outputs(feeds) if self.task else None
         if outputs is None:
             names = getattr(self.model, "input_names", tuple(feeds))
             output_name = getattr(self.model, "output_name", "output")

@@ -38,9 +38,17 @@ class Task:
     """Input and output processing shared by backends (tokenize, pool, detokenize)."""
 
     name: ClassVar[str] = ""
+    #: the longest input (in the task's unit, e.g. tokens) the model takes; None: the task does not
+    #: bound it (engine builders size their shape profiles from it)
+    max_length: Optional[int] = None
 
     def __init__(self, manifest: Manifest) -> None:
         self.manifest = manifest
+
+    def empty_outputs(self, feeds: dict[str, np.ndarray]) -> Optional[dict[str, np.ndarray]]:
+        """The outputs when there is nothing for the model to compute (e.g. every sentence empty),
+        so a backend answers without a call; None (the default): call the model."""
+        return None
 
     def preprocess(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Manifest inputs -> model feeds."""

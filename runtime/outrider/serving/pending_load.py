@@ -25,6 +25,8 @@ class PendingLoad:
         manifest = entry.manifest
         assert manifest is not None
         self.name, self.manifest = entry.name, manifest
+        #: the version the load will serve (a ServedModel's `version`): fronts ask either the same
+        self.version = entry.version + 1
         # Known before the build from the backend classes named (None: the candidates differ).
         names = [manifest.backend] if isinstance(manifest.backend, str) else list(manifest.backend)
         kinds = {getattr(repository.registry.backends.get(n), "generates", None) for n in names}
