@@ -107,6 +107,18 @@ class LlmBackend(GeneratingBackend):
 
         return GenerationScheduler(manifest)
 
+    def __init__(self, manifest: Manifest, device: str, task: Any = None) -> None:
+        super().__init__(manifest, device, task)
+        self.model: Any = None  # the CausalLM: NativeLlama (runtime "native") or LlamaModel (torch)
+        self.runtime = "torch"  # or "native": chosen in source_artifact
+        self.cuda_health: Optional[CudaHealth] = None  # on CUDA: faults seen, for health and recovery
+        self.threads: Optional[int] = None
+        self.serves_file_blocks = False  # the GGUF's own block types, not float weights
+        self.block_types: dict[str, int] = {}
+        self._idle_steps: Optional[int] = None  # engine.steps when the idle spell began
+        self._idle_since = 0.0
+        self._memory_released = False
+
     def source_artifact(self) -> Any:
         """The GGUF, converted once into the artifact cache: in its own block types (a quantized
         file served as it is), or as float weights (`weights: float`, and what `quantize:` starts
@@ -176,7 +188,7 @@ class LlmBackend(GeneratingBackend):
     def _quantized_natively(self) -> bool:
         """Whether the `quantize:` section gives weights the native model computes as the torch
         model's w4a8 kernels would: int4 groups (whole tiles of 16 inputs) on kernel w4a8."""
-        config = getattr(self.accelerators, "configs", {}).get("quantize")
+        config = self.accelerators.configs.get("quantize")
         return (config is not None and len(self.accelerators.artifact_transforms) == 1 and config.mode == "int4"
                 and config.kernel == "w4a8" and int(config.group_size) % 16 == 0)
 
@@ -270,7 +282,7 @@ class LlmBackend(GeneratingBackend):
                  f"{threads} threads" if threads else f"{self.device}, {self.model.dtype}",
                  "torch-free native runtime" if self.runtime == "native"
                  else f"torch runtime: {self._runtime_reason}")
-        strategy = getattr(self.accelerators, "decode_strategy", None)
+        strategy = self.accelerators.decode_strategy
         if strategy is not None:
             strategy = strategy.for_instance()  # drafter state is per engine, not per model
         self.engine = GenerationEngine(
@@ -330,7 +342,7 @@ class LlmBackend(GeneratingBackend):
 
     def _kernel(self) -> str:
         """The quantized matmul kernel the manifest asks for (`quantize.kernel`, default auto)."""
-        config = getattr(self.accelerators, "configs", {}).get("quantize")
+        config = self.accelerators.configs.get("quantize")
         return config.kernel if config is not None else "auto"
 
     def warmup(self) -> None:
@@ -347,7 +359,7 @@ class LlmBackend(GeneratingBackend):
             # keeps: hand them back before the model reports ready (idle RSS on the edge).
             release_free_memory()
         except Exception as exc:
-            if getattr(self, "cuda_health", None) is None:
+            if self.cuda_health is None:
                 raise
             self.cuda_health.record(exc, "warmup")
             if is_out_of_memory(exc):
@@ -370,7 +382,7 @@ class LlmBackend(GeneratingBackend):
         if engine is None:
             return
         now = time.monotonic()
-        if engine.steps != getattr(self, "_idle_steps", None):  # it worked since: a new idle spell
+        if engine.steps != self._idle_steps:  # it worked since: a new idle spell
             self._idle_steps, self._idle_since, self._memory_released = engine.steps, now, False
         elif not self._memory_released and now - self._idle_since >= RELEASE_MEMORY_AFTER_S:
             from .heap import release_free_memory
@@ -379,15 +391,14 @@ class LlmBackend(GeneratingBackend):
             self._memory_released = True
 
     def health(self) -> dict[str, Any]:
-        engine = getattr(self, "engine", None)
-        cuda = getattr(self, "cuda_health", None)
+        engine, cuda = self.engine, self.cuda_health
         if cuda is not None and cuda.fault is not None:  # whether or not the load finished
             return {"device": self.device, **cuda.report()}
         if engine is None:
             return {"healthy": False, "reason": "not loaded"}
         out = {"healthy": True, "device": self.device, "active_sequences": len(engine.active),
                "waiting": len(engine.waiting), "free_slots": len(engine.free_slots)}
-        if getattr(self, "block_types", None):
+        if self.block_types:
             out["weights"] = {"served_as": "the file's own blocks", "block_types": self.block_types}
         weight_bytes = getattr(self.model, "weight_bytes", None)
         if callable(weight_bytes):
@@ -395,7 +406,7 @@ class LlmBackend(GeneratingBackend):
         cache = engine.cache
         out["kv_cache"] = {"dtype": getattr(cache, "kv_kind", None) or str(cache.kv.dtype).replace("torch.", ""),
                            "bytes": int(cache.nbytes)}
-        out["runtime"] = getattr(self, "runtime", "torch")
+        out["runtime"] = self.runtime
         if cuda is not None:
             out["dtype"] = str(self.model.dtype).replace("torch.", "")
             runner = getattr(self.model, "graph_runner", None)
@@ -405,7 +416,7 @@ class LlmBackend(GeneratingBackend):
         return out
 
     def metadata(self) -> dict[str, Any]:
-        engine = getattr(self, "engine", None)
+        engine = self.engine
         return {"max_sequences": engine.max_sequences, "max_length": engine.max_length} if engine else {}
 
     def unload(self) -> None:
