@@ -83,25 +83,46 @@ class _Options(BaseModel):
     factor: int = 1
 
 
+class _Transform:
+    """An ArtifactTransform that names where it came from."""
+
+    weight_format = None
+
+    def __init__(self, label, config):
+        self.label, self.config = label, config
+
+    def apply(self, artifact, context):
+        return artifact
+
+
 class _TwoQuantizers:
     """Two plugins filling the same section for different backends, and one colliding."""
 
-    def __init__(self, backends_b):
-        self.backends_b = backends_b
+    def __init__(self, backends_b, make=_Transform):
+        self.backends_b, self.make = backends_b, make
 
     @hookimpl
     def outrider_register_accelerators(self, register):
-        register(AcceleratorSpec("quant-a", "artifact_transform", "quantize", lambda m, c: ("a", c), ("echo",), _Options))
-        register(AcceleratorSpec("quant-b", "artifact_transform", "quantize", lambda m, c: ("b", c), self.backends_b, _Options))
+        register(AcceleratorSpec("quant-a", "artifact_transform", "quantize", lambda m, c: self.make("a", c), ("echo",),
+                                 _Options))
+        register(AcceleratorSpec("quant-b", "artifact_transform", "quantize", lambda m, c: self.make("b", c),
+                                 self.backends_b, _Options))
 
 
 def test_two_plugins_may_fill_a_section_for_different_backends_but_not_the_same():
     reg = registry("outrider_echo", _TwoQuantizers(("other-*",)))
     manifest = validate_manifest({"name": "e", "backend": "echo", "quantize": {"factor": 3}}, "m.yaml")
     made = reg.accelerators_for(manifest, backend_class(reg, "echo"))
-    assert made["quantize"] == ("a", _Options(factor=3))
+    assert (made["quantize"].label, made["quantize"].config) == ("a", _Options(factor=3))
     with pytest.raises(OutriderError, match="both claim section 'quantize'"):
         registry("outrider_echo", _TwoQuantizers(("echo",)))
+
+
+def test_an_artifact_transform_without_the_contract_is_refused_naming_what_it_lacks():
+    reg = registry("outrider_echo", _TwoQuantizers(("other-*",), make=lambda label, config: (label, config)))
+    manifest = validate_manifest({"name": "e", "backend": "echo", "quantize": {"factor": 3}}, "m.yaml")
+    with pytest.raises(OutriderError, match=r"'quant-a' \(artifact_transform\).*a tuple without apply, weight_format"):
+        reg.accelerators_for(manifest, backend_class(reg, "echo"))
 
 
 def test_malformed_registrations_are_refused():

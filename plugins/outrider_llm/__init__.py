@@ -188,9 +188,9 @@ class LlmBackend(GeneratingBackend):
     def _quantized_natively(self) -> bool:
         """Whether the `quantize:` section gives weights the native model computes as the torch
         model's w4a8 kernels would: int4 groups (whole tiles of 16 inputs) on kernel w4a8."""
-        config = self.accelerators.configs.get("quantize")
-        return (config is not None and len(self.accelerators.artifact_transforms) == 1 and config.mode == "int4"
-                and config.kernel == "w4a8" and int(config.group_size) % 16 == 0)
+        formats = [t.weight_format for t in self.accelerators.artifact_transforms]
+        return (len(formats) == 1 and formats[0] is not None and formats[0].mode == "int4"
+                and formats[0].kernel == "w4a8" and formats[0].group_size % 16 == 0)
 
     def _set_threads(self, threads: int) -> int:
         if self.runtime == "native":
@@ -342,8 +342,8 @@ class LlmBackend(GeneratingBackend):
 
     def _kernel(self) -> str:
         """The quantized matmul kernel the manifest asks for (`quantize.kernel`, default auto)."""
-        config = self.accelerators.configs.get("quantize")
-        return config.kernel if config is not None else "auto"
+        formats = [t.weight_format for t in self.accelerators.artifact_transforms if t.weight_format is not None]
+        return formats[-1].kernel if formats else "auto"
 
     def warmup(self) -> None:
         """Generate a few tokens through the whole engine (prefill, drafts, verification)."""

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 
+from outrider.accelerators import WeightFormat
 from outrider.artifacts import Artifact
 from outrider.errors import ManifestError, QualityGateError
 from outrider.generation.contract import Chunk
@@ -287,6 +288,7 @@ class LlmWeightQuantizer:
         """`config` is the manifest's validated `quantize` section (`QuantizeConfig`)."""
         self.manifest = manifest
         self.config = config
+        self.weight_format = WeightFormat(str(config.mode), int(config.group_size), str(config.kernel))
         try:  # at start, not at load: a mode these weights cannot take fails before anything loads
             resolve_mode(config.mode)
         except ManifestError as exc:

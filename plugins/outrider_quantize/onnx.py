@@ -662,6 +662,8 @@ class OnnxQuantizer:
     """Artifact transform: an fp32 ONNX file -> its int8 version, cached and quality-gated."""
 
     kind = "onnx-int8"
+    #: the quantized graph carries its own quantize/dequantize nodes: nothing for a backend to choose
+    weight_format = None
 
     def __init__(self, manifest: Any, config: QuantizeConfig, cpu: Optional[CpuClass] = None) -> None:
         self.manifest = manifest

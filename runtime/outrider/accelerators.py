@@ -5,7 +5,9 @@ Roles, and where the core calls them:
 - `artifact_transform`: before load. The core takes the backend's source artifact (an ONNX file,
   a weights file: `Backend.source_artifact`) and runs every transform the manifest turns on,
   in order (export -> quantize -> engine build), each through the core `ArtifactCache`. The object
-  a factory returns has `apply(artifact, context) -> Artifact`.
+  a factory returns is an `ArtifactTransform`: `apply(artifact, context) -> Artifact`, and
+  `weight_format`, what it makes of the weights (a `WeightFormat`, or None), which backends read
+  instead of the transform's own config.
 - `batch_policy`: between the model's queue and its instances. The object is an
   `outrider.serving.scheduler.Scheduler` (the dynamic batcher). A backend that schedules its own work
   (generation: continuous batching) cannot take one: asking for both is a ManifestError.
@@ -23,12 +25,29 @@ from __future__ import annotations
 import fnmatch
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 from pydantic import BaseModel, ValidationError
 
 from .errors import ManifestError, OutriderError
 from .manifest import Manifest
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """What an artifact transform makes of a model's weights, for the backend that loads them."""
+
+    mode: str  # "int8", "int4", ...: the weights' number format after the transform
+    group_size: int  # inputs that share one scale (0: one scale per output row)
+    kernel: str = "auto"  # the matmul kernel the manifest asks for ("auto": measured at load)
+
+
+class ArtifactTransform(Protocol):
+    """The object an `artifact_transform` factory returns (checked when the factory returns it)."""
+
+    weight_format: Optional[WeightFormat]  # None: nothing a backend needs to know of the weights
+
+    def apply(self, artifact: Any, context: Any) -> Any: ...
+
 
 _NESTED_FIELD = re.compile(r"^field '([^']+)': (.*)$", re.S)
 #: in the order the core calls them: transforms before load, the policy between queue and
@@ -203,7 +222,14 @@ def select(specs: list[AcceleratorSpec], manifest: Any, backend: Any) -> Acceler
             raise ManifestError(f"{where}: fields {sections}: each turns on a {role}; a model takes one")
     out = AcceleratorSet()
     for spec, section, config in sorted(chosen, key=lambda c: (ROLES.index(c[0].role), c[0].order, c[1])):
-        out[section] = spec.factory(manifest, config)
+        made = spec.factory(manifest, config)
+        if spec.role == "artifact_transform":
+            missing = [name for name in ("apply", "weight_format") if not hasattr(made, name)]
+            if missing:
+                raise OutriderError(f"accelerator {spec.name!r} (artifact_transform): its factory returned a "
+                                    f"{type(made).__name__} without {', '.join(missing)} (see "
+                                    f"outrider.accelerators.ArtifactTransform)")
+        out[section] = made
         out.specs[section] = spec
         out.configs[section] = config
     return out
