@@ -57,7 +57,7 @@ except ImportError as exc:  # pragma: no cover - the message is the point
         f"outrider_http.ray_serve needs Ray Serve ({exc}): pip install 'outrider[ray]'"
     ) from exc
 
-from outrider.client import GenerateChunk, GenerateResult, _generate_parameters, _result
+from outrider.client import GenerateChunk, GenerateResult, generate_parameters, result_of
 from outrider.errors import OutriderError, UnavailableError, error_from_wire
 from outrider.front import AsyncCall
 from outrider.protocol import encode_tensors
@@ -160,10 +160,10 @@ class OutriderReplica:
         if stream:
             return self.stream(model, prompt, messages, max_tokens, temperature, top_p, top_k, seed, stop,
                                speculative, **extra)
-        params = _generate_parameters(prompt, messages, max_tokens, temperature, top_p, top_k, seed, stop,
+        params = generate_parameters(prompt, messages, max_tokens, temperature, top_p, top_k, seed, stop,
                                       speculative, False, extra)
         header, _ = await self._final(self._submit("generate", model, params))
-        return _result(header)
+        return result_of(header)
 
     async def stream(self, model: str, prompt: Optional[str] = None, messages: Optional[list[dict]] = None,
                      max_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
@@ -172,7 +172,7 @@ class OutriderReplica:
                      **extra: Any) -> AsyncIterator[Union[GenerateChunk, GenerateResult]]:
         """Streaming generation (call with `.options(stream=True)`): chunks, then the GenerateResult.
         A caller that stops reading (or is cancelled) cancels the generation and frees its slot."""
-        params = _generate_parameters(prompt, messages, max_tokens, temperature, top_p, top_k, seed, stop,
+        params = generate_parameters(prompt, messages, max_tokens, temperature, top_p, top_k, seed, stop,
                                       speculative, True, extra)
         call = self._submit("generate", model, params, stream=True)
         try:
@@ -183,7 +183,7 @@ class OutriderReplica:
                     continue
                 if not header.get("ok", True):
                     raise error_from_wire(header.get("error") or {})
-                yield _result(header)
+                yield result_of(header)
                 return
         finally:
             self._cancel(call)

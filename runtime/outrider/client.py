@@ -56,11 +56,12 @@ def _raise_if_error(header: dict) -> None:
         raise error_from_wire(header.get("error") or {})
 
 
-def _generate_parameters(
+def generate_parameters(
     prompt: Optional[str], messages: Optional[list[dict]], max_tokens: int, temperature: float,
     top_p: float, top_k: int, seed: Optional[int], stop: Optional[Union[str, list[str]]],
     speculative: Optional[bool], stream: bool, extra: dict[str, Any],
 ) -> dict[str, Any]:
+    """A generate request's parameters, as `Client.generate` sends them (other fronts' clients reuse it)."""
     if (prompt is None) == (messages is None):
         raise ValueError("give exactly one of prompt= or messages=")
     params: dict[str, Any] = {
@@ -80,7 +81,8 @@ def _generate_parameters(
     return params
 
 
-def _result(header: dict) -> GenerateResult:
+def result_of(header: dict) -> GenerateResult:
+    """The GenerateResult of a generate request's final reply header."""
     return GenerateResult(
         text=header.get("text", ""),
         token_ids=list(header.get("token_ids", [])),
@@ -180,12 +182,12 @@ class Client:
                  speculative: Optional[bool] = None, stream: bool = False, timeout: Optional[float] = None,
                  **extra: Any) -> Union[GenerateResult, Iterator[Union[GenerateChunk, GenerateResult]]]:
         """Generate text. With stream=True, yields GenerateChunk items, then the GenerateResult."""
-        params = _generate_parameters(prompt, messages, max_tokens, temperature, top_p, top_k, seed,
+        params = generate_parameters(prompt, messages, max_tokens, temperature, top_p, top_k, seed,
                                       stop, speculative, stream, extra)
         if not stream:
             reply, _ = self._call("generate", {"model": model, "parameters": params}, None,
                                   f"generate on {model!r}", timeout)
-            return _result(reply)
+            return result_of(reply)
         return self._stream(model, params, timeout)
 
     def _stream(self, model: str, params: dict, timeout: Optional[float]) -> Iterator[Union[GenerateChunk, GenerateResult]]:
@@ -200,7 +202,7 @@ class Client:
                     continue
                 finished = True
                 _raise_if_error(header)
-                yield _result(header)
+                yield result_of(header)
                 return
         finally:
             if not finished:  # the caller stopped iterating: stop the server's work too
@@ -337,11 +339,11 @@ class AsyncClient:
                        speculative: Optional[bool] = None, timeout: Optional[float] = None,
                        **extra: Any) -> GenerateResult:
         """Generate text and return the finished result."""
-        params = _generate_parameters(prompt, messages, max_tokens, temperature, top_p, top_k, seed,
+        params = generate_parameters(prompt, messages, max_tokens, temperature, top_p, top_k, seed,
                                       stop, speculative, False, extra)
         reply, _ = await self._call("generate", {"model": model, "parameters": params}, None,
                                     f"generate on {model!r}", timeout)
-        return _result(reply)
+        return result_of(reply)
 
     async def stream(self, model: str, prompt: Optional[str] = None, messages: Optional[list[dict]] = None,
                      max_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
@@ -349,7 +351,7 @@ class AsyncClient:
                      speculative: Optional[bool] = None, timeout: Optional[float] = None,
                      **extra: Any) -> AsyncIterator[Union[GenerateChunk, GenerateResult]]:
         """Generate with streaming: yields GenerateChunk items, then the GenerateResult."""
-        params = _generate_parameters(prompt, messages, max_tokens, temperature, top_p, top_k, seed,
+        params = generate_parameters(prompt, messages, max_tokens, temperature, top_p, top_k, seed,
                                       stop, speculative, True, extra)
         request_id, queue = await self._open("generate", {"model": model, "parameters": params})
         finished = False
@@ -361,7 +363,7 @@ class AsyncClient:
                     continue
                 finished = True
                 _raise_if_error(header)
-                yield _result(header)
+                yield result_of(header)
                 return
         finally:
             if self._waiting.pop(request_id, None) is not None and not finished:

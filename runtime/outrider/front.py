@@ -37,6 +37,15 @@ class Submitter(Protocol):
 
     def cancel(self, request: PendingRequest, why: str = "the client disconnected") -> bool: ...
 
+    # The model a request names: loaded (a ServedModel), or with `load`, an unloaded model whose
+    # on-demand load this starts (a serving.pending_load.PendingLoad: it answers `name`, `manifest`,
+    # `version`, `generates` and `make_task()` as a ServedModel does). Raises ModelNotFoundError or
+    # ModelNotReadyError; never blocks.
+    def find_model(self, name: Any, load: bool = True) -> Any: ...
+
+    # The model repository (serving.repository.ModelRepository): index(), load(), unload(), entries.
+    repository: Any
+
 
 class Front:
     """One listening front-end. Lifecycle: `start()` once listening, `stop()` after the core drained.
