@@ -25,7 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from outrider.errors import BadRequestError, ModelNotReadyError, OutriderError, TooLargeError
+from outrider.errors import BadRequestError, OutriderError, TooLargeError
 
 from .dispatch import ClientGone, Dispatcher, off_loop as _off_loop
 from .openai_api import ApiError, _bad, _parse, _Schema, served_model
@@ -100,11 +100,11 @@ class EmbeddingText(ModelText):
 
 
 class GenerationText(ModelText):
-    """A generating model's: the tokenizer its engine encodes prompts with."""
+    """A generating model's: the tokenizer its engine encodes prompts with (ServedModel.text_tokenizer)."""
 
-    def __init__(self, backend: Any) -> None:
-        self.tokenizer = backend.tokenizer
-        self.max_length = int(backend.engine.max_length)
+    def __init__(self, tokenizer: Any, max_length: int) -> None:
+        self.tokenizer = tokenizer
+        self.max_length = max_length
         self.vocab_size = self.tokenizer.vocab_size
 
     def tokenize(self, prompt: Optional[str], messages: Optional[list[dict]],
@@ -154,22 +154,10 @@ async def embedding_tokenizer_async(model: Any) -> Optional[EmbeddingTokenizer]:
     return await asyncio.to_thread(embedding_tokenizer, model)
 
 
-def serving_backend(model: Any) -> Any:
-    """The backend of a serving instance of `model` (ModelNotReadyError when none serves)."""
-    for instance in model.instances:
-        backend = instance.backend
-        if instance.serving and backend is not None:
-            return backend
-    raise ModelNotReadyError(f"model {model.name!r} has no instance serving now")
-
-
 async def model_text(model: Any) -> ModelText:
     """The tokenizer /tokenize and /detokenize use for `model` (a 400 naming `model` when it has none)."""
     if model.generates:
-        backend = serving_backend(model)
-        if getattr(backend, "tokenizer", None) is None or getattr(backend, "engine", None) is None:
-            raise _bad(f"model '{model.name}' does not say how it tokenizes", "model")
-        return GenerationText(backend)
+        return GenerationText(*model.text_tokenizer())
     task = await embedding_tokenizer_async(model)
     if task is None:
         raise _bad(f"model '{model.name}' has no tokenizer", "model")

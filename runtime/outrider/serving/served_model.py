@@ -289,6 +289,20 @@ class ServedModel:
             out["skipped_backends"] = self.choice.skipped
         return out
 
+    def text_tokenizer(self) -> tuple[Any, int]:
+        """(tokenizer, context length) of a generating model's serving instance: what fronts tokenize
+        with (outrider.generation.contract.Tokenizer), without reaching into a backend themselves.
+        ModelNotReadyError when no instance serves; BadRequestError for a model that does not generate."""
+        from ..errors import BadRequestError, ModelNotReadyError
+
+        if not self.generates:
+            raise BadRequestError(f"model {self.name!r} does not generate text: it has no text tokenizer")
+        for inst in self.instances:
+            backend = inst.backend
+            if inst.serving and backend is not None and backend.tokenizer is not None and backend.engine is not None:
+                return backend.tokenizer, int(backend.engine.max_length)
+        raise ModelNotReadyError(f"model {self.name!r} has no instance serving now")
+
     def describe(self) -> dict[str, Any]:
         """Metadata for `models` replies: readiness and the tensor contract."""
         m = self.manifest
