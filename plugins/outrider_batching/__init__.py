@@ -507,6 +507,9 @@ class _Piece:
     def claim(self) -> bool:
         return self.parent.claim()
 
+    def answer(self, result: Any, counts: Any = None, **fields: Any) -> bool:
+        return self.parent.answer(result, counts, **fields)
+
     def reply(self, outputs: Optional[dict[str, np.ndarray]] = None, claimed: bool = False, **fields: Any) -> bool:
         return self.parent.reply(outputs, claimed=claimed, **fields)
 

@@ -227,12 +227,8 @@ class Server:
     def cancel(self, request: PendingRequest, why: str = "the client disconnected") -> bool:
         """Answer `request` as cancelled (a queued one is dropped, a generation frees its slot at
         its next step); False when it was already answered."""
-        if request.fail(CancelledError(f"request {request.id!r}: {why}")):
-            model = self.models.get(request.model)  # gone once unloaded
-            if model is not None:
-                model.stats.failure("cancelled")
-            return True
-        return False
+        model = self.models.get(request.model)  # gone once unloaded
+        return request.answer(CancelledError(f"request {request.id!r}: {why}"), model.stats if model is not None else None)
 
     def enqueue(self, kind: str, route: bytes, request_id: Any, model_name: Any, parameters: Any,
                  specs: Any, frames: list, send: Callable[..., None]) -> PendingRequest:
@@ -348,9 +344,9 @@ class Server:
         models = list(self.models.values()) + self.repository.stop_all()
         for model in models:
             for request in model.stop():
-                request.fail(gone)
+                request.answer(gone)
         for request in list(self.inflight.values()):
-            request.fail(gone)
+            request.answer(gone)
         for model in models:
             model.join(timeout=5.0)
         for front in self.fronts:  # every request it passed on has had its final reply by now

@@ -367,7 +367,7 @@ class ZmqFront:
         request = self.server.inflight.get((route, target))
         # The engine sees `done` and drops the request (a queued one is skipped, a generating
         # one frees its cache at the next step).
-        cancelled = request is not None and request.fail(cancel_error(request))
+        cancelled = request is not None and request.answer(cancel_error(request))
         model = self.server.models.get(request.model) if cancelled else None
         if model is not None:
             model.stats.failure("cancelled")

@@ -460,12 +460,10 @@ class GenerationEngine:
             self.stats.add("generated_tokens", stats["new_tokens"])
             self.stats.add("draft_tokens", stats["draft_tokens"])
             self.stats.add("accepted_tokens", stats["accepted_tokens"])
-        if seq.request is not None and seq.request.claim():
-            if self.stats is not None:
-                self.stats.success()
+        if seq.request is not None:
             extra = {"logprobs": seq.logprobs} if seq.params.logprobs else {}
-            seq.request.reply(text=seq.text.text, token_ids=seq.generated, finish_reason=seq.finish_reason,
-                              stats=stats, claimed=True, **extra)
+            seq.request.answer(None, self.stats, text=seq.text.text, token_ids=seq.generated,
+                               finish_reason=seq.finish_reason, stats=stats, **extra)
         self._release(seq)
 
     def _release(self, seq: Sequence) -> None:
@@ -489,10 +487,7 @@ class GenerationEngine:
                 log.exception("the decode strategy failed to forget a sequence")
 
     def _fail_request(self, request: PendingRequest, error: OutriderError) -> None:
-        if request.claim():
-            if self.stats is not None:
-                self.stats.failure(error.code)
-            request.fail(error, claimed=True)
+        request.answer(error, self.stats)
 
     def _abort(self, seq: Sequence, exc: Exception, stage: str) -> None:
         """`seq` alone failed: answer its request with the error, free its slot."""

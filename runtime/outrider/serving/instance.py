@@ -227,9 +227,7 @@ class Instance(threading.Thread):
                 if not isinstance(exc, OutriderError):
                     log.exception("model %s: decoding a request failed", self.model.name)
                     exc = ExecutionError(f"model {self.model.name!r}: decoding inputs failed: {type(exc).__name__}")
-                if request.claim():
-                    self.model.stats.failure(exc.code)
-                    request.fail(exc, claimed=True)
+                request.answer(exc, self.model.stats)
                 continue
             live.append(request)
         return live
@@ -247,9 +245,7 @@ class Instance(threading.Thread):
             if not isinstance(exc, InstanceCrashed):
                 error = InternalError(f"model {self.model.name!r}: {type(exc).__name__}: {exc}")
                 for request in batch:
-                    if request.claim():
-                        self.model.stats.failure(error.code)
-                        request.fail(error, claimed=True)
+                    request.answer(error, self.model.stats)
             raise
 
     def _run_batch(self, batch: list[PendingRequest]) -> None:
@@ -259,7 +255,7 @@ class Instance(threading.Thread):
             # Taken from the queue after the worker died but before anyone noticed: nothing was
             # sent, so the requests go back in front for another instance or the replacement.
             for request in model.queue.put_back(batch):
-                request.fail(UnavailableError(f"model {model.name!r} instance {self.index}: {gone}"))
+                request.answer(UnavailableError(f"model {model.name!r} instance {self.index}: {gone}"))
             raise InstanceCrashed(f"model {model.name!r} instance {self.index}: {gone}", delivered=False, reason=gone)
         batch = self._decode(batch)
         if not batch:

@@ -62,14 +62,14 @@ class PendingLoad:
         if request.done:
             return
         if self.error is not None:
-            request.fail(self.error)
+            request.answer(self.error)
             return
         served = self.served
         assert served is not None
         if (request.kind == "generate") != served.generates:
             from ..errors import BadRequestError
 
-            request.fail(BadRequestError(f"model {self.name!r} " + (
+            request.answer(BadRequestError(f"model {self.name!r} " + (
                 "generates text; send generate" if served.generates else "does not generate text; use infer")))
             return
         if request.deadline is None and served.manifest.scheduling.timeout_ms:
@@ -77,7 +77,7 @@ class PendingLoad:
         try:
             served.submit(request)
         except OutriderError as exc:
-            request.fail(exc)
+            request.answer(exc)
 
     def wait(self, timeout: float) -> ServedModel:
         if not self._done.wait(timeout):

@@ -70,7 +70,7 @@ class RequestQueue:
             self._append(request, left=False)
             self._cond.notify()
         if evicted is not None:
-            evicted.fail(OverloadedError(
+            evicted.answer(OverloadedError(
                 f"model {evicted.model!r}: queue is full ({self.max_size} waiting) and this connection held "
                 f"the most places; its newest request gave its place to another connection's; retry later"
             ))
@@ -203,7 +203,7 @@ class RequestQueue:
                     del self._routes[route]
                     self._turns.remove(route)
         # Cancelled ones still in line are skipped: count only the requests this answered.
-        return sum(r.fail(RequestTimeoutError(f"request {r.id!r} timed out after waiting in the queue of model {r.model!r}"))
+        return sum(r.answer(RequestTimeoutError(f"request {r.id!r} timed out after waiting in the queue of model {r.model!r}"))
                    for r in expired)
 
     def close(self) -> list[PendingRequest]:

@@ -347,17 +347,17 @@ class ModelRepository:
                     successor.submit(request)
                     continue
                 except OutriderError as exc:
-                    request.fail(exc)
+                    request.answer(exc)
                     continue
-            request.fail(UnavailableError(f"model {name!r} was {why} before this request ran"))
+            request.answer(UnavailableError(f"model {name!r} was {why} before this request ran"))
         for request in list(served.outstanding):
-            request.fail(UnavailableError(f"model {name!r} was {why} before this request finished "
+            request.answer(UnavailableError(f"model {name!r} was {why} before this request finished "
                                           f"(drain timeout {self.server.drain_timeout:g}s)"))
         served.join(timeout=30.0)
 
     def _stop_quietly(self, served: ServedModel) -> None:
         for request in served.stop():
-            request.fail(UnavailableError(f"model {served.name!r} version {served.version} was stopped"))
+            request.answer(UnavailableError(f"model {served.name!r} version {served.version} was stopped"))
         served.join(timeout=30.0)
 
     def stop_all(self) -> list[ServedModel]:

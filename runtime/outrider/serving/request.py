@@ -101,6 +101,23 @@ class PendingRequest:
             return {t.name: t.shape for t in self.tensors}
         return {name: tuple(a.shape) for name, a in self.inputs.items()}
 
+    def answer(self, result: Any, counts: Any = None, **fields: Any) -> bool:
+        """The one way the core answers a request: claim it (False when it was answered already:
+        cancelled, timed out, abandoned), count it in `counts` (the model's ModelStats, or None)
+        before the client can ask for health again, then send `result`: an OutriderError as the
+        error reply, else outputs (None for a generation, whose reply is `fields`) as the final reply."""
+        if not self.claim():
+            return False
+        if isinstance(result, OutriderError):
+            if counts is not None:
+                counts.failure(result.code)
+            self.fail(result, claimed=True)
+        else:
+            if counts is not None:
+                counts.success(rows=self.rows)
+            self.reply(result, claimed=True, **fields)
+        return True
+
     def reply(self, outputs: Optional[dict[str, np.ndarray]] = None, claimed: bool = False, **fields: Any) -> bool:
         """Send the final successful reply; False if the request was already answered."""
         if not claimed and not self.claim():

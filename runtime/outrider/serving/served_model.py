@@ -147,7 +147,7 @@ class ServedModel:
         if state == ModelState.FAILED:
             # Nobody can serve what is queued: answer it rather than let it wait for a retry.
             for request in self.queue.take_more(len(self.queue)):
-                request.fail(ModelNotReadyError(f"model {self.name!r} failed: {reason}"))
+                request.answer(ModelNotReadyError(f"model {self.name!r} failed: {reason}"))
 
     def supervise(self, now: float) -> None:
         """Detect hung and dead instances, answer their requests, and replace them (serving/supervisor.py)."""
@@ -209,20 +209,11 @@ class ServedModel:
             log.exception("model %s: inline execute failed", self.name)
             result = ExecutionError(f"model {self.name!r}: {type(exc).__name__}: {exc}")
         computed = time.monotonic()
-        if not request.claim():  # never queued, so nobody else answers it; but never answer twice
-            return True
-        failed = isinstance(result, OutriderError)
-        if failed:
-            request.fail(result, claimed=True)
-        else:
-            request.reply(result, claimed=True)
         stats = self.stats
+        if not request.answer(result, stats):  # never queued, so nobody else answers it; but never answer twice
+            return True
         stats.request()
         stats.batch(1, (start - request.received,), computed - start)
-        if failed:
-            stats.failure(result.code)
-        else:
-            stats.success(rows=request.rows)
         stats.observe("request_seconds", computed - request.received)
         return True
 
@@ -230,14 +221,7 @@ class ServedModel:
         """Send `result` (outputs, or an OutriderError) as the request's final reply, counted first
         so a client that asks for health next sees it; nothing if it was answered meanwhile
         (cancelled, timed out, abandoned)."""
-        if not request.claim():
-            return
-        if isinstance(result, OutriderError):
-            self.stats.failure(result.code)
-            request.fail(result, claimed=True)
-        else:
-            self.stats.success(rows=request.rows)
-            request.reply(result, claimed=True)
+        request.answer(result, self.stats)
 
     def _answered(self, request: PendingRequest) -> None:
         self.outstanding.discard(request)

@@ -78,9 +78,7 @@ class Supervisor:
         self.model.instance_changed()  # before anyone hears of it, so health already says not ready
         error = ExecutionError(f"{where}: {how} while running this request; the instance is being replaced")
         for request in list(inst.current):
-            if request.claim():
-                self.model.stats.failure(error.code)
-                request.fail(error, claimed=True)
+            request.answer(error, self.model.stats)
 
     def _answer_unserved(self, now: float) -> None:
         """Queued requests do not wait for ever on a model none of whose instances can serve."""
@@ -95,9 +93,7 @@ class Supervisor:
                 f"model {self.model.name!r} has had no instance able to serve for {self.UNSERVED_QUEUE_WAIT_S:g}s{detail}"
             )
             for request in self.model.queue.take_more(len(self.model.queue)):
-                if request.claim():
-                    self.model.stats.failure(error.code)
-                    request.fail(error, claimed=True)
+                request.answer(error, self.model.stats)
 
     def _abandon(self, inst: Instance, reason: str) -> None:
         inst.abandoned = True
@@ -110,9 +106,7 @@ class Supervisor:
             f"model {self.model.name!r} instance {inst.index}: {reason}; {what} and the instance is being replaced"
         )
         for request in list(inst.current):
-            if request.claim():
-                self.model.stats.failure(error.code)
-                request.fail(error, claimed=True)
+            request.answer(error, self.model.stats)
         if killable:  # a worker process can be killed; a thread can only be left behind
             inst.backend.kill()
 
