@@ -171,7 +171,8 @@ class DynamicBatcher(Scheduler):
 
     # -- forming batches ------------------------------------------------------------------
 
-    def next_batch(self, queue: RequestQueue, idle: Optional[Callable[[], None]] = None) -> list[PendingRequest]:
+    def next_batch(self, queue: RequestQueue, idle: Optional[Callable[[], None]] = None,
+                   backend: Optional[Backend] = None) -> list[PendingRequest]:
         """Wait for a first request, then gather more until full, preferred-sized or out of delay."""
         first: Any = self._take_piece() if self._piece_turn else None
         if first is None:

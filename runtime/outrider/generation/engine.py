@@ -26,7 +26,8 @@ import numpy as np
 from outrider.errors import BadRequestError, ExecutionError, OutriderError
 from outrider.serving.queue import RequestQueue
 from outrider.serving.request import PendingRequest
-from outrider.serving.scheduler import InstanceHandle, Scheduler
+from outrider.serving.request import DEFERRED
+from outrider.serving.scheduler import Scheduler
 
 from .constraints import TokenRules, check_grammar_state, parse_logit_bias, token_logprobs
 from .contract import Chunk, DraftLimits, DraftTree, StepOutcome, check_tokenizer, children_of, sampled_groups
@@ -570,21 +571,29 @@ def _grammatical(tree: DraftTree, rules: TokenRules) -> DraftTree:
 
 
 class GenerationScheduler(Scheduler):
-    """Feeds the engine from the model's queue and runs steps while it has work."""
+    """Feeds the engine from the model's queue; each plan is the requests of one engine step."""
 
-    def serve(self, instance: InstanceHandle, queue: RequestQueue) -> None:
-        engine: GenerationEngine = instance.backend.engine
+    stateful = True
+
+    def next_batch(self, queue: RequestQueue, idle: Optional[Any] = None, backend: Any = None) -> list[PendingRequest]:
+        """Admit what fits into the engine; the requests the next step serves (what a hang or crash
+        must answer), or none when nothing came within a short wait."""
+        engine: GenerationEngine = backend.engine
         if engine.busy():
             new = queue.take_more(engine.capacity())
         else:
-            request = queue.take(timeout=0.25, idle=instance.idle)
+            request = queue.take(timeout=0.25, idle=idle)
             if request is None:
-                return
+                return []
             new = [request] + queue.take_more(engine.capacity() - 1)
         engine.admit(new)
+        return engine.requests()
+
+    def execute(self, backend: Any, batch: list[PendingRequest]) -> list[Any]:
+        """One engine step; the engine answers each request (now or in a later step)."""
+        engine: GenerationEngine = backend.engine
         try:
-            with instance.working_on(engine.requests()):  # what a hang or crash must answer
-                engine.step()
+            engine.step()
         except Exception as exc:
             # The shared forward failed: step() answered its sequences and freed their slots.
             # Anything else that escaped is a bug here; either way answer what is active, keep
@@ -593,3 +602,4 @@ class GenerationScheduler(Scheduler):
                 log.exception("generation step failed")
             engine.fail_active(exc if isinstance(exc, OutriderError) else
                                ExecutionError(f"generation step failed: {type(exc).__name__}: {exc}"))
+        return [DEFERRED] * len(batch)

@@ -184,7 +184,9 @@ class Instance(threading.Thread):
             # Until stopped, or the supervisor gives up on it (hung, worker dead: state FAILED).
             while not self._stopping.is_set() and not self.abandoned and self.state == ModelState.READY:
                 if self.healthy:
-                    model.scheduler.serve(self, model.queue)
+                    batch = model.scheduler.next_batch(model.queue, self.idle, self.backend)
+                    if batch:
+                        self.execute(batch)
                 else:
                     self._stopping.wait(0.1)  # out of service: a free healthy instance takes the work
                 if time.monotonic() >= self._next_health_check and self.state == ModelState.READY:
@@ -252,6 +254,11 @@ class Instance(threading.Thread):
         model = self.model
         gone = self._gone()
         if gone is not None:
+            if model.scheduler.stateful:  # held by this instance's engine: nobody else can serve them
+                error = UnavailableError(f"model {model.name!r} instance {self.index}: {gone}")
+                for request in batch:
+                    request.answer(error, model.stats)
+                raise InstanceCrashed(str(error), reason=gone)
             # Taken from the queue after the worker died but before anyone noticed: nothing was
             # sent, so the requests go back in front for another instance or the replacement.
             for request in model.queue.put_back(batch):
@@ -279,7 +286,7 @@ class Instance(threading.Thread):
             raise RuntimeError(f"the scheduler returned {len(results)} results for {len(batch)} requests")
         if crashed is not None:  # health says so before the clients hear of it
             self._fail(crashed.reason)
-        if batch:
+        if batch and not model.scheduler.stateful:  # an engine step is not a batch of answers
             model.stats.batch(len(batch), (start - r.received for r in batch), compute)
         for request, result in zip(batch, results):
             if result is DEFERRED:

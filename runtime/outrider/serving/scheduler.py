@@ -1,35 +1,22 @@
-"""How an instance's work is chosen: a policy hands the instance its next batch, the instance
-runs it and answers every request of it (serving/instance.py).
+"""How an instance's work is chosen, as data: a policy's `next_batch` says which requests an
+instance runs next (the plan), its `execute` how they go through the backend (cut, padded, joined);
+the instance takes the plan, runs it, answers every request of it and counts (serving/instance.py).
+A policy never calls back into the instance.
 
 `Scheduler` is the default policy, one request per execute. The dynamic batcher (a
 `batch_policy` accelerator) subclasses it; a generating backend brings its own
-(`GeneratingBackend.make_scheduler`), which overrides `serve` to drive a stateful engine step by
-step. A policy sees its instance only through `InstanceHandle`.
+(`GeneratingBackend.make_scheduler`), a `stateful` one whose plan is the requests of one engine
+step (answered by the engine, in that step or a later one).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, ContextManager, Optional, Protocol
+from typing import Any, Callable, ClassVar, Optional
 
 from ..backend import Backend
 from ..manifest import Manifest
 from .queue import RequestQueue
 from .request import PendingRequest
-
-
-class InstanceHandle(Protocol):
-    """What a scheduler may use of the instance it serves (serving.instance.Instance)."""
-
-    backend: Optional[Backend]
-
-    def idle(self) -> None:
-        """Nothing to do for a moment: the backend may hand back what it holds (Backend.idle)."""
-
-    def execute(self, batch: list[PendingRequest]) -> None:
-        """Run `batch` through this policy's `execute` on the instance's backend and answer each request once."""
-
-    def working_on(self, requests: list[PendingRequest]) -> ContextManager[None]:
-        """While inside: `requests` are what the instance runs (answered by the supervisor if it hangs or dies)."""
 
 
 class Scheduler:
@@ -40,18 +27,18 @@ class Scheduler:
     max_batch_size: Optional[int] = None
     #: the batch sizes the policy aims for (it dispatches when a batch reaches one)
     preferred_batch_sizes: frozenset[int] = frozenset()
+    #: True for a policy whose requests live in a stateful engine across turns (generation): its
+    #: `execute` returns DEFERRED for each (the engine answers them), the instance never puts them
+    #: back in the queue, and a turn is not counted as a batch
+    stateful: ClassVar[bool] = False
 
     def __init__(self, manifest: Manifest) -> None:
         self.manifest = manifest
 
-    def serve(self, instance: InstanceHandle, queue: RequestQueue) -> None:
-        """One turn of an instance's loop: wait for work, have the instance execute it. Stateful
-        engines override this."""
-        batch = self.next_batch(queue, idle=instance.idle)
-        if batch:
-            instance.execute(batch)
-
-    def next_batch(self, queue: RequestQueue, idle: Optional[Callable[[], None]] = None) -> list[PendingRequest]:
+    def next_batch(self, queue: RequestQueue, idle: Optional[Callable[[], None]] = None,
+                   backend: Optional[Backend] = None) -> list[PendingRequest]:
+        """What the instance runs next (empty: nothing came within a short wait). `idle` is called
+        while waiting; `backend` is the instance's (a stateful policy plans with its engine)."""
         request = queue.take(timeout=0.25, idle=idle)
         return [request] if request is not None else []
 
