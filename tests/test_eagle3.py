@@ -321,3 +321,20 @@ speculative:
         spec = client.generate("tiny", prompt="the cat sat", max_tokens=24, temperature=0.0)
         assert spec.token_ids == plain.token_ids
         assert spec.stats["draft_tokens"] > 0
+
+
+def test_the_eagle3_drafter_passes_the_conformance_kit(target, tmp_path):
+    from outrider.plugins import create_registry
+    from outrider.testing import check_drafter
+
+    model, tokenizer, _, _ = target
+    head = write_head(tmp_path / "head", model.hidden_size, model.vocab_size, seed=6)
+    registry = create_registry(["outrider_llm", "outrider_speculative"], load_entry_points=False)
+    try:
+        counts = check_drafter(registry, "eagle3", model, tokenizer, tokenizer.encode("the cat sat on the mat"),
+                               {"path": str(head), "prob_threshold": 0.0})
+    finally:
+        model.capture_hidden(())
+    # The kit's own sequences carry no hidden states, so a head proposes nothing there (an empty tree
+    # is a valid proposal); through the engine it drafts, and the output is the target's.
+    assert counts["proposals"] == 24 and counts["engine_draft_tokens"] > 0

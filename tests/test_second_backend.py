@@ -59,3 +59,16 @@ def test_second_generating_backend_served_with_speculation(tmp_path, server_fact
             assert plain.stats["draft_tokens"] == 0
             accepted += spec.stats["accepted_tokens"]
     assert accepted > 0, f"speculation never accepted a {drafter} draft: it did not run on this backend"
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "period"])
+def test_drafters_pass_the_conformance_kit_on_the_second_backend(drafter):
+    """outrider.testing.check_drafter: a drafter a plugin registers, checked against the contract alone."""
+    from outrider.plugins import create_registry
+    from outrider.testing import check_drafter
+    from outrider_test_hf_llama import CharTokenizer
+
+    registry = create_registry(["outrider_test_hf_llama", "outrider_speculative"], load_entry_points=False)
+    tokenizer = CharTokenizer()
+    counts = check_drafter(registry, drafter, HFLlama(seed=3), tokenizer, tokenizer.encode("abc abc abc abc abc"))
+    assert counts["proposals"] == 24 and counts["nodes"] > 0 and counts["engine_draft_tokens"] > 0

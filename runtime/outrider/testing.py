@@ -132,3 +132,94 @@ class BackendConformance:
         result = check_backend(registry.backends[self.backend], self.manifest, self.sample_inputs, registry)
         if not result["available"]:
             pytest.skip(f"backend {self.backend!r} unavailable here: {result['reason']}")
+
+
+class _View:
+    """A SequenceView for `check_drafter` (what the engine's Sequence offers a drafter)."""
+
+    def __init__(self, seq_id: str, token_ids: list[int], params: Any, generator: Any) -> None:
+        self.seq_id, self.token_ids, self.prompt_length = seq_id, list(token_ids), len(token_ids)
+        self.params, self.generator, self.last_hidden, self.new_features = params, generator, None, None
+
+
+def check_drafter(registry: PluginRegistry, name: str, model: Any, tokenizer: Any, prompt_ids: list[int],
+                  options: Optional[dict] = None, steps: int = 12) -> dict[str, Any]:
+    """Run a registered drafter against the drafter contract (outrider.generation.contract.Drafter) on a
+    real target `model` and `tokenizer`, and check what it proposes; returns counts.
+
+    Its factory is called as `factory(model, options, DrafterContext(tokenizer))`; each proposal must
+    be a well-formed tree (parents before children, lengths agreeing, sampled groups on existing
+    nodes with a q over the vocabulary) of at most `budget` nodes, for greedy and for sampling
+    parameters; `start`, `observe` and `finish` (where defined) must take a sequence's life; and the
+    engine's greedy output with the drafter must be the target's own, token for token. The kit's own
+    sequences carry no hidden states (`last_hidden`, `new_features` are None): a drafter that reads
+    them proposes empty trees there, which is valid, and drafts in the engine part."""
+    from .generation.contract import DrafterContext, StepOutcome, sampled_groups
+    from .generation.engine import GenerationEngine
+    from .generation.sampling import SamplingParams, new_generator
+    from .serving.request import PendingRequest
+
+    assert name in registry.drafters, f"no plugin registers drafter {name!r} (known: {sorted(registry.drafters)})"
+    drafter = registry.drafters[name](model, dict(options or {}), DrafterContext(tokenizer=tokenizer))
+    assert callable(getattr(drafter, "propose", None)), f"drafter {name!r} has no propose(seq, budget)"
+    counts = {"proposals": 0, "nodes": 0, "sampled_groups": 0}
+    vocab = int(model.vocab_size)
+    for label, params in (("greedy", SamplingParams(temperature=0.0)), ("sampling", SamplingParams(temperature=1.0, seed=3))):
+        view = _View(f"conformance-{label}", prompt_ids, params, new_generator(params.seed))
+        for hook in ("start",):
+            if hasattr(drafter, hook):
+                getattr(drafter, hook)(view)
+        for step in range(steps):
+            budget = 1 + step % 8
+            tree = drafter.propose(view, budget)
+            n = len(tree.tokens)
+            assert len(tree.parents) == n and (not tree.probs or len(tree.probs) == n), \
+                f"{name}: {n} tokens, {len(tree.parents)} parents, {len(tree.probs)} probs"
+            assert n <= budget, f"{name}: proposed {n} nodes for a budget of {budget}"
+            assert all(-1 <= p < i for i, p in enumerate(tree.parents)), f"{name}: a parent comes after its child"
+            assert all(0 <= t < vocab for t in tree.tokens), f"{name}: a drafted token is outside the vocabulary"
+            for parent, groups in sampled_groups(tree).items():
+                assert -1 <= parent < n, f"{name}: a sampled group under missing node {parent}"
+                for group in groups:
+                    q = np.asarray(group.q)
+                    assert q.shape == (vocab,) and np.all(q >= 0) and q.sum() > 0, f"{name}: a sampled q is not a distribution over the vocabulary"
+                    assert all(q[t] > 0 for t in group.draws), f"{name}: a draw has q = 0"
+                counts["sampled_groups"] += len(groups)
+            counts["proposals"] += 1
+            counts["nodes"] += n
+            new = [int(tree.tokens[0])] if n else [int(prompt_ids[-1])]  # as if the first node were accepted
+            view.token_ids += new
+            if hasattr(drafter, "observe"):
+                drafter.observe(view, StepOutcome("decode", n, min(1, n), new))
+        if hasattr(drafter, "finish"):
+            drafter.finish(view)
+
+    # Through the engine: greedy output with the drafter is the target's.
+    generating = [b for b in registry.backends.values() if b.generates]
+    assert generating, "no plugin registers a generating backend to run the drafter under"
+    manifest = validate_manifest({"name": "conformance", "backend": generating[0].name,
+                                  "speculative": {"drafters": [name], "cost_gate": False, name: dict(options or {})}})
+    strategy = registry.accelerators_for(manifest, generating[0]).decode_strategy
+    assert strategy is not None, "no plugin registers a decode strategy (the speculative plugin) to run the drafter in"
+    strategy = strategy.for_instance()
+    strategy.attach(model, tokenizer)
+    outputs = []
+    for strat in (None, strategy):
+        engine = GenerationEngine(model, tokenizer, strat, max_sequences=2, max_length=len(prompt_ids) + 64)
+        finals: list[dict] = []
+
+        def send(request: Any, kind: str, header: dict, out: Any) -> None:
+            if kind != "chunk":
+                finals.append(header)
+
+        engine.admit([PendingRequest(b"c", 0, "generate", "conformance", {},
+                                     {"prompt": tokenizer.decode(prompt_ids), "max_tokens": 24, "temperature": 0.0}, send)])
+        while engine.busy():
+            engine.step()
+        assert finals and finals[0].get("ok", True), f"{name}: the generation failed: {finals}"
+        outputs.append(finals[0])
+    assert outputs[1]["token_ids"] == outputs[0]["token_ids"], \
+        f"{name}: greedy output with the drafter differs from the target's: {outputs[1]['token_ids']} vs {outputs[0]['token_ids']}"
+    counts["engine_draft_tokens"] = outputs[1]["stats"]["draft_tokens"]
+    return counts
+
