@@ -142,7 +142,7 @@ def test_jetson_from_a_tegrastats_line_and_not_a_jetson(tmp_path: Path) -> None:
     (gpu,) = devices.read_jetson(orin_tree(tmp_path / "orin"), tegrastats=ORIN_TEGRASTATS)
     assert (gpu.memory_used_mib, gpu.utilization_percent) == (5423, 47.0)
     (tmp_path / "plain").mkdir()
-    with pytest.raises(devices._NoSource, match="not a Jetson"):
+    with pytest.raises(devices.NoSource, match="not a Jetson"):
         devices.read_jetson(tmp_path / "plain")
 
 

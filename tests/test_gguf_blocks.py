@@ -293,7 +293,7 @@ def test_symmetric_types_hold_no_minimums_table_and_compute_the_same(type_name, 
     for cls, op in ((W8A8Linear, torch.ops.outrider.w8a8_mm), (W5A8Linear, torch.ops.outrider.w5a8_mm)):
         linear = cls(q, d, m)
         assert linear.offset == offset and (linear.minimums.numel() == 0) == (offset > 0)
-        table = native._per_tile(m, dtype=linear.scales.dtype)[0]
+        table = native.per_tile(m, dtype=linear.scales.dtype)[0]
         assert torch.equal(linear(x), op(x, linear.packed, linear.scales, table, linear.group, 0))
     with pytest.raises(RuntimeError, match="offset must be 0 or a power of two"):
         op(x, linear.packed, linear.scales, torch.empty(0), linear.group, 24)

@@ -274,7 +274,7 @@ def test_the_fast_header_reader_reads_what_gguf_py_reads(arch, kind, tmp_path):
     pytest.importorskip("transformers")
     from gguf import GGUFReader
     from gguf_models import write_tiny_gguf
-    from outrider_llm.gguf_reading import GGUFFile, _config_from_gguf, _field
+    from outrider_llm.gguf_reading import GGUFFile, config_from_gguf, gguf_field
 
     shape = dict(hidden_size=256, intermediate_size=512) if kind.endswith("K") else {}
     path, _ = write_tiny_gguf(tmp_path, arch, seed=1, matrix_type=kind, **shape)
@@ -287,8 +287,8 @@ def test_the_fast_header_reader_reads_what_gguf_py_reads(arch, kind, tmp_path):
                               np.asarray(b.data).reshape(-1).view(np.uint8)), a.name
     for key in reference.fields:
         if not key.startswith("GGUF."):
-            assert _field(fast, key) == _field(reference, key), key
-    assert _config_from_gguf(fast, path) == _config_from_gguf(reference, path)
+            assert gguf_field(fast, key) == gguf_field(reference, key), key
+    assert config_from_gguf(fast, path) == config_from_gguf(reference, path)
     truncated = tmp_path / "truncated.gguf"
     truncated.write_bytes(path.read_bytes()[:-4096])
     with pytest.raises(ValueError, match="runs past the end"):

@@ -188,3 +188,30 @@ def test_the_tools_have_no_import_cycle() -> None:
     assert {"bench", "bench_sizes", "bench_draft_model"} <= set(graph)
     cycles = import_cycles(graph)
     assert not cycles, "import cycles in tools/ (lazy imports count):\n" + _cycles_text(cycles)
+
+
+def private_imports(root: Path, base: Path = ROOT) -> list[str]:
+    """'file:line imports NAME from MODULE' for each `from X import _name` under `root` (lazy ones too):
+    what one module shares with another is public in its home module."""
+    problems = []
+    for path in sorted(root.rglob("*.py")):
+        if "build" in path.relative_to(base).parts:
+            continue
+        where = path.relative_to(base).as_posix()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom):
+                for alias in node.names:
+                    if alias.name.startswith("_") and not alias.name.startswith("__"):
+                        problems.append(f"{where}:{node.lineno} imports {alias.name} from "
+                                        f"{'.' * node.level}{node.module or ''}")
+    return problems
+
+
+def test_no_module_imports_another_modules_private_names() -> None:
+    problems = private_imports(RUNTIME / "outrider") + private_imports(PLUGINS)
+    assert not problems, "private names imported across modules (make them public where they live):\n" + "\n".join(problems)
+
+
+def test_the_private_import_check_finds_one(tmp_path) -> None:
+    (tmp_path / "m.py").write_text("from .other import _secret, public\n\ndef f():\n    from x import __version__\n")
+    assert private_imports(tmp_path, tmp_path) == ["m.py:1 imports _secret from .other"]

@@ -31,7 +31,7 @@ from outrider_llm.linear import (  # noqa: E402
     unpack_int4,
 )
 from outrider_llm.loading import random_llama_weights, tiny_llama_config  # noqa: E402
-from outrider_llm.model import LlamaModel, _Linear  # noqa: E402
+from outrider_llm.model import LlamaModel, QuantizedLinear  # noqa: E402
 from outrider_quantize.config import QualityGate, QuantizeConfig  # noqa: E402
 from outrider_quantize.llm import (  # noqa: E402
     default_head_mode,
@@ -121,7 +121,7 @@ def test_int4_kernel_matches_dequantized_reference(rows: int, kernel: str) -> No
     else:
         _close(out, x.to(torch.bfloat16).float() @ quant.dequantize().t(), 0.02 if kernel == "int4pack" else 2e-3)
     # With a dense bf16 copy, calls of many rows go there and agree as well.
-    both = Int4Linear(quant, dense=_Linear(quant.dequantize(), torch.bfloat16, use_onednn=False), dense_from=4,
+    both = Int4Linear(quant, dense=QuantizedLinear(quant.dequantize(), torch.bfloat16, use_onednn=False), dense_from=4,
                       kernel=kernel)
     _close(both(x), x @ quant.dequantize().t(), 0.03)
 

@@ -436,7 +436,7 @@ def test_numpy_packers_equal_the_torch_packers_byte_for_byte(lib, torch_native) 
     d = rng.uniform(1e-3, 1e-1, (48, 4)).astype(np.float32)
     exact = d.astype(np.float16).astype(np.float32)
     for dtype, tdtype in ((np.float16, torch.float16), (np.float32, torch.float32)):
-        for mine, theirs in zip(nc.per_tile(d, -d, dtype=dtype), native._per_tile(torch.from_numpy(d),
+        for mine, theirs in zip(nc.per_tile(d, -d, dtype=dtype), native.per_tile(torch.from_numpy(d),
                                                                                  torch.from_numpy(-d), dtype=tdtype)):
             assert _same(mine, theirs.numpy())
     assert nc.table_dtype(exact, -exact) == np.float16 and native.table_dtype(torch.from_numpy(exact)) == torch.float16

@@ -33,7 +33,7 @@ from outrider.errors import OutriderError
 from outrider.protocol import encode_bytes_tensor
 
 from .dispatch import ClientGone, Dispatcher
-from .openai_api import ApiError, _bad, _failure, _parse, _Schema, served_model
+from .openai_api import ApiError, bad_request, failure_error, parse_body, Schema, served_model
 from .tokenize_api import EmbeddingTokenizer, embedding_tokenizer_async, off_loop
 
 log = logging.getLogger("outrider.http")
@@ -42,7 +42,7 @@ log = logging.getLogger("outrider.http")
 TOKEN_IDS_MARK = b"\xff"
 
 
-class EmbeddingRequest(_Schema):
+class EmbeddingRequest(Schema):
     model: str
     # Strict ints: JSON true or 1.5 is not a token id.
     input: Union[str, list[str], list[list[StrictInt]], list[StrictInt]]
@@ -59,12 +59,12 @@ def routes(dispatch: Dispatcher) -> list[Route]:
     def model_named(name: str) -> Any:
         model = served_model(server, name)
         if model.generates:
-            raise _bad(f"model '{name}' generates text; use /v1/completions or /v1/chat/completions", "model")
+            raise bad_request(f"model '{name}' generates text; use /v1/completions or /v1/chat/completions", "model")
         return model
 
     async def embeddings(request: Request) -> Response:
         try:
-            body = await _parse(request, EmbeddingRequest, limit)
+            body = await parse_body(request, EmbeddingRequest, limit)
             model = model_named(body.model)
             text_input, vector_output = _embedding_contract(model)
             inputs = _inputs(body.input, model.manifest.limits.max_rows)
@@ -76,21 +76,21 @@ def routes(dispatch: Dispatcher) -> list[Route]:
                 tokens = sum(map(len, rows))
             else:  # a model whose task does not tokenize here: its text goes as it is, uncounted
                 if body.truncate is not None:
-                    raise _bad(f"model '{model.name}' does not say how it tokenizes; 'truncate' cannot be used",
+                    raise bad_request(f"model '{model.name}' does not say how it tokenizes; 'truncate' cannot be used",
                                "truncate")
                 if isinstance(inputs[0], list):
-                    raise _bad(f"model '{model.name}' does not say how it tokenizes; send 'input' as text", "input")
+                    raise bad_request(f"model '{model.name}' does not say how it tokenizes; send 'input' as text", "input")
                 elements, tokens = inputs, 0
             buffer = encode_bytes_tensor(np.array(elements, dtype=object))
             spec = {"name": text_input, "datatype": "BYTES", "shape": [len(elements)]}
             call = dispatch.submit(request.scope, "infer", model.name, {}, [spec], [buffer])
             header, outputs = await dispatch.final(call, request.receive)
             if not header.get("ok"):
-                raise _failure(header)
+                raise failure_error(header)
             vectors = np.asarray(outputs[vector_output], dtype="<f4")
             if body.dimensions is not None and body.dimensions != vectors.shape[1]:
                 if task is None:
-                    raise _bad(f"model '{model.name}' returns {vectors.shape[1]} dimensions; 'dimensions' "
+                    raise bad_request(f"model '{model.name}' returns {vectors.shape[1]} dimensions; 'dimensions' "
                                f"cannot change that", "dimensions")
                 vectors = shortened(vectors, body.dimensions)
             if body.encoding_format == "base64":
@@ -126,7 +126,7 @@ def _embedding_contract(model: Any) -> tuple[str, str]:
     if (len(m.inputs) == 1 and m.inputs[0].datatype == "BYTES" and len(m.outputs) == 1
             and m.outputs[0].datatype == "FP32" and len(m.outputs[0].shape) == 2):
         return m.inputs[0].name, m.outputs[0].name
-    raise _bad(f"model '{model.name}' does not embed text (it needs one BYTES input and one [N, D] FP32 output)",
+    raise bad_request(f"model '{model.name}' does not embed text (it needs one BYTES input and one [N, D] FP32 output)",
                "model")
 
 
@@ -139,9 +139,9 @@ def _inputs(given: Any, max_rows: int) -> Union[list[str], list[list[int]]]:
     else:
         rows = list(given)
     if not rows:
-        raise _bad("'input' must not be empty", "input")
+        raise bad_request("'input' must not be empty", "input")
     if len(rows) > max_rows:
-        raise _bad(f"'input' holds {len(rows)} inputs; this model takes at most {max_rows} a request "
+        raise bad_request(f"'input' holds {len(rows)} inputs; this model takes at most {max_rows} a request "
                    f"(limits.max_rows)", "input")
     return rows
 
@@ -152,13 +152,13 @@ def _check_dimensions(dimensions: Optional[int], name: str, task: EmbeddingToken
     if dimensions is None or dimensions == width:
         return
     if not 1 <= dimensions <= width:
-        raise _bad(f"'dimensions' must be from 1 to {width}, the width of model '{name}' (got {dimensions})",
+        raise bad_request(f"'dimensions' must be from 1 to {width}, the width of model '{name}' (got {dimensions})",
                    "dimensions")
     if not task.matryoshka:
-        raise _bad(f"model '{name}' was not trained for shortened embeddings (its manifest does not set "
+        raise bad_request(f"model '{name}' was not trained for shortened embeddings (its manifest does not set "
                    f"options.matryoshka), so 'dimensions' can only be {width}", "dimensions")
     if dimensions not in task.dimensions:
-        raise _bad(f"model '{name}' gives embeddings of {sorted(task.dimensions)} dimensions "
+        raise bad_request(f"model '{name}' gives embeddings of {sorted(task.dimensions)} dimensions "
                    f"(options.matryoshka_dimensions), not {dimensions}", "dimensions")
 
 
@@ -167,14 +167,14 @@ async def _token_rows(inputs: Union[list[str], list[list[int]]], task: Embedding
     """The token ids of each input, checked: the model's limit, its vocabulary, the truncation policy."""
     if isinstance(inputs[0], list):
         if truncate is not None:  # ids are the model's input as given: nothing here cuts them
-            raise _bad("'truncate' applies to text; token ids are never cut (at most "
+            raise bad_request("'truncate' applies to text; token ids are never cut (at most "
                        f"{task.max_length} a row)", "truncate")
         for i, row in enumerate(inputs):
             if not 1 <= len(row) <= task.max_length:
-                raise _bad(f"input[{i}] holds {len(row)} token ids; this model takes 1 to {task.max_length}", "input")
+                raise bad_request(f"input[{i}] holds {len(row)} token ids; this model takes 1 to {task.max_length}", "input")
             bad = next((t for t in row if not 0 <= t < task.vocab_size), None)
             if bad is not None:
-                raise _bad(f"input[{i}]: token id {bad} is outside the vocabulary (0 to {task.vocab_size - 1})",
+                raise bad_request(f"input[{i}]: token id {bad} is outside the vocabulary (0 to {task.vocab_size - 1})",
                            "input")
         return inputs  # type: ignore[return-value]  # lists of ints, checked above
     cut = task.truncate if truncate is None else truncate
@@ -184,6 +184,6 @@ async def _token_rows(inputs: Union[list[str], list[list[int]]], task: Embedding
         for i, row in enumerate(rows):
             if len(row) > task.max_length:
                 least = "at least " if len(texts[i]) > task.max_chars else ""  # only a prefix was tokenized
-                raise _bad(f"input[{i}] has {least}{len(row)} tokens, more than the {task.max_length} this model "
+                raise bad_request(f"input[{i}] has {least}{len(row)} tokens, more than the {task.max_length} this model "
                            f"takes; send 'truncate': true to cut it to the limit", "input")
     return rows

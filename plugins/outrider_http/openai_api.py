@@ -34,17 +34,17 @@ from .openai_structured import (FieldError, Tools, chat_logprobs, completion_log
 log = logging.getLogger("outrider.http")
 
 
-class _Schema(BaseModel):
+class Schema(BaseModel):
     # Clients send fields this server has no use for (user, metadata, store...): they are kept
     # aside and ignored, except those in UNSUPPORTED, refused when set to anything but the default.
     model_config = ConfigDict(extra="allow")
 
 
-class StreamOptions(_Schema):
+class StreamOptions(Schema):
     include_usage: bool = False
 
 
-class _Generation(_Schema):
+class _Generation(Schema):
     model: str
     max_tokens: Optional[int] = None
     temperature: Optional[float] = None
@@ -72,12 +72,12 @@ class CompletionRequest(_Generation):
     logprobs: Optional[int] = None  # the legacy API: how many top entries per token (0..5)
 
 
-class TextPart(_Schema):
+class TextPart(Schema):
     type: str
     text: Optional[str] = None
 
 
-class ChatMessage(_Schema):
+class ChatMessage(Schema):
     role: str
     content: Optional[Union[str, list[TextPart]]] = None
 
@@ -125,7 +125,7 @@ def _param_named(message: str) -> Optional[str]:
     return None
 
 
-def _bad(message: str, param: Optional[str] = None) -> ApiError:
+def bad_request(message: str, param: Optional[str] = None) -> ApiError:
     return ApiError(400, message, "bad_request", param)
 
 
@@ -141,23 +141,23 @@ def served_model(server: Any, name: str, load: bool = True) -> Any:
         raise ApiError.of(exc, "model") from None
 
 
-async def _parse(request: Request, schema: type[BaseModel], limit: int) -> Any:
+async def parse_body(request: Request, schema: type[BaseModel], limit: int) -> Any:
     body = await read_body(request, limit)
     try:
         data = await off_loop(lambda: json.loads(body), len(body))
     except (ValueError, RecursionError) as exc:
-        raise _bad(f"the request body is not valid JSON: {exc}") from None
+        raise bad_request(f"the request body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
-        raise _bad("the request body must be a JSON object")
+        raise bad_request("the request body must be a JSON object")
     try:
         parsed = schema.model_validate(data)
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
-        raise _bad(f"{where}: {first['msg']}", str(first["loc"][0]) if first["loc"] else None) from None
+        raise bad_request(f"{where}: {first['msg']}", str(first["loc"][0]) if first["loc"] else None) from None
     for name, value in (parsed.model_extra or {}).items():
         if name in UNSUPPORTED and value not in UNSUPPORTED[name]:
-            raise _bad(f"'{name}' is not supported by this server", name)
+            raise bad_request(f"'{name}' is not supported by this server", name)
     return parsed
 
 
@@ -169,7 +169,7 @@ def routes(dispatch: Dispatcher) -> list[Route]:
         model = served_model(server, name)
         if model.generates != generates:
             what = "does not generate text" if generates else "generates text; use /v1/completions or /v1/chat/completions"
-            raise _bad(f"model '{name}' {what}", "model")
+            raise bad_request(f"model '{name}' {what}", "model")
         return model
 
     def requestable() -> list[str]:
@@ -198,25 +198,25 @@ def routes(dispatch: Dispatcher) -> list[Route]:
     async def _generate(request: Request, chat: bool) -> Response:
         call: Optional[Call] = None
         try:
-            body = await _parse(request, ChatRequest if chat else CompletionRequest, limit)
+            body = await parse_body(request, ChatRequest if chat else CompletionRequest, limit)
             model = model_named(body.model, generates=True)
             try:
                 tools = Tools(body) if chat else None
                 choices = _generation_parameters(body, chat, tools)
             except FieldError as exc:
-                raise _bad(str(exc), exc.param) from None
+                raise bad_request(str(exc), exc.param) from None
             stream = bool(body.stream)
             reply = Reply(chat, body.model, bool(body.stream_options and body.stream_options.include_usage), tools)
             if not stream or len(choices) > 1:
                 if stream:
-                    raise _bad("stream with several choices (n > 1 or several prompts) is not supported", "n")
+                    raise bad_request("stream with several choices (n > 1 or several prompts) is not supported", "n")
                 calls = [dispatch.submit(request.scope, "generate", model.name, p) for p in choices]
                 headers = []
                 try:
                     for each in calls:  # all run at once in the engine; answered in order
                         header, _ = await dispatch.final(each, request.receive)
                         if not header.get("ok"):
-                            raise _failure(header)
+                            raise failure_error(header)
                         headers.append(header)
                 finally:
                     for each in calls:  # a no-op for those answered
@@ -227,7 +227,7 @@ def routes(dispatch: Dispatcher) -> list[Route]:
             # its 4xx instead of a 200 stream that ends in an error.
             first = await dispatch.next(call, request.receive)
             if first[0] == "reply" and not first[1].get("ok"):
-                raise _failure(first[1])
+                raise failure_error(first[1])
             return EventSourceResponse(_events(dispatch, call, reply, first), sep="\n", ping=15)
         except ClientGone:
             return Response(status_code=499)
@@ -246,7 +246,7 @@ def routes(dispatch: Dispatcher) -> list[Route]:
     ]
 
 
-def _failure(header: dict) -> ApiError:
+def failure_error(header: dict) -> ApiError:
     failure = header.get("error") or {}
     code, message = failure.get("code", "internal"), failure.get("message", "")
     return ApiError(status_of(code), message, code, _param_named(message))
@@ -417,7 +417,7 @@ async def _events(dispatch: Dispatcher, call: Call, reply: Reply,
                     yield _data(reply.usage_chunk(header))
                 break
             else:  # failed mid-stream: the openai client raises on an event carrying "error"
-                yield _data(_failure(header).body())
+                yield _data(failure_error(header).body())
                 break
             item = await call.next()
         yield {"data": "[DONE]"}

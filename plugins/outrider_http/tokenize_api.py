@@ -28,7 +28,7 @@ from starlette.routing import Route
 from outrider.errors import BadRequestError, OutriderError, TooLargeError
 
 from .dispatch import ClientGone, Dispatcher, off_loop as _off_loop
-from .openai_api import ApiError, _bad, _parse, _Schema, served_model
+from .openai_api import ApiError, bad_request, parse_body, Schema, served_model
 
 log = logging.getLogger("outrider.http")
 T = TypeVar("T")
@@ -89,7 +89,7 @@ class EmbeddingText(ModelText):
     def tokenize(self, prompt: Optional[str], messages: Optional[list[dict]],
                  add_special_tokens: Optional[bool]) -> list[int]:
         if messages is not None:
-            raise _bad("an embedding model has no chat template; send 'prompt'", "messages")
+            raise bad_request("an embedding model has no chat template; send 'prompt'", "messages")
         return self.task.tokenize(prompt or "", add_special_tokens=add_special_tokens is not False)
 
     def detokenize(self, ids: list[int], skip_special_tokens: bool) -> str:
@@ -110,15 +110,15 @@ class GenerationText(ModelText):
     def tokenize(self, prompt: Optional[str], messages: Optional[list[dict]],
                  add_special_tokens: Optional[bool]) -> list[int]:
         if add_special_tokens:
-            raise _bad("a generating model's prompt takes no special tokens (its chat template writes its "
+            raise bad_request("a generating model's prompt takes no special tokens (its chat template writes its "
                        "own); leave 'add_special_tokens' out or false", "add_special_tokens")
         if messages is not None:
             if not self.tokenizer.chat_template:
-                raise _bad("this model has no chat template; send 'prompt' instead of 'messages'", "messages")
+                raise bad_request("this model has no chat template; send 'prompt' instead of 'messages'", "messages")
             try:
                 prompt = self.tokenizer.apply_chat_template(messages)
             except Exception as exc:  # the template's raise_exception: these messages do not fit it
-                raise _bad(f"could not render 'messages' with the chat template: {exc}", "messages") from None
+                raise bad_request(f"could not render 'messages' with the chat template: {exc}", "messages") from None
         return list(self.tokenizer.encode(prompt or ""))
 
     def detokenize(self, ids: list[int], skip_special_tokens: bool) -> str:
@@ -160,7 +160,7 @@ async def model_text(model: Any) -> ModelText:
         return GenerationText(*model.text_tokenizer())
     task = await embedding_tokenizer_async(model)
     if task is None:
-        raise _bad(f"model '{model.name}' has no tokenizer", "model")
+        raise bad_request(f"model '{model.name}' has no tokenizer", "model")
     return EmbeddingText(task)
 
 
@@ -169,17 +169,17 @@ async def off_loop(work: Callable[[], T], characters: int) -> T:
     return await _off_loop(work, characters, INLINE_CHARACTERS)
 
 
-class TextPart(_Schema):
+class TextPart(Schema):
     type: str
     text: Optional[str] = None
 
 
-class Message(_Schema):
+class Message(Schema):
     role: str
     content: Union[str, list[TextPart]]
 
 
-class TokenizeRequest(_Schema):
+class TokenizeRequest(Schema):
     model: str
     prompt: Optional[str] = None
     messages: Optional[list[Message]] = None
@@ -188,7 +188,7 @@ class TokenizeRequest(_Schema):
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(_Schema):
+class DetokenizeRequest(Schema):
     model: str
     tokens: list[StrictInt]
     skip_special_tokens: bool = False
@@ -201,12 +201,12 @@ def routes(dispatch: Dispatcher) -> list[Route]:
 
     async def tokenize(request: Request) -> Response:
         try:
-            body = await _parse(request, TokenizeRequest, limit)
+            body = await parse_body(request, TokenizeRequest, limit)
             model = served_model(server, body.model, load=False)
             if (body.prompt is None) == (body.messages is None):
-                raise _bad("give exactly one of 'prompt' (a string) or 'messages'", "prompt")
+                raise bad_request("give exactly one of 'prompt' (a string) or 'messages'", "prompt")
             if body.add_generation_prompt is False:
-                raise _bad("the chat routes always add the generation prompt; leave 'add_generation_prompt' out",
+                raise bad_request("the chat routes always add the generation prompt; leave 'add_generation_prompt' out",
                            "add_generation_prompt")
             messages = None if body.messages is None else [_message(i, m) for i, m in enumerate(body.messages)]
             characters = len(body.prompt) if body.prompt is not None else sum(len(m["content"]) for m in messages)
@@ -225,19 +225,19 @@ def routes(dispatch: Dispatcher) -> list[Route]:
 
     async def detokenize(request: Request) -> Response:
         try:
-            body = await _parse(request, DetokenizeRequest, limit)
+            body = await parse_body(request, DetokenizeRequest, limit)
             model = served_model(server, body.model, load=False)
             text = await model_text(model)
             top = text.vocab_size
             bad = next((i for i, t in enumerate(body.tokens) if t < 0 or (top is not None and t >= top)), None)
             if bad is not None:
-                raise _bad(f"tokens[{bad}] = {body.tokens[bad]} is outside the vocabulary (0 to "
+                raise bad_request(f"tokens[{bad}] = {body.tokens[bad]} is outside the vocabulary (0 to "
                            f"{'' if top is None else top - 1})", "tokens")
             try:
                 prompt = await off_loop(lambda: text.detokenize(body.tokens, body.skip_special_tokens),
                                         len(body.tokens))
             except (IndexError, KeyError, OverflowError, ValueError) as exc:  # an id a tokenizer cannot decode
-                raise _bad(f"'tokens' cannot be decoded by this model's tokenizer: {exc}", "tokens") from None
+                raise bad_request(f"'tokens' cannot be decoded by this model's tokenizer: {exc}", "tokens") from None
             return JSONResponse({"prompt": prompt})
         except Exception as exc:
             return _answer(exc, "tokens")
@@ -249,7 +249,7 @@ def _message(index: int, message: Message) -> dict[str, str]:
     content = message.content
     if isinstance(content, list):
         if any(part.type != "text" for part in content):
-            raise _bad(f"messages[{index}].content: only text parts are supported", "messages")
+            raise bad_request(f"messages[{index}].content: only text parts are supported", "messages")
         content = "".join(part.text or "" for part in content)
     return {"role": message.role, "content": content}
 

@@ -138,7 +138,7 @@ def smollm2_gguf_path() -> Path:
 
 def read_artifact_meta(artifact: "Artifact | str | Path") -> dict:
     """meta.json of a "llama-weights" artifact (config, tokens, optional dtype and quantize)."""
-    directory = _artifact_dir(artifact)
+    directory = artifact_dir(artifact)
     meta = json.loads((directory / META_FILE).read_text())
     if meta.get("format") != CACHE_FORMAT:
         # Deterministic: loading it again gives the same answer (the artifact's key should have differed).
@@ -151,11 +151,11 @@ def artifact_tokenizer(artifact: "Artifact | str | Path") -> ChatTokenizer:
     """The ChatTokenizer stored in a "llama-weights" artifact."""
     from tokenizers import Tokenizer
 
-    directory = _artifact_dir(artifact)
-    return _tokenizer(Tokenizer.from_file(str(directory / TOKENIZER_FILE)), read_artifact_meta(directory))
+    directory = artifact_dir(artifact)
+    return chat_tokenizer(Tokenizer.from_file(str(directory / TOKENIZER_FILE)), read_artifact_meta(directory))
 
 
-def _artifact_dir(artifact: "Artifact | str | Path") -> Path:
+def artifact_dir(artifact: "Artifact | str | Path") -> Path:
     directory = Path(artifact.path if isinstance(artifact, Artifact) else artifact)
     if not (directory / META_FILE).is_file():
         raise ValueError(f"{directory} is not a llama-weights artifact (expected {META_FILE}, {WEIGHTS_FILE} "
@@ -163,7 +163,7 @@ def _artifact_dir(artifact: "Artifact | str | Path") -> Path:
     return directory
 
 
-def _tokenizer(backend: Any, meta: dict) -> ChatTokenizer:
+def chat_tokenizer(backend: Any, meta: dict) -> ChatTokenizer:
     eos = set(meta["eos_token_ids"])
     for text in STOP_TOKENS:
         token_id = backend.token_to_id(text)

@@ -83,7 +83,7 @@ def convert(kind: str, gguf: Path, directory: Path) -> dict:
     (`native`) or fp32 weights (`float`); the figures its provenance records."""
     from .artifact import WEIGHTS_FILE
     from .gguf_reading import gguf_tokenizer as _gguf_tokenizer
-    from .gguf_to_artifact import _read_gguf, _write_artifact
+    from .gguf_to_artifact import read_gguf, write_artifact
 
     if kind not in KINDS:
         raise ValueError(f"conversion kind {kind!r}: expected one of {KINDS}")
@@ -93,8 +93,8 @@ def convert(kind: str, gguf: Path, directory: Path) -> dict:
 
         gguf_tokenizer(gguf).save(str(directory / TOKENIZER_FILE))
         return {}
-    config, state_dict, meta = _read_gguf(gguf, native=kind == "native")
-    _write_artifact(directory, config, state_dict, meta, _gguf_tokenizer(gguf))
+    config, state_dict, meta = read_gguf(gguf, native=kind == "native")
+    write_artifact(directory, config, state_dict, meta, _gguf_tokenizer(gguf))
     figures = {"tensors": len(state_dict), "bytes": (directory / WEIGHTS_FILE).stat().st_size}
     if kind == "native":
         figures["block_types"] = meta["block_types"]
@@ -112,7 +112,7 @@ def load_weights_artifact(gguf_path: "str | Path", cache: Optional[ArtifactCache
 def load_native_artifact(gguf_path: "str | Path", cache: Optional[ArtifactCache] = None,
                          in_child: bool = False) -> Artifact:
     """The GGUF as a "llama-weights" artifact holding its quantized matrices in their own block
-    types (`_read_gguf(native=True)`), built once: a warm start reads it without conversion. With
+    types (`read_gguf(native=True)`), built once: a warm start reads it without conversion. With
     `in_child`, built by a child process (conversion.py: what a server does)."""
     return _converted("native", gguf_path, cache, in_child)
 

@@ -14,7 +14,7 @@ from .artifact import GGUFError
 from .config import LlamaConfig
 
 
-def _field(reader: Any, key: str, default: Any = None) -> Any:
+def gguf_field(reader: Any, key: str, default: Any = None) -> Any:
     field = reader.fields.get(key)
     if field is None:
         return default
@@ -25,7 +25,7 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
 
 
 # GGUF tensor name (after "blk.N.") -> Hugging Face Llama name (after "model.layers.N.").
-_LAYER_NAMES = {
+LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj",
@@ -50,25 +50,25 @@ GEMMA_POST_NORMS = ("post_attention_norm", "post_ffw_norm")
 GEMMA3_SWA_PATTERN = 6
 GEMMA3_LOCAL_ROPE_THETA = 10000.0
 # llama.cpp writes Q/K rows of these interleaved for its RoPE (qwen2/qwen3 use NEOX order: as is).
-_PERMUTED_QK = ("llama",)
-_MISSING = {
+PERMUTED_QK_ARCHS = ("llama",)
+UNSUPPORTED_ARCHS = {
     "gemma": "Gemma 1's layer (Gemma 2's without the post norms), which is not wired up",
     "qwen2moe": "mixture-of-experts layers", "qwen3moe": "mixture-of-experts layers",
     "mistral3": "its vision tower and Mistral 3's RoPE scaling",
 }
 
 
-def _config_from_gguf(reader: Any, path: Path) -> LlamaConfig:
+def config_from_gguf(reader: Any, path: Path) -> LlamaConfig:
     """The decoder's shape, from the metadata keys of the file's architecture."""
-    arch = _field(reader, "general.architecture")
+    arch = gguf_field(reader, "general.architecture")
     if arch not in ARCHITECTURES:
-        need = _MISSING.get(arch, "a layer body the llm backend does not have")
+        need = UNSUPPORTED_ARCHS.get(arch, "a layer body the llm backend does not have")
         raise GGUFError(f"{path}: architecture {arch!r} is not supported: the llm backend runs "
                         f"{', '.join(ARCHITECTURES)} (llama: Llama, Mistral and SmolLM2, which llama.cpp writes as "
                         f"llama); {arch} needs {need}")
 
     def key(name: str, default: Any = None) -> Any:
-        return _field(reader, f"{arch}.{name}", default)
+        return gguf_field(reader, f"{arch}.{name}", default)
 
     experts = key("expert_count")
     if experts:
@@ -117,8 +117,8 @@ def _config_from_gguf(reader: Any, path: Path) -> LlamaConfig:
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
         max_position_embeddings=int(key("context_length", 2048)),
         tie_word_embeddings="output.weight" not in names,
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+        bos_token_id=gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=gguf_field(reader, "tokenizer.ggml.eos_token_id"),
         architecture=arch,
         qkv_bias="blk.0.attn_q.bias" in names,
         qk_norm="blk.0.attn_q_norm.weight" in names,
@@ -128,12 +128,12 @@ def _config_from_gguf(reader: Any, path: Path) -> LlamaConfig:
     )
 
 
-_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
-_FUSED = ("attn_qkv", "ffn_up")
+FUSED_TENSORS = ("attn_qkv", "ffn_up")
 
 
-def _fused_parts(config: LlamaConfig, layer: str, kind: str, suffix: str) -> list[tuple[str, slice]]:
+def fused_parts(config: LlamaConfig, layer: str, kind: str, suffix: str) -> list[tuple[str, slice]]:
     """(Hugging Face name, rows) of each projection in a fused phi3 tensor."""
     p = f"model.layers.{layer}."
     if kind == "attn_qkv":
@@ -144,7 +144,7 @@ def _fused_parts(config: LlamaConfig, layer: str, kind: str, suffix: str) -> lis
     return [(f"{p}mlp.gate_proj.{suffix}", slice(0, inter)), (f"{p}mlp.up_proj.{suffix}", slice(inter, 2 * inter))]
 
 
-def _unpermute_rows(rows: Any, heads: int) -> Any:
+def unpermute_rows(rows: Any, heads: int) -> Any:
     """Rows of a Q/K weight (or its per-row blocks) from llama.cpp's interleaved RoPE order to HF's."""
     rows = rows.reshape(heads, rows.shape[0] // heads // 2, 2, *rows.shape[1:])
     return rows.swapaxes(2, 1).reshape(-1, *rows.shape[3:])
@@ -163,12 +163,12 @@ def gguf_tokenizer(path: Path) -> Any:
         # What transformers' get_gguf_tokenizer hands the converter, read by GGUFFile: its own reader
         # module imports torch (1.5 s) and decodes the vocabulary slower (0.7 s on 262k pieces).
         reader = GGUFFile(path)
-        tokenizer = {name: _field(reader, f"tokenizer.{key}") for key, name in
+        tokenizer = {name: gguf_field(reader, f"tokenizer.{key}") for key, name in
                      GGUF_TOKENIZER_MAPPING["tokenizer"].items() if f"tokenizer.{key}" in reader.fields}
         for name, value in tokenizer.items():
             if isinstance(value, np.ndarray):
                 tokenizer[name] = value.tolist()
-        return convert_gguf_tokenizer(_field(reader, "general.architecture"), tokenizer)[0]
+        return convert_gguf_tokenizer(gguf_field(reader, "general.architecture"), tokenizer)[0]
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 

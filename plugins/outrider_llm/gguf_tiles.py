@@ -32,8 +32,8 @@ import numpy as np
 from . import native_c
 from .artifact import CACHE_FORMAT, META_FILE, TILES_FILE, TILES_INDEX, TOKENIZER_FILE, GGUFError
 from .chat_templates import BUILTIN_TEMPLATES
-from .gguf_reading import (_FUSED, _LAYER_NAMES, _PERMUTED_QK, _TOP_NAMES, GEMMA_POST_NORMS, NATIVE_ONLY, GGUFFile,
-                           _config_from_gguf, _field, _fused_parts)
+from .gguf_reading import (FUSED_TENSORS, LAYER_NAMES, PERMUTED_QK_ARCHS, TOP_NAMES, GEMMA_POST_NORMS, NATIVE_ONLY, GGUFFile,
+                           config_from_gguf, gguf_field, fused_parts)
 
 log = logging.getLogger("outrider.llm")
 
@@ -81,22 +81,22 @@ def _pieces(tensor: Any, row_slice: slice, permute_heads: Optional[int]) -> Piec
     rows, _ = _matrix_rows(tensor)
     index = np.arange(rows, dtype=np.int64)[row_slice]
     if permute_heads:
-        from .gguf_reading import _unpermute_rows
+        from .gguf_reading import unpermute_rows
 
-        index = _unpermute_rows(index, permute_heads)
+        index = unpermute_rows(index, permute_heads)
     return Piece(tensor, np.ascontiguousarray(index, dtype=np.int64))
 
 
 def plan(reader: Any, path: Path) -> Plan:
     """The model in `reader`'s GGUF as tensors to pack; GGUFError for a file the backend cannot
     serve at all, NotCovered for one that only this packing cannot."""
-    config = _config_from_gguf(reader, path)
+    config = config_from_gguf(reader, path)
     names = {t.name: t for t in reader.tensors}
     if {"rope_factors_long.weight", "rope_factors_short.weight"} & set(names):
         raise GGUFError(f"{path}: LongRoPE (rope_factors_long/short, Phi-3's 128k models) is not supported; the "
                         f"4k-context models of the family are")
     out = Plan(config, [dict() for _ in range(config.num_layers)])
-    permuted = config.architecture in _PERMUTED_QK
+    permuted = config.architecture in PERMUTED_QK_ARCHS
     for tensor in reader.tensors:
         base, _, suffix = tensor.name.rpartition(".")
         parts = base.split(".")
@@ -106,7 +106,7 @@ def plan(reader: Any, path: Path) -> Plan:
             config.rope_freq_factors = [float(v) for v in np.asarray(dequantize(tensor.data, tensor.tensor_type))]
             continue
         if parts[0] != "blk":
-            if base not in _TOP_NAMES:
+            if base not in TOP_NAMES:
                 continue
             slot = {"token_embd": "embed", "output": "head", "output_norm": "final_norm"}[base]
             setattr(out, slot, tensor)
@@ -116,9 +116,9 @@ def plan(reader: Any, path: Path) -> Plan:
         if config.post_norms and kind in GEMMA_POST_NORMS:
             out.layers[layer][kind] = tensor
             continue
-        if kind not in _LAYER_NAMES and kind not in _FUSED:
+        if kind not in LAYER_NAMES and kind not in FUSED_TENSORS:
             raise GGUFError(f"{path}: tensor {tensor.name!r} is not part of a {config.architecture} layer the llm "
-                            f"backend knows ({', '.join(sorted(_LAYER_NAMES))})")
+                            f"backend knows ({', '.join(sorted(LAYER_NAMES))})")
         entry = out.layers[layer]
         if suffix == "bias":
             entry[f"{kind}.bias"] = tensor
@@ -126,12 +126,12 @@ def plan(reader: Any, path: Path) -> Plan:
         if kind in ("attn_norm", "ffn_norm", "attn_q_norm", "attn_k_norm"):
             entry[kind] = tensor
             continue
-        if kind in _FUSED and not (kind == "ffn_up" and f"blk.{layer}.ffn_gate.weight" in names):
-            for hf, rows in _fused_parts(config, parts[1], kind, suffix):
+        if kind in FUSED_TENSORS and not (kind == "ffn_up" and f"blk.{layer}.ffn_gate.weight" in names):
+            for hf, rows in fused_parts(config, parts[1], kind, suffix):
                 entry[hf.rsplit(".", 2)[-2]] = _pieces(tensor, rows, None)
             continue
         heads = config.num_heads if kind == "attn_q" else config.num_kv_heads
-        entry[_LAYER_NAMES[kind].rsplit(".", 1)[-1]] = _pieces(
+        entry[LAYER_NAMES[kind].rsplit(".", 1)[-1]] = _pieces(
             tensor, slice(None), heads if permuted and kind in ("attn_q", "attn_k") else None)
     _check(out, path)
     return out
@@ -317,13 +317,13 @@ def build(path: Path, directory: Path, five_bit: bool) -> dict:
     finally:
         out.close()
     eos = config.eos_token_id
-    template = _field(reader, "tokenizer.chat_template")
+    template = gguf_field(reader, "tokenizer.chat_template")
     if not template and config.architecture in BUILTIN_TEMPLATES:
         template = BUILTIN_TEMPLATES[config.architecture]
         log.info("%s: no chat template in the file: %s's own (as llama.cpp keeps it built in)", path.name,
                  config.architecture)
     meta = {"chat_template": template, "bos_token_id": config.bos_token_id,
-            "add_bos": bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
+            "add_bos": bool(gguf_field(reader, "tokenizer.ggml.add_bos_token", False)),
             "eos_token_ids": [eos] if eos is not None else [], "source": str(path), "block_types": served,
             "converted": {}, "config": config.to_dict(), "format": CACHE_FORMAT}
     (directory / META_FILE).write_text(json.dumps(meta))

@@ -14,13 +14,13 @@ from typing import Any
 import torch
 
 from .artifact import CACHE_FORMAT, META_FILE, TOKENIZER_FILE, WEIGHTS_FILE, GGUFError
-from .gguf_reading import (_FUSED, _LAYER_NAMES, _PERMUTED_QK, _TOP_NAMES, NATIVE_ONLY, _config_from_gguf, _field,
-                           _fused_parts, _unpermute_rows)
+from .gguf_reading import (FUSED_TENSORS, LAYER_NAMES, PERMUTED_QK_ARCHS, TOP_NAMES, NATIVE_ONLY, config_from_gguf, gguf_field,
+                           fused_parts, unpermute_rows)
 from .model import LlamaConfig
 
 log = logging.getLogger("outrider.llm")
 
-def _write_artifact(directory: Path, config: LlamaConfig, state_dict: dict, meta: dict, backend: Any) -> None:
+def write_artifact(directory: Path, config: LlamaConfig, state_dict: dict, meta: dict, backend: Any) -> None:
     from safetensors.torch import save_file
 
     save_file({k: v.contiguous() for k, v in state_dict.items()}, str(directory / WEIGHTS_FILE))
@@ -58,7 +58,7 @@ def _native_groups(tensor: Any, rows: int, cols: int, converted: dict) -> Any:
     return groups
 
 
-def _read_gguf(path: Path, native: bool = False) -> tuple[LlamaConfig, dict[str, torch.Tensor], dict]:
+def read_gguf(path: Path, native: bool = False) -> tuple[LlamaConfig, dict[str, torch.Tensor], dict]:
     """(config, state dict, meta) of a Llama GGUF. The state dict holds fp32 weights (plus the raw
     Q4_1 blocks), or with `native` each quantized matrix as the file's own blocks (`N.affine.*`,
     linear.affine_state_dict) and nothing in fp32 but the dense tensors (norms, F16/F32 weights)."""
@@ -66,7 +66,7 @@ def _read_gguf(path: Path, native: bool = False) -> tuple[LlamaConfig, dict[str,
     from gguf import GGUFReader, dequantize
 
     reader = GGUFReader(str(path))
-    config = _config_from_gguf(reader, path)
+    config = config_from_gguf(reader, path)
     arch = config.architecture
     if arch in NATIVE_ONLY:
         raise GGUFError(f"{path}: {arch} is served by the torch-free native runtime alone, from the file's own blocks "
@@ -83,19 +83,19 @@ def _read_gguf(path: Path, native: bool = False) -> tuple[LlamaConfig, dict[str,
     for tensor in reader.tensors:
         base, _, suffix = tensor.name.rpartition(".")
         parts = base.split(".")
-        if parts[0] == "blk" and parts[2] in _FUSED and not (parts[2] == "ffn_up" and f"blk.{parts[1]}.ffn_gate.weight"
+        if parts[0] == "blk" and parts[2] in FUSED_TENSORS and not (parts[2] == "ffn_up" and f"blk.{parts[1]}.ffn_gate.weight"
                                                                in names):
             # phi3's fused q|k|v and gate|up: split by rows into the names the model reads.
-            _add_tensor(state_dict, tensor, _fused_parts(config, parts[1], parts[2], suffix), native, converted,
+            _add_tensor(state_dict, tensor, fused_parts(config, parts[1], parts[2], suffix), native, converted,
                         served, config, arch, parts)
             continue
         if parts[0] == "blk":
-            if parts[2] not in _LAYER_NAMES:
+            if parts[2] not in LAYER_NAMES:
                 raise GGUFError(f"{path}: tensor {tensor.name!r} is not part of a {arch} layer the llm backend knows "
-                                f"({', '.join(sorted(_LAYER_NAMES))})")
-            hf = f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
-        elif base in _TOP_NAMES:
-            hf = f"{_TOP_NAMES[base]}.{suffix}"
+                                f"({', '.join(sorted(LAYER_NAMES))})")
+            hf = f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}.{suffix}"
+        elif base in TOP_NAMES:
+            hf = f"{TOP_NAMES[base]}.{suffix}"
         elif tensor.name == "rope_freqs.weight":  # Llama 3's per-frequency divisors (its rope scaling)
             config.rope_freq_factors = [float(v) for v in np.asarray(dequantize(tensor.data, tensor.tensor_type))]
             continue
@@ -103,8 +103,8 @@ def _read_gguf(path: Path, native: bool = False) -> tuple[LlamaConfig, dict[str,
             continue
         _add_tensor(state_dict, tensor, [(hf, slice(None))], native, converted, served, config, arch, parts)
     meta = {
-        "chat_template": _field(reader, "tokenizer.chat_template"),
-        "add_bos": bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
+        "chat_template": gguf_field(reader, "tokenizer.chat_template"),
+        "add_bos": bool(gguf_field(reader, "tokenizer.ggml.add_bos_token", False)),
         "bos_token_id": config.bos_token_id,
         "eos_token_ids": [eos] if eos is not None else [],
         "source": str(path),
@@ -129,7 +129,7 @@ def _add_tensor(state_dict: dict, tensor: Any, pieces: list[tuple[str, slice]], 
 
     from .linear import affine_state_dict
 
-    permuted = arch in _PERMUTED_QK and parts[0] == "blk" and parts[2] in ("attn_q", "attn_k")
+    permuted = arch in PERMUTED_QK_ARCHS and parts[0] == "blk" and parts[2] in ("attn_q", "attn_k")
     heads = config.num_heads if parts[2:3] == ["attn_q"] else config.num_kv_heads
     if native and tensor.tensor_type.name not in _DENSE_TYPES and len(tensor.shape) == 2:
         cols, total = (int(n) for n in tensor.shape)  # GGUF lists ne0 (the row length) first
@@ -138,7 +138,7 @@ def _add_tensor(state_dict: dict, tensor: Any, pieces: list[tuple[str, slice]], 
         for hf, rows in pieces:
             values = tuple(v[rows] for v in whole)
             if permuted and hf.endswith(".weight"):
-                values = tuple(_unpermute_rows(v, heads) for v in values)
+                values = tuple(unpermute_rows(v, heads) for v in values)
             groups.q, groups.d, groups.m = values
             served[groups.source] = served.get(groups.source, 0) + 1
             state_dict.update(affine_state_dict(hf, groups))
@@ -150,8 +150,8 @@ def _add_tensor(state_dict: dict, tensor: Any, pieces: list[tuple[str, slice]], 
         raw = None if all_raw is None else {k: v[rows] for k, v in all_raw.items()}
         if permuted and hf.endswith(".weight"):
             # llama.cpp interleaves the RoPE halves of Q/K rows; undo it for rotate_half RoPE.
-            weights = _unpermute_rows(weights, heads)
-            raw = None if raw is None else {k: _unpermute_rows(v, heads) for k, v in raw.items()}
+            weights = unpermute_rows(weights, heads)
+            raw = None if raw is None else {k: unpermute_rows(v, heads) for k, v in raw.items()}
         state_dict[hf] = torch.from_numpy(np.array(weights, dtype=np.float32))  # a writable copy
         if raw is not None and len(weights.shape) == 2:
             # The tied head's blocks are the embedding's (token_embd), kept under the head's name.

@@ -4,7 +4,7 @@ Every kernel is a callable `k(x) -> y` over rows x [n, in]; it takes any float x
 its `dtype` (the matmul input dtype: fp32 for dense fp32, bf16 for everything else). The model
 converts its activations to that dtype once per projection and back to fp32 after.
 
-- `_Linear`: dense, prepacked for oneDNN once at load (`mkldnn._reorder_linear_weight`).
+- `QuantizedLinear`: dense, prepacked for oneDNN once at load (`mkldnn._reorder_linear_weight`).
 - `Int8Linear`: per-output-channel symmetric int8, w = q * scale; `aten._weight_int8pack_mm`.
 - `Int4Linear`: group-wise asymmetric 4 bit, w = (q - 8) * scale + zero per group of `group_size`
   input columns; `aten._convert_weight_to_int4pack_for_cpu` + `aten._weight_int4pack_mm_for_cpu`.
@@ -74,7 +74,7 @@ def cpu_has_native_bf16() -> bool:
 # ---- dense -----------------------------------------------------------------------------------
 
 
-class _Linear:
+class QuantizedLinear:
     """y = x @ W.T, with W prepacked for oneDNN when that works here (plain `F.linear` otherwise).
 
     Input and output in `dtype` (the caller converts x).
@@ -112,18 +112,18 @@ def onednn_works(dtype: torch.dtype) -> bool:
         gen = torch.Generator().manual_seed(0)
         w = torch.randn(48, 64, generator=gen).to(dtype)
         x = torch.randn(3, 64, generator=gen).to(dtype)
-        lin = _Linear(w, dtype, use_onednn=True)
+        lin = QuantizedLinear(w, dtype, use_onednn=True)
         tol = 1e-4 if dtype == torch.float32 else 0.1
         return bool(torch.allclose(lin(x).float(), F.linear(x, w).float(), atol=tol, rtol=tol))
     except Exception:
         return False
 
 
-def dense_linear(weight: torch.Tensor, dtype: torch.dtype, device: "torch.device | str" = "cpu") -> _Linear:
+def dense_linear(weight: torch.Tensor, dtype: torch.dtype, device: "torch.device | str" = "cpu") -> QuantizedLinear:
     """A dense kernel for an fp32 weight, prepacked when oneDNN works for `dtype` here."""
     device = torch.device(device)
     onednn = device.type == "cpu" and _onednn_cached(dtype)
-    return _Linear(weight.to(device, torch.float32), dtype, onednn)
+    return QuantizedLinear(weight.to(device, torch.float32), dtype, onednn)
 
 
 _ONEDNN: dict[torch.dtype, bool] = {}
@@ -351,7 +351,7 @@ class AffineTable:
 
 class _PackedLinear:
     """What both packed weight-only kernels share: bf16 activations, and an optional dense bf16 copy
-    (a `_Linear` of the same weight) that serves calls of `dense_from` rows or more."""
+    (a `QuantizedLinear` of the same weight) that serves calls of `dense_from` rows or more."""
 
     __slots__ = ("dense", "dense_from", "dtype")
 
@@ -386,12 +386,12 @@ class Int4Linear(_PackedLinear):
       group as llama.cpp does, scales and minimums in fp16, fp32 in and out.
 
     A native kernel that cannot run here or take the shape falls back to "int4pack". With `dense`
-    (a bf16 `_Linear` of the same weight), calls of `dense_from` rows or more go there.
+    (a bf16 `QuantizedLinear` of the same weight), calls of `dense_from` rows or more go there.
     """
 
     __slots__ = ("packed", "scales_zeros", "minimums", "group", "kernel", "float_out")
 
-    def __init__(self, weight: QuantTensor, dense: Optional[_Linear] = None,
+    def __init__(self, weight: QuantTensor, dense: Optional[QuantizedLinear] = None,
                  dense_from: int = DEFAULT_DENSE_FROM_ROWS, kernel: str = "int4pack") -> None:
         if weight.mode != "int4":
             raise ValueError(f"Int4Linear needs an int4 weight, got {weight.mode}")
@@ -533,24 +533,24 @@ def _scale_tables(scale: torch.Tensor, minimum: torch.Tensor) -> tuple[torch.Ten
     """(d, m, offset) per-tile tables for an 8- or 5-bit kernel: m is empty and `offset` its power of
     two where every minimum is -offset * d (a symmetric type: that table would be half the bytes of
     scale, for nothing), else the table and 0. Tables in fp16 where their values fit, else fp32."""
-    from .native import _per_tile, table_dtype
+    from .native import per_tile, table_dtype
 
     dtype = table_dtype(scale, minimum)
     for offset in _OFFSETS:
         if torch.equal(minimum.float(), scale.float() * -offset):
-            return _per_tile(scale, dtype=dtype)[0], _NO_TABLE, offset
-    return (*_per_tile(scale, minimum, dtype=dtype), 0)
+            return per_tile(scale, dtype=dtype)[0], _NO_TABLE, offset
+    return (*per_tile(scale, minimum, dtype=dtype), 0)
 
 
 class Int8Linear(_PackedLinear):
     """Per-channel int8 weight, bf16 activations: `aten._weight_int8pack_mm`. Output bf16.
 
-    With `dense` (a bf16 `_Linear` of the same weight), calls of `dense_from` rows or more go there.
+    With `dense` (a bf16 `QuantizedLinear` of the same weight), calls of `dense_from` rows or more go there.
     """
 
     __slots__ = ("q", "scale")
 
-    def __init__(self, weight: QuantTensor, dense: Optional[_Linear] = None,
+    def __init__(self, weight: QuantTensor, dense: Optional[QuantizedLinear] = None,
                  dense_from: int = DEFAULT_DENSE_FROM_ROWS) -> None:
         if weight.mode != "int8":
             raise ValueError(f"Int8Linear needs an int8 weight, got {weight.mode}")
@@ -644,7 +644,7 @@ def affine_linear(weight: QuantTensor) -> Callable[[torch.Tensor], torch.Tensor]
             if linear.kernel == "w4a8":
                 # d and m exactly as the file has them (not through zero's fp32 sum), in fp16
                 # where they fit (half the bytes), else fp32 (a K type's sub-block scales).
-                linear.scales_zeros, linear.minimums = native._per_tile(
+                linear.scales_zeros, linear.minimums = native.per_tile(
                     weight.scale, weight.zero, dtype=native.table_dtype(weight.scale, weight.zero))
                 return linear
         elif weight.bits == 5 and inp % 8 == 0 and native.five_bit_tiles():

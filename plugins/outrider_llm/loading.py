@@ -27,15 +27,15 @@ from outrider.artifacts import Artifact
 
 from .artifact import (  # noqa: F401  (re-exported: loading was their home)
     BLOCKS_FORMAT, CACHE_FORMAT, META_FILE, NATIVE_KIND, RAW_Q4_1, SMOLLM2_GGUF, SMOLLM2_PACKAGE, STOP_TOKENS,
-    TOKENIZER_FILE, WEIGHTS_FILE, WEIGHTS_KIND, ChatTokenizer, GGUFError, _artifact_dir, _tokenizer,
+    TOKENIZER_FILE, WEIGHTS_FILE, WEIGHTS_KIND, ChatTokenizer, GGUFError, artifact_dir, chat_tokenizer,
     artifact_tokenizer, read_artifact_meta, smollm2_gguf_path,
 )
 from .conversion import load_native_artifact, load_weights_artifact  # noqa: F401  (re-exported)
 from .gguf_reading import (  # noqa: F401  (re-exported: loading was their home)
-    _FUSED, _LAYER_NAMES, _MISSING, _PERMUTED_QK, _TOP_NAMES, ARCHITECTURES, NATIVE_ONLY, _config_from_gguf, _field, _fused_parts,
-    _unpermute_rows, gguf_tokenizer as _gguf_tokenizer,
+    FUSED_TENSORS, LAYER_NAMES, UNSUPPORTED_ARCHS, PERMUTED_QK_ARCHS, TOP_NAMES, ARCHITECTURES, NATIVE_ONLY, config_from_gguf, gguf_field, fused_parts,
+    unpermute_rows, gguf_tokenizer as _gguf_tokenizer,
 )
-from .gguf_to_artifact import _read_gguf
+from .gguf_to_artifact import read_gguf
 from .model import LlamaConfig, LlamaModel, release_free_memory, tune_malloc
 
 log = logging.getLogger("outrider.llm")
@@ -67,7 +67,7 @@ def read_artifact_weights(artifact: "Artifact | str | Path", raw_blocks: bool = 
     from safetensors import safe_open
 
     out = {}
-    with safe_open(str(_artifact_dir(artifact) / WEIGHTS_FILE), framework="pt") as f:
+    with safe_open(str(artifact_dir(artifact) / WEIGHTS_FILE), framework="pt") as f:
         for key in f.keys():
             if raw_blocks or RAW_Q4_1 not in key:
                 out[key] = f.get_tensor(key)
@@ -105,9 +105,9 @@ def load_gguf_weights(
         artifact = load_weights_artifact(path)
         meta = read_artifact_meta(artifact)
         return LlamaConfig.from_dict(meta["config"]), read_artifact_weights(artifact), artifact_tokenizer(artifact)
-    config, state_dict, meta = _read_gguf(path)
+    config, state_dict, meta = read_gguf(path)
     state_dict = {k: v for k, v in state_dict.items() if RAW_Q4_1 not in k}
-    return config, state_dict, _tokenizer(_gguf_tokenizer(path), meta)
+    return config, state_dict, chat_tokenizer(_gguf_tokenizer(path), meta)
 
 
 def random_llama_weights(config: LlamaConfig, seed: int = 0) -> dict[str, torch.Tensor]:

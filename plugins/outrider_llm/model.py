@@ -41,7 +41,7 @@ from .heap import release_free_memory, tune_malloc  # noqa: F401  (re-exported: 
 
 from .kv_cache import SlotKVCache
 
-from .linear import (  # noqa: F401  (re-exported: `from outrider_llm.model import _Linear` keeps working)
+from .linear import (  # noqa: F401  (re-exported: `from outrider_llm.model import QuantizedLinear` keeps working)
     NATIVE_KERNELS,
     PACK_ROWS,
     AffineTable,
@@ -50,7 +50,7 @@ from .linear import (  # noqa: F401  (re-exported: `from outrider_llm.model impo
     TiedRows,
     KernelPlan,
     QuantTensor,
-    _Linear,
+    QuantizedLinear,
     W8A8Linear,
     affine_linear,
     choose_kernel,
@@ -440,7 +440,7 @@ class LlamaModel(torch.nn.Module):
                     return ConcatLinear([quant_linear(p) for p in parts])
                 return quant_linear(parts[0] if len(parts) == 1 else QuantTensor.cat(list(parts)))
             dense = [p.dequantize().to(self.device) if isinstance(p, QuantTensor) else p for p in parts]
-            return _Linear(dense[0] if len(dense) == 1 else torch.cat(dense), dt, onednn)
+            return QuantizedLinear(dense[0] if len(dense) == 1 else torch.cat(dense), dt, onednn)
 
         self.layers: list[_Layer] = []
         for i in range(cfg.num_layers):
@@ -483,14 +483,14 @@ class LlamaModel(torch.nn.Module):
             elif self._w4a8_head_fits():
                 self.head = _w8a8_head(self.embed_weight, compact)
             else:
-                self.head = _Linear(self.embed_weight, dt, onednn)
+                self.head = QuantizedLinear(self.embed_weight, dt, onednn)
         elif head_quant is not None:
             # lm_head_rows needs fp32 rows: keep the dequantized weight (exactly what the kernel computes with)
             self.head_weight = head_quant.dequantize().to(self.device)
             self.head = linear(head_quant)
         else:
             self.head_weight = own(get("lm_head.weight"))
-            self.head = _Linear(self.head_weight, dt, onednn)
+            self.head = QuantizedLinear(self.head_weight, dt, onednn)
         # The head is built (it packed its own copy): lookups may now read the compact form.
         if compact is not None:
             self.embed_weight = compact
@@ -510,7 +510,7 @@ class LlamaModel(torch.nn.Module):
                 self.head_weight = self._rows_of(head, self.head)  # a draft head's rows
             else:
                 self.head_weight = get("lm_head.weight").clone()
-                self.head = _Linear(self.head_weight, self.dtype, self.uses_onednn)
+                self.head = QuantizedLinear(self.head_weight, self.dtype, self.uses_onednn)
 
     def _rows_of(self, weight: QuantTensor,
                  kernel: Optional[Callable] = None) -> "torch.Tensor | AffineTable | TiedRows":
@@ -625,7 +625,7 @@ class LlamaModel(torch.nn.Module):
                 return plan.build(QuantTensor("int4", **quantize_int4(weight.float(), 32)))
         dtype = self.dtype if dtype is None else dtype
         onednn = self.uses_onednn if dtype == self.dtype else (self.device.type == "cpu" and onednn_works(dtype))
-        return _Linear(weight.to(self.device, torch.float32), dtype, onednn)
+        return QuantizedLinear(weight.to(self.device, torch.float32), dtype, onednn)
 
     @torch.no_grad()
     def fingerprint(self) -> str:

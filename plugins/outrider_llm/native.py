@@ -150,10 +150,10 @@ def pack_int4_tiles(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) ->
 def _tile_scales(scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(d, m) fp16 [out/16, groups, 16] for w = q * d + m, from w = (q - 8) * scale + zero."""
     d = scale.float()
-    return _per_tile(d, zero.float() - 8 * d)
+    return per_tile(d, zero.float() - 8 * d)
 
 
-def _per_tile(*values: torch.Tensor, dtype: torch.dtype = torch.float16) -> tuple[torch.Tensor, ...]:
+def per_tile(*values: torch.Tensor, dtype: torch.dtype = torch.float16) -> tuple[torch.Tensor, ...]:
     """[out, groups] -> `dtype` (fp16, or fp32 for scales fp16 would round) [out/16, groups, 16], each."""
     out, groups = values[0].shape
     return tuple(v.to(dtype).view(out // TILE, TILE, groups).transpose(1, 2).contiguous() for v in values)
@@ -236,7 +236,7 @@ def pack_w8a8(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch
     """The kernel's layout for block-wise int8 weights w = q * scale (GGUF Q8_0: q int8 [out, in],
     scale [out, in / group]): (w uint8 [out/16, in/4, 64], d, m fp16 [out/16, groups, 16]) with
     w = (q + 128) * d + m, m = -128 d. Exact in fp16 for a Q8_0 file's own fp16 scales."""
-    return (byte_tiles((q.to(torch.int16) + 128).to(torch.uint8)), *_per_tile(scale.float(), -128 * scale.float()))
+    return (byte_tiles((q.to(torch.int16) + 128).to(torch.uint8)), *per_tile(scale.float(), -128 * scale.float()))
 
 
 def pack_affine(groups: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -250,7 +250,7 @@ def pack_affine(groups: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     pack = {4: nibble_tiles, 5: pack_w5, 8: byte_tiles}.get(groups.bits)
     if pack is None:
         raise ValueError(f"affine groups of {groups.bits} bits: the kernels take 4, 5 or 8")
-    return pack(q), *_per_tile(d, m, dtype=table_dtype(d, m))
+    return pack(q), *per_tile(d, m, dtype=table_dtype(d, m))
 
 
 def five_bit_tiles() -> bool:

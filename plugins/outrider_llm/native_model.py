@@ -33,7 +33,7 @@ import numpy as np
 from outrider.generation.contract import Chunk, ForwardOutput
 
 from . import native_c
-from .artifact import (BLOCKS_FORMAT, META_FILE, TILES_FILE, TILES_INDEX, TOKENIZER_FILE, WEIGHTS_FILE, _artifact_dir, artifact_tokenizer,
+from .artifact import (BLOCKS_FORMAT, META_FILE, TILES_FILE, TILES_INDEX, TOKENIZER_FILE, WEIGHTS_FILE, artifact_dir, artifact_tokenizer,
                        read_artifact_meta)
 from .config import FINGERPRINT_ROW_STRIDE, LlamaConfig, local_rope_config, rope_tables, weights_fingerprint
 from .gguf_blocks import AffineGroups
@@ -303,7 +303,7 @@ class NativeLlama:
         # Freed temporaries stay in the heap: without it every step's multi-MB buffers page-faulted
         # afresh (decode 20 against 120 tok/s on SmolLM2 here).
         tune_malloc()
-        directory = _artifact_dir(artifact)
+        directory = artifact_dir(artifact)
         meta = read_artifact_meta(directory)
         model = cls.from_weights(LlamaConfig.from_dict(meta["config"]), Weights.of_artifact(directory), meta)
         return model, artifact_tokenizer(directory)
@@ -643,7 +643,7 @@ def load_tiles(blocks: Any, cache: Any = None) -> tuple[NativeLlama, Any]:
     if not loaded:
         raise ValueError(f"the native kernels' C library is not loaded: {why}")
     tune_malloc()  # see NativeLlama.from_artifact
-    source = _artifact_dir(blocks)
+    source = artifact_dir(blocks)
     if (source / TILES_INDEX).is_file():  # packed from the GGUF itself (gguf_tiles.py): mapped as it is
         return _map_tiles(source), artifact_tokenizer(source)
     cache = cache or ArtifactCache()

@@ -196,7 +196,7 @@ def read_head_file(path: Path) -> tuple[HeadConfig, dict[str, np.ndarray], np.nd
     return config, {k: v.astype(np.float32) for k, v in tensors.items()}, draft_vocab, metadata
 
 
-def _rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.float32(eps)) * weight
 
 
@@ -218,13 +218,13 @@ class HostHead:
     def __call__(self, hidden: np.ndarray, embeds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(features [n, H], draft-vocabulary logits [n, K])."""
         eps, inter = self.eps, self.inter
-        x = np.concatenate([_rms_norm(hidden, self.norm_hidden, eps), _rms_norm(embeds, self.norm_embed, eps)], axis=-1)
+        x = np.concatenate([rms_norm(hidden, self.norm_hidden, eps), rms_norm(embeds, self.norm_embed, eps)], axis=-1)
         x = self.fc(np.ascontiguousarray(x, dtype=np.float32))
         for norm, gate_up, down in self.blocks:
-            g = gate_up(np.ascontiguousarray(_rms_norm(x, norm, eps), dtype=np.float32))
+            g = gate_up(np.ascontiguousarray(rms_norm(x, norm, eps), dtype=np.float32))
             gate = g[:, :inter]
             x = down(np.ascontiguousarray(gate / (1 + np.exp(-gate)) * g[:, inter:], dtype=np.float32)) + x
-        features = np.ascontiguousarray(_rms_norm(x, self.norm_out, eps), dtype=np.float32)
+        features = np.ascontiguousarray(rms_norm(x, self.norm_out, eps), dtype=np.float32)
         return features, self.lm(features)
 
 

@@ -193,7 +193,7 @@ def check_target(loaded: LoadedHead, model: Any) -> str:
 # ---- inference ------------------------------------------------------------------------------------
 
 
-class _CompiledHead:
+class CompiledHead:
     """The head's forward for drafting, on the target's device: its linears are the target's own
     kind (`make_linear`: oneDNN-prepacked on CPU where that works, plain elsewhere), no autograd."""
 
@@ -253,7 +253,7 @@ class EagleDrafter(HeadDrafter):
         self.draft_vocab = loaded.draft_vocab.to(self.device)
         if dtype is None:
             dtype = getattr(model, "dtype", torch.float32)
-        self.compiled = _CompiledHead(loaded.head, lm_rows_for(model, loaded.draft_vocab), model, dtype, quantize)
+        self.compiled = CompiledHead(loaded.head, lm_rows_for(model, loaded.draft_vocab), model, dtype, quantize)
 
     def warmup(self) -> None:
         """Run the head once per batch size it will see, so the first request pays no setup."""

@@ -52,7 +52,7 @@ from outrider.generation.contract import DrafterContext
 from outrider.generation.sampling import host_array
 
 from .config import OptionError, known_options, read_bool, read_float, read_int, read_path
-from .draft_head import HeadDrafter, _rms_norm
+from .draft_head import HeadDrafter, rms_norm
 from .drafters import sequence_key
 from .tree import SpecTree
 
@@ -197,9 +197,9 @@ class Eagle3Layer:
     def project(self, features: np.ndarray, embeds: np.ndarray, positions: np.ndarray
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(residual [n, H], q [n, heads, D] pre-scaled, k and v [n, KV, D]) of n rows."""
-        normed = _rms_norm(features, self.hidden_norm, self.eps)
+        normed = rms_norm(features, self.hidden_norm, self.eps)
         residual = normed if self.norm_before_residual else features
-        x = np.concatenate([_rms_norm(embeds, self.input_norm, self.eps), normed], axis=-1)
+        x = np.concatenate([rms_norm(embeds, self.input_norm, self.eps), normed], axis=-1)
         qkv = self.qkv(np.ascontiguousarray(x, dtype=np.float32))
         n, d = x.shape[0], self.head_dim
         q = qkv[:, :self.heads * d].reshape(n, self.heads, d)
@@ -222,13 +222,13 @@ class Eagle3Layer:
     def finish(self, residual: np.ndarray, attention: np.ndarray) -> np.ndarray:
         """The layer's output [n, H] (what deeper levels take as their features)."""
         h = residual + self.o(np.ascontiguousarray(attention, dtype=np.float32))
-        g = self.gate_up(np.ascontiguousarray(_rms_norm(h, self.post_norm, self.eps), dtype=np.float32))
+        g = self.gate_up(np.ascontiguousarray(rms_norm(h, self.post_norm, self.eps), dtype=np.float32))
         gate = g[:, :self.inter]
         return h + self.down(np.ascontiguousarray(gate / (1 + np.exp(-gate)) * g[:, self.inter:], dtype=np.float32))
 
     def logits(self, out: np.ndarray) -> np.ndarray:
         """Draft-vocabulary logits [n, Vd] of layer outputs."""
-        return host_array(self.lm(np.ascontiguousarray(_rms_norm(out, self.norm, self.eps), dtype=np.float32)))
+        return host_array(self.lm(np.ascontiguousarray(rms_norm(out, self.norm, self.eps), dtype=np.float32)))
 
 
 # ---- the drafter --------------------------------------------------------------------------------------

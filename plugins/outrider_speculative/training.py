@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from outrider.generation.contract import Chunk
 from outrider.hardware import cpu_has_bf16_instructions
 
-from .eagle import DEFAULT_WEIGHTS, DraftHead, HeadConfig, _CompiledHead, save_head, target_fingerprint
+from .eagle import DEFAULT_WEIGHTS, DraftHead, HeadConfig, CompiledHead, save_head, target_fingerprint
 
 TOP_K = 8  # target probabilities kept per position (the soft label)
 SOURCES = ("chat", "code", "text")
@@ -706,7 +706,7 @@ class Trainer:
 
 def head_ms(model: Any, trainer: Trainer, rows: int = 8, repeat: int = 50) -> float:
     """Milliseconds per drafting call (`rows` frontier nodes) of the trained head, as the drafter runs it."""
-    compiled = _CompiledHead(trainer.head, trainer.lm_rows, model, getattr(model, "dtype", torch.float32))
+    compiled = CompiledHead(trainer.head, trainer.lm_rows, model, getattr(model, "dtype", torch.float32))
     h = torch.randn(rows, model.hidden_size)
     e = model.embed(torch.arange(rows))
     for _ in range(5):

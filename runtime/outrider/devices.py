@@ -31,7 +31,7 @@ from .gpu_sources import (  # noqa: F401
     NVIDIA_SMI_COMMAND,
     NVIDIA_SMI_FIELDS,
     Inventory,
-    _NoSource,
+    NoSource,
     jetson_capability,
     parse_nvidia_smi,
     parse_tegrastats,

@@ -104,7 +104,7 @@ class Inventory:
         return [g.health() for g in self.gpus]
 
 
-class _NoSource(Exception):
+class NoSource(Exception):
     """A source that cannot answer here; the message says why (goes into Inventory.notes)."""
 
 
@@ -209,10 +209,10 @@ _nvml_ready = False
 
 
 def read_nvml() -> list[GPU]:
-    """GPUs through NVML; _NoSource when pynvml or the driver's libnvidia-ml is missing."""
+    """GPUs through NVML; NoSource when pynvml or the driver's libnvidia-ml is missing."""
     global _nvml_ready
     if importlib.util.find_spec("pynvml") is None:
-        raise _NoSource("NVML: nvidia-ml-py not installed (pip install 'outrider[gpu]')")
+        raise NoSource("NVML: nvidia-ml-py not installed (pip install 'outrider[gpu]')")
     import pynvml
 
     with _nvml_lock:
@@ -220,12 +220,12 @@ def read_nvml() -> list[GPU]:
             try:
                 pynvml.nvmlInit()  # reference-counted by NVML; kept for the process's life
             except pynvml.NVMLError as exc:
-                raise _NoSource(f"NVML: {exc}") from None
+                raise NoSource(f"NVML: {exc}") from None
             _nvml_ready = True
         count = pynvml.nvmlDeviceGetCount()
         gpus = [_nvml_gpu(pynvml, i) for i in range(count)]
     if not gpus:
-        raise _NoSource("NVML: the driver reports no GPU")
+        raise NoSource("NVML: the driver reports no GPU")
     return gpus
 
 
@@ -286,7 +286,7 @@ def read_jetson(root: Path = Path("/"), tegrastats: Optional[str] = None) -> lis
     release = _read(root / "etc/nv_tegra_release")
     model = _read(root / "proc/device-tree/model") or ""
     if release is None and "jetson" not in model.lower():
-        raise _NoSource("Jetson: not a Jetson (/etc/nv_tegra_release absent)")
+        raise NoSource("Jetson: not a Jetson (/etc/nv_tegra_release absent)")
     compatible = (_read(root / "proc/device-tree/compatible") or "").split("\x00")
     stats: dict[str, Optional[float]] = {}
     if tegrastats:
@@ -325,19 +325,19 @@ def _jetson_gpu_temperature(root: Path) -> Optional[float]:
 
 
 def read_nvidia_smi(run: Optional[Callable[[Sequence[str]], str]] = None) -> list[GPU]:
-    """GPUs from nvidia-smi's CSV query; _NoSource when it is absent or fails."""
+    """GPUs from nvidia-smi's CSV query; NoSource when it is absent or fails."""
     if run is None:
         if shutil.which("nvidia-smi") is None:
-            raise _NoSource("nvidia-smi: not on PATH")
+            raise NoSource("nvidia-smi: not on PATH")
         run = _run_nvidia_smi
     import subprocess  # here, not at import: a start on a machine without nvidia-smi never needs it
 
     try:
         gpus = parse_nvidia_smi(run(NVIDIA_SMI_COMMAND))
     except (OSError, subprocess.SubprocessError, ValueError) as exc:
-        raise _NoSource(f"nvidia-smi: {exc}") from None
+        raise NoSource(f"nvidia-smi: {exc}") from None
     if not gpus:
-        raise _NoSource("nvidia-smi: lists no GPU")
+        raise NoSource("nvidia-smi: lists no GPU")
     return gpus
 
 
@@ -362,7 +362,7 @@ def probe(sources: Optional[Sequence[tuple[str, Callable[[], list[GPU]]]]] = Non
     for name, read in sources:
         try:
             gpus = read()
-        except _NoSource as exc:
+        except NoSource as exc:
             notes.append(str(exc))
             continue
         except Exception as exc:  # a broken source must not hide the next one
