@@ -6,7 +6,8 @@ tree) and the drafter "eagle" (a small trained draft head over the target's hidd
 weights ship in `weights/`). The generation engine drives the loop; this plugin only proposes
 and verifies:
 
-- `strategy.py`  SpeculativeStrategy (start, propose, observe, finish: the budget and the cost gates)
+- `strategy.py`  SpeculativeStrategy (start, propose, observe, finish: the budget) and BudgetController
+- `cost_gate.py` CostGate: drafting only while it pays, measured per sequence and per step
 - `config.py`    the `speculative` section's knobs, validated (no torch import)
 - `drafters.py`  NgramDrafter and its incremental per-sequence index
 - `draft_model.py` DraftModelDrafter: a small model of the same vocabulary, its own KV cache
