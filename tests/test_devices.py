@@ -24,7 +24,7 @@ from outrider.devices import GPU, Inventory
 from outrider.manifest import validate_manifest
 from outrider.serving.served_model import ServedModel
 from outrider.plugins import create_registry
-from outrider.server import Server
+from outrider.server import Server, ServerConfig
 
 PLUGINS = Path(__file__).resolve().parent / "plugins"
 
@@ -310,7 +310,7 @@ def gpu_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fixed_inventory)
         fixed_inventory(found)
         registry = create_registry(modules=["outrider_test_gpu"], load_entry_points=False)
         server = Server([validate_manifest(m, where="t.yaml") for m in manifests], registry,
-                        address=f"ipc://{tmp_path}/gpu.sock")
+                        ServerConfig(address=f"ipc://{tmp_path}/gpu.sock"))
         server.start()
         servers.append(server)
         return server, Client(server.address, timeout=10)

@@ -110,7 +110,7 @@ class OutriderReplica:
                  overrides: Sequence[str] = (), ready_timeout_s: float = 600.0,
                  drain_timeout_s: float = 10.0, address: Optional[str] = None) -> None:
         from outrider.plugins import create_registry
-        from outrider.server import Server
+        from outrider.server import Server, ServerConfig
 
         global _REPLICA
         _sweep_dead_replica_dirs()
@@ -120,8 +120,8 @@ class OutriderReplica:
         self.server: Any = None
         try:
             loaded = [_load_manifest(m, list(overrides)) for m in manifests]
-            self.server = Server(loaded, create_registry(modules=list(plugins)), address=self.address,
-                                 drain_timeout=drain_timeout_s)
+            self.server = Server(loaded, create_registry(modules=list(plugins)),
+                                 ServerConfig(address=self.address, drain_timeout=drain_timeout_s))
             self.server.start()
             self.info = _replica_info(self.address)
             self._wait_ready(ready_timeout_s)

@@ -48,7 +48,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from .manifest import load_manifest
         from .plugins import create_registry
         from .protocol import Limits
-        from .server import Server
+        from .server import Server, ServerConfig
         from .serving.memory_budget import parse_bytes
         from .transport import CurveServerKeys
 
@@ -100,10 +100,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise OutriderError("--api-key-file, --tls-cert, --tls-key, --http-insecure and --metrics-without-key "
                             "apply to the HTTP front: give --http HOST:PORT too", code="usage")
     load = None if args.load_all else [n for part in args.load for n in part.split(",") if n]
-    server = Server(manifests, registry, address=args.bind, limits=limits, curve=curve,
-                    drain_timeout=args.drain_timeout, metrics_port=args.metrics_port, fronts=fronts,
-                    models_dir=args.models, load=load, watch=args.watch, memory_budget=budget,
-                    overrides=args.set)
+    server = Server(manifests, registry, ServerConfig(
+        address=args.bind, limits=limits, curve=curve, drain_timeout=args.drain_timeout,
+        metrics_port=args.metrics_port, fronts=fronts, models_dir=args.models, load=load, watch=args.watch,
+        memory_budget=budget, overrides=args.set))
     timeline.mark("models built (backends chosen)")
     return server.serve_forever()
 

@@ -14,6 +14,7 @@ import os
 import signal
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 from . import __version__, devices, timeline
@@ -46,29 +47,37 @@ log = logging.getLogger("outrider.server")
 MAX_TIMEOUT_MS = 86_400_000
 
 
+@dataclass
+class ServerConfig:
+    """How a server runs (what `outrider serve`'s flags set), apart from its models and plugins."""
+
+    address: str = DEFAULT_ADDRESS  # the ZeroMQ socket
+    limits: Limits = DEFAULT_LIMITS
+    curve: Optional[CurveServerKeys] = None  # CURVE encryption and client keys
+    drain_timeout: float = 30.0  # seconds a stop waits for what is in flight
+    metrics_port: Optional[int] = None  # Prometheus on its own port
+    fronts: Sequence[tuple] = ()  # other fronts: (Front class, address[, options])
+    #: a repository of manifests, of which `load` names those loaded at start (None: all of them;
+    #: the rest are available, loaded by model control or on demand)
+    models_dir: Optional[str] = None
+    load: Optional[Sequence[str]] = None
+    watch: bool = False  # reload changed files of models_dir
+    memory_budget: Optional[int] = None  # bytes: what loads is bounded by it (serving/repository.py)
+    overrides: Optional[list[str]] = None  # `--set` for the directory's files
+
+
 class Server:
     """Serves a set of models on one address until told to stop."""
 
-    def __init__(
-        self,
-        manifests: list[Manifest],
-        registry: PluginRegistry,
-        address: str = DEFAULT_ADDRESS,
-        limits: Limits = DEFAULT_LIMITS,
-        curve: Optional[CurveServerKeys] = None,
-        drain_timeout: float = 30.0,
-        metrics_port: Optional[int] = None,
-        fronts: Sequence[tuple] = (),  # (Front class, address[, options])
-        models_dir: Optional[str] = None,
-        load: Optional[Sequence[str]] = None,
-        watch: bool = False,
-        memory_budget: Optional[int] = None,
-        overrides: Optional[list[str]] = None,
-    ) -> None:
-        """`manifests` are loaded at start; `models_dir` adds a repository of manifests of which
-        `load` names those loaded at start (None: all of them; the rest are available, loaded
-        by model control or on demand); `watch` reloads changed files; `memory_budget` (bytes)
-        bounds what loads (serving/repository.py). `overrides`: `--set` for the directory's files."""
+    def __init__(self, manifests: list[Manifest], registry: PluginRegistry,
+                 config: Optional[ServerConfig] = None) -> None:
+        """`manifests` are loaded at start; `config` says how the server runs (ServerConfig)."""
+        config = config or ServerConfig()
+        self.config = config
+        address, limits, curve, drain_timeout, metrics_port, fronts, models_dir, load, watch, memory_budget, \
+            overrides = (config.address, config.limits, config.curve, config.drain_timeout, config.metrics_port,
+                         config.fronts, config.models_dir, config.load, config.watch, config.memory_budget,
+                         config.overrides)
         names = [m.name for m in manifests]
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
