@@ -112,8 +112,9 @@ def test_an_llm_instance_hands_freed_heap_back_once_per_idle_spell(monkeypatch):
     monkeypatch.setattr(outrider_llm, "release_cpu_threads", lambda: None)
     clock = [100.0]
     monkeypatch.setattr(outrider_llm.time, "monotonic", lambda: clock[0])
-    backend = outrider_llm.LlmBackend.__new__(outrider_llm.LlmBackend)
-    backend.device = "cpu"
+    from outrider.manifest import validate_manifest
+
+    backend = outrider_llm.LlmBackend(validate_manifest({"name": "t", "backend": "llm"}), "cpu")
     backend.engine = types.SimpleNamespace(steps=5)
     after = outrider_llm.RELEASE_MEMORY_AFTER_S
     backend.idle()  # the spell starts
