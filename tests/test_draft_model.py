@@ -175,9 +175,16 @@ speculative:
   cost_gate: false   # the drafts are counted below
   model: {{path: draft.gguf}}
 """)
+    spec = served_greedy_equals_plain(manifest, server_factory)
+    assert spec.stats["accepted_tokens"] > 0
+
+
+def served_greedy_equals_plain(manifest, server_factory):
+    """Serve `manifest` (model "tiny") for real; greedy with its speculation must equal plain. The
+    speculative result."""
     server = server_factory([manifest], ["outrider_llm", "outrider_speculative"])
     with server.client(timeout=120) as client:
         plain = client.generate("tiny", prompt="the cat sat", max_tokens=24, temperature=0.0, speculative=False)
         spec = client.generate("tiny", prompt="the cat sat", max_tokens=24, temperature=0.0)
-        assert spec.token_ids == plain.token_ids
-        assert spec.stats["accepted_tokens"] > 0
+    assert spec.token_ids == plain.token_ids
+    return spec

@@ -27,7 +27,7 @@ from outrider.generation.contract import Chunk  # noqa: E402
 
 from conftest import write_manifest  # noqa: E402
 from gguf_models import write_tiny_gguf  # noqa: E402
-from test_draft_model import _native_c  # noqa: E402
+from test_draft_model import _native_c, served_greedy_equals_plain  # noqa: E402
 from test_eagle import _run, _strategy  # noqa: E402
 
 LAYERS = 7  # the default features: entering layers 2, 3 and 4
@@ -315,12 +315,7 @@ speculative:
   prob_threshold: 0.0
   eagle3: {{path: head}}
 """)
-    server = server_factory([manifest], ["outrider_llm", "outrider_speculative"])
-    with server.client(timeout=120) as client:
-        plain = client.generate("tiny", prompt="the cat sat", max_tokens=24, temperature=0.0, speculative=False)
-        spec = client.generate("tiny", prompt="the cat sat", max_tokens=24, temperature=0.0)
-        assert spec.token_ids == plain.token_ids
-        assert spec.stats["draft_tokens"] > 0
+    assert served_greedy_equals_plain(manifest, server_factory).stats["draft_tokens"] > 0
 
 
 def test_the_eagle3_drafter_passes_the_conformance_kit(target, tmp_path):

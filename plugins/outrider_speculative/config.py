@@ -41,6 +41,14 @@ def known_options(options: Optional[Mapping[str, Any]], known: Sequence[str], dr
     return options
 
 
+def path_drafter_options(options: Optional[Mapping[str, Any]], known: Sequence[str], drafter: str,
+                         expected: str) -> tuple[dict[str, Any], str]:
+    """(options, the required `path`) of a drafter made from a file: unknown options and a missing
+    path are OptionErrors naming the field."""
+    options = known_options(options, known, drafter)
+    return options, read_path(options, expected)
+
+
 def read_path(options: Mapping[str, Any], expected: str) -> str:
     """The required `path` option, or OptionError saying what it should name."""
     path = options.get("path")

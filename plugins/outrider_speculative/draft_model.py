@@ -50,7 +50,7 @@ from outrider.generation.contract import Chunk, DrafterContext
 from outrider.generation.sampling import host_array, is_greedy, target_distribution
 from outrider.generation.verify import sampling_knobs
 
-from .config import OptionError, known_options, read_bool, read_float, read_int, read_path
+from .config import OptionError, path_drafter_options, read_bool, read_float, read_int
 from .drafters import sequence_key
 from .tree import SampledExpansion, SpecTree, build_dynamic_tree, sample_children
 
@@ -335,9 +335,9 @@ def _read_shape(options: Mapping[str, Any]) -> str:
 def make_draft_model_drafter(model: Any, options: Optional[Mapping[str, Any]] = None,
                              context: Optional[DrafterContext] = None) -> DraftModelDrafter:
     """Drafter factory: loads `options.path` on the target's runtime, checks its vocabulary, warms it up."""
-    options = known_options(options, OPTIONS, "model-drafter")
+    options, path = path_drafter_options(options, OPTIONS, "model-drafter",
+                                         "the path of the draft model's file (a GGUF)")
     context = context or DrafterContext()
-    path = read_path(options, "the path of the draft model's file (a GGUF)")
     load = getattr(model, "load_draft_model", None)
     if load is None:
         raise OptionError("path", f"this target ({type(model).__name__}) cannot load a draft model: the draft-model "

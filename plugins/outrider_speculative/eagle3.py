@@ -51,7 +51,7 @@ import numpy as np
 from outrider.generation.contract import DrafterContext
 from outrider.generation.sampling import host_array
 
-from .config import OptionError, known_options, read_bool, read_float, read_int, read_path
+from .config import OptionError, path_drafter_options, read_bool, read_float, read_int
 from .draft_head import HeadDrafter, rms_norm
 from .drafters import sequence_key
 from .tree import SpecTree
@@ -394,9 +394,9 @@ class Eagle3Drafter(HeadDrafter):
 def make_eagle3_drafter(model: Any, options: Optional[Mapping[str, Any]] = None,
                         context: Optional[DrafterContext] = None) -> Eagle3Drafter:
     """Drafter factory ("eagle3"): the head at `options.path`, checked against the target's shape."""
-    options = known_options(options, OPTIONS, "eagle3")
+    options, path = path_drafter_options(options, OPTIONS, "eagle3",
+                                         "the folder of an EAGLE-3 head (config.json + .safetensors)")
     context = context or DrafterContext()
-    path = read_path(options, "the folder of an EAGLE-3 head (config.json + .safetensors)")
     capture = getattr(model, "capture_hidden", None)
     layers_total = int(getattr(model, "num_layers", 0) or 0)
     if capture is None or not layers_total or getattr(model, "array_api", None) != "numpy":
