@@ -176,7 +176,11 @@ class SpeculativeStrategy:
         context = DrafterContext(tokenizer=tokenizer, directory=self.directory)
         for name in self.config.drafters:
             try:
-                drafters.append(self.factories[name](model, self.config.options_for(name), context))
+                drafter = self.factories[name](model, self.config.options_for(name), context)
+                if not callable(getattr(drafter, "propose", None)):
+                    raise TypeError(f"the factory registered as drafter {name!r} returned a {type(drafter).__name__} "
+                                    f"without propose(seq, budget) (outrider.generation.contract.Drafter)")
+                drafters.append(drafter)
             except OptionError as exc:
                 raise ManifestError(f"{self.where}: field 'speculative.{name}.{exc.field}': {exc.message}") from None
             except (TypeError, ValueError) as exc:

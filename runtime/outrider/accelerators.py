@@ -49,6 +49,18 @@ class ArtifactTransform(Protocol):
     def apply(self, artifact: Any, context: Any) -> Any: ...
 
 
+#: what the object an accelerator's factory returns must have, by role (checked when it is made)
+ROLE_MEMBERS = {
+    "artifact_transform": ("apply", "weight_format"),
+    "batch_policy": ("next_batch", "execute"),
+    "decode_strategy": ("for_instance", "bind_registry", "attach", "start", "propose", "observe", "finish"),
+}
+ROLE_CONTRACTS = {
+    "artifact_transform": "outrider.accelerators.ArtifactTransform",
+    "batch_policy": "outrider.serving.scheduler.Scheduler",
+    "decode_strategy": "outrider.generation.contract.DecodeStrategy",
+}
+
 _NESTED_FIELD = re.compile(r"^field '([^']+)': (.*)$", re.S)
 #: in the order the core calls them: transforms before load, the policy between queue and
 #: instances, the strategy inside each generation step
@@ -223,12 +235,10 @@ def select(specs: list[AcceleratorSpec], manifest: Any, backend: Any) -> Acceler
     out = AcceleratorSet()
     for spec, section, config in sorted(chosen, key=lambda c: (ROLES.index(c[0].role), c[0].order, c[1])):
         made = spec.factory(manifest, config)
-        if spec.role == "artifact_transform":
-            missing = [name for name in ("apply", "weight_format") if not hasattr(made, name)]
-            if missing:
-                raise OutriderError(f"accelerator {spec.name!r} (artifact_transform): its factory returned a "
-                                    f"{type(made).__name__} without {', '.join(missing)} (see "
-                                    f"outrider.accelerators.ArtifactTransform)")
+        missing = [name for name in ROLE_MEMBERS[spec.role] if not hasattr(made, name)]
+        if missing:
+            raise OutriderError(f"accelerator {spec.name!r} ({spec.role}): its factory returned a "
+                                f"{type(made).__name__} without {', '.join(missing)} (see {ROLE_CONTRACTS[spec.role]})")
         out[section] = made
         out.specs[section] = spec
         out.configs[section] = config
