@@ -21,14 +21,8 @@ from outrider.serving.request import PendingRequest  # noqa: E402
 from outrider.plugins import create_registry  # noqa: E402
 from outrider.generation.contract import Chunk  # noqa: E402
 from outrider.generation.sampling import SamplingParams, new_generator, target_distribution  # noqa: E402
-from outrider_speculative.eagle import (  # noqa: E402
-    DEFAULT_WEIGHTS,
-    EagleDrafter,
-    load_head,
-    make_eagle_drafter,
-    save_head,
-    target_fingerprint,
-)
+from outrider_speculative.eagle import EagleDrafter, load_head, make_eagle_drafter, save_head  # noqa: E402
+from outrider_speculative.draft_head import DEFAULT_WEIGHTS, target_fingerprint  # noqa: E402
 from outrider_speculative.tree import check_tree  # noqa: E402
 from outrider_speculative.config import OptionError  # noqa: E402
 from outrider_speculative import training  # noqa: E402

@@ -150,7 +150,8 @@ def flat_head(flat_model, tmp_path_factory):
     Untrained on purpose: its q differs from the target's p, so the residual path of the accept
     rule runs often; the draft vocabulary leaves out token 4, which only a residual can emit.
     """
-    from outrider_speculative.eagle import DraftHead, HeadConfig, save_head
+    from outrider_speculative.eagle import DraftHead, save_head
+    from outrider_speculative.draft_head import HeadConfig
 
     model, _ = flat_model
     with torch.random.fork_rng():

@@ -23,7 +23,8 @@ TEXT = "hello there, the cat sat on the mat"
 
 def _ours(path, tmp_path, native: bool):
     from outrider.artifacts import ArtifactCache
-    from outrider_llm.loading import load_native_artifact, load_weights_artifact, model_from_artifact
+    from outrider_llm.loading import model_from_artifact
+    from outrider_llm.conversion import load_native_artifact, load_weights_artifact
 
     cache = ArtifactCache(tmp_path / "cache")
     artifact = load_native_artifact(path, cache) if native else load_weights_artifact(path, cache)
@@ -109,7 +110,7 @@ def test_llama3_rope_freqs_match_transformers_llama3_rope(tmp_path):
 def test_an_architecture_not_claimed_is_refused_naming_what_it_needs(tmp_path):
     import gguf
 
-    from outrider_llm.loading import load_weights_artifact
+    from outrider_llm.conversion import load_weights_artifact
 
     path = tmp_path / "tiny-qwen3moe.gguf"
     writer = gguf.GGUFWriter(str(path), "qwen3moe")
@@ -185,7 +186,7 @@ def test_a_type_without_native_kernels_is_converted_once_and_said(tmp_path, capl
     import logging
 
     from outrider_llm import native
-    from outrider_llm.loading import read_artifact_meta
+    from outrider_llm.artifact import read_artifact_meta
 
     if not native.w4a8_kernel()[0]:
         pytest.skip(f"native kernels not loaded: {native.w4a8_kernel()[1]}")
@@ -195,7 +196,7 @@ def test_a_type_without_native_kernels_is_converted_once_and_said(tmp_path, capl
     with caplog.at_level(logging.WARNING, logger="outrider.llm"):
         model, _ = _ours(path, tmp_path, native=True)
     from outrider.artifacts import ArtifactCache
-    from outrider_llm.loading import load_native_artifact
+    from outrider_llm.conversion import load_native_artifact
 
     meta = read_artifact_meta(load_native_artifact(path, ArtifactCache(tmp_path / "cache")))
     assert meta["converted"] == {"Q3_K -> Q4_1": ["blk.0.attn_v.weight", "blk.1.attn_v.weight"]}
@@ -215,7 +216,7 @@ def test_files_the_backend_cannot_serve_fail_once_with_what_is_wrong(tmp_path, s
     from conftest import write_manifest
     from outrider.artifacts import ArtifactCache
     from outrider.errors import ArtifactError
-    from outrider_llm.loading import load_weights_artifact
+    from outrider_llm.conversion import load_weights_artifact
 
     moe = tmp_path / "moe" / "tiny-moe.gguf"
     moe.parent.mkdir()
@@ -277,7 +278,7 @@ def test_a_conversion_in_a_child_process_writes_what_one_in_process_writes(tmp_p
     """A server converts a GGUF in a child process (its heap leaves with it): the artifact is the
     same, byte for byte, and a file it cannot serve is still a GGUFError (failed once, not retried)."""
     from outrider_llm.conversion import convert, convert_in_child
-    from outrider_llm.loading import GGUFError
+    from outrider_llm.artifact import GGUFError
 
     path, _ = write_tiny_gguf(tmp_path, "qwen2", seed=21)
     here, there = tmp_path / "here", tmp_path / "there"

@@ -194,8 +194,9 @@ def test_smollm2_served_in_its_own_blocks(tmp_path):
     from outrider.artifacts import ArtifactCache
     from outrider.generation.contract import Chunk
     from outrider_llm import native
-    from outrider_llm.loading import (load_native_artifact, load_weights_artifact, model_from_artifact,
-                                      read_artifact_meta, read_artifact_weights, smollm2_gguf_path)
+    from outrider_llm.loading import model_from_artifact, read_artifact_weights
+    from outrider_llm.conversion import load_native_artifact, load_weights_artifact
+    from outrider_llm.artifact import read_artifact_meta, smollm2_gguf_path
 
     if not native.w4a8_kernel()[0]:
         pytest.skip(f"native kernels not loaded: {native.w4a8_kernel()[1]}")

@@ -160,7 +160,7 @@ def test_a_gguf_packed_straight_into_tiles_computes_the_converted_model(arch, ki
     from gguf_models import write_tiny_gguf
     from outrider.artifacts import ArtifactCache
     from outrider_llm.gguf_tiles import KIND, load_gguf_tiles
-    from outrider_llm.loading import load_native_artifact
+    from outrider_llm.conversion import load_native_artifact
     from outrider_llm.native_model import NativeLlama, load_tiles
 
     shape = dict(hidden_size=256, intermediate_size=512) if kind.endswith("K") else {}

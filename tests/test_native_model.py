@@ -122,7 +122,8 @@ def test_each_claimed_architecture_matches_the_torch_model(arch, kind, tmp_path)
     _native_c()
     from gguf_models import write_tiny_gguf
     from outrider.artifacts import ArtifactCache
-    from outrider_llm.loading import load_native_artifact, model_from_artifact
+    from outrider_llm.loading import model_from_artifact
+    from outrider_llm.conversion import load_native_artifact
     from outrider_llm.native_model import NativeLlama
 
     path, _ = write_tiny_gguf(tmp_path, arch, seed=2, matrix_type=kind)
@@ -272,7 +273,7 @@ def test_the_packed_model_is_built_once_then_mapped(tmp_path):
     _native_c()
     from gguf_models import write_tiny_gguf
     from outrider.artifacts import ArtifactCache
-    from outrider_llm.loading import load_native_artifact
+    from outrider_llm.conversion import load_native_artifact
     from outrider_llm.native_model import TILES_KIND, NativeLlama, load_tiles
 
     path, _ = write_tiny_gguf(tmp_path, "qwen2", seed=4, matrix_type="Q4_0")
@@ -297,7 +298,7 @@ def test_what_it_does_not_cover_is_named(tmp_path):
     _native_c()
     from gguf_models import write_tiny_gguf
     from outrider.artifacts import ArtifactCache
-    from outrider_llm.loading import load_native_artifact
+    from outrider_llm.conversion import load_native_artifact
     from outrider_llm.native_model import NativeLlama
 
     path, _ = write_tiny_gguf(tmp_path, "llama", seed=3)  # F32 matrices: no native blocks

@@ -146,8 +146,9 @@ def _assert_parts_at_a_near_tie(prompt: str, plain: list[int], spec: list[int]) 
     import torch
 
     from outrider.generation.contract import Chunk
-    from outrider_llm.loading import (artifact_tokenizer, load_weights_artifact, read_artifact_meta,
-                                      read_artifact_weights, smollm2_gguf_path)
+    from outrider_llm.loading import read_artifact_weights
+    from outrider_llm.artifact import artifact_tokenizer, read_artifact_meta, smollm2_gguf_path
+    from outrider_llm.conversion import load_weights_artifact
     from outrider_llm.model import LlamaConfig, LlamaModel
     from outrider_quantize.llm import quantize_state_dict
 

@@ -144,7 +144,8 @@ def tiny_gguf(tmp_path_factory):
     pytest.importorskip("gguf")
     from gguf_models import write_tiny_gguf
     from outrider.artifacts import ArtifactCache
-    from outrider_llm.loading import load_weights_artifact, model_from_artifact
+    from outrider_llm.loading import model_from_artifact
+    from outrider_llm.conversion import load_weights_artifact
 
     directory = tmp_path_factory.mktemp("tiny-gguf")
     path, _ = write_tiny_gguf(directory, "llama", seed=5)

@@ -26,7 +26,9 @@ def quantized_artifact(kernel: str):
     """The int4 "llama-weights" artifact of the shipped GGUF, through the quantize transform."""
     from outrider.accelerators import TransformContext
     from outrider.artifacts import ArtifactCache
-    from outrider_llm.loading import artifact_tokenizer, load_weights_artifact, model_from_artifact, smollm2_gguf_path
+    from outrider_llm.loading import model_from_artifact
+    from outrider_llm.artifact import artifact_tokenizer, smollm2_gguf_path
+    from outrider_llm.conversion import load_weights_artifact
     from outrider_quantize.config import QuantizeConfig
     from outrider_quantize.llm import LlmWeightQuantizer
 

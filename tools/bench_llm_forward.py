@@ -188,8 +188,12 @@ def quantized_models(config, raw_state_dict: dict, modes: list[str]) -> list[tup
 
 
 def bench_forward(args: argparse.Namespace) -> None:
-    from outrider_llm.loading import load_weights_artifact, read_artifact_meta, read_artifact_weights, smollm2_gguf_path
-    from outrider_llm.model import LlamaConfig, LlamaModel, cpu_has_native_bf16, tune_malloc
+    from outrider_llm.loading import read_artifact_weights
+    from outrider_llm.conversion import load_weights_artifact
+    from outrider_llm.artifact import read_artifact_meta, smollm2_gguf_path
+    from outrider_llm.model import LlamaConfig, LlamaModel
+    from outrider_llm.linear import cpu_has_native_bf16
+    from outrider_llm.heap import tune_malloc
 
     tune_malloc()
     artifact = load_weights_artifact(smollm2_gguf_path())

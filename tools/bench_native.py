@@ -268,8 +268,11 @@ def main() -> None:
 
     from bench_llm_forward import Ours, quantized_models
     from outrider_llm import native
-    from outrider_llm.loading import load_weights_artifact, read_artifact_meta, read_artifact_weights, smollm2_gguf_path
-    from outrider_llm.model import LlamaConfig, tune_malloc
+    from outrider_llm.loading import read_artifact_weights
+    from outrider_llm.conversion import load_weights_artifact
+    from outrider_llm.artifact import read_artifact_meta, smollm2_gguf_path
+    from outrider_llm.model import LlamaConfig
+    from outrider_llm.heap import tune_malloc
 
     torch.set_num_threads(args.threads)
     loaded, why = native.library()

@@ -221,7 +221,7 @@ def native_isa(isa: str) -> str:
 def llama_cpp_workers(tokens: int, threads: int, llama_cpp_dir: str, q4_0: bool) -> tuple[dict, object]:
     """({file kind: LlamaCpp worker} on the shipped Q4_1 and, with `q4_0`, on a Q4_0 made by
     llama.cpp's quantizer in a temp dir (returned too, for `stop_all`)); workers that fail are left out."""
-    from outrider_llm.loading import smollm2_gguf_path
+    from outrider_llm.artifact import smollm2_gguf_path
 
     files = [("Q4_1", smollm2_gguf_path())]
     tmp = tempfile.TemporaryDirectory(prefix="bench-quantize-") if q4_0 else None
@@ -329,7 +329,8 @@ def bench_prefill(tokens: int, rounds: int, threads: int, isa: str = "", llama_c
     wall time of a 1-token greedy request, and the server's own time_to_first_token) against
     llama.cpp's eval + first sample on the same text, interleaved per round; medians."""
     from outrider import Client
-    from outrider_llm.loading import artifact_tokenizer, load_weights_artifact, smollm2_gguf_path
+    from outrider_llm.artifact import artifact_tokenizer, smollm2_gguf_path
+    from outrider_llm.conversion import load_weights_artifact
 
     text = long_prompt(tokens, artifact_tokenizer(load_weights_artifact(smollm2_gguf_path())))
     kernel_set = native_isa(isa)
@@ -463,7 +464,8 @@ def _llama_cpp_worker(tokens: int, threads: int, gguf: str, build: str) -> None:
 
 
 def _chat_renderer():
-    from outrider_llm.loading import load_weights_artifact, artifact_tokenizer, smollm2_gguf_path
+    from outrider_llm.conversion import load_weights_artifact
+    from outrider_llm.artifact import artifact_tokenizer, smollm2_gguf_path
 
     tokenizer = artifact_tokenizer(load_weights_artifact(smollm2_gguf_path()))
     return tokenizer.apply_chat_template

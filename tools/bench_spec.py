@@ -292,7 +292,7 @@ def main() -> None:
     if args.transformers:
         from transformers import AutoModelForCausalLM
 
-        from outrider_llm.loading import smollm2_gguf_path
+        from outrider_llm.artifact import smollm2_gguf_path
 
         path = smollm2_gguf_path()
         hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, torch_dtype=torch.float32).eval()

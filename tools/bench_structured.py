@@ -56,7 +56,8 @@ CHAT_TURNS = ["Tell me about the history of tea.", "Where is it grown today?", "
 
 
 def _tokenizer():
-    from outrider_llm.loading import artifact_tokenizer, load_weights_artifact, smollm2_gguf_path
+    from outrider_llm.artifact import artifact_tokenizer, smollm2_gguf_path
+    from outrider_llm.conversion import load_weights_artifact
 
     return artifact_tokenizer(load_weights_artifact(smollm2_gguf_path()))
 
@@ -218,7 +219,7 @@ class LlamaCppWorker:
 
 def llama_cpp_rows(args, chat, document: str) -> dict:
     from bench_native import quantized_file
-    from outrider_llm.loading import smollm2_gguf_path
+    from outrider_llm.artifact import smollm2_gguf_path
 
     gguf = Path(args.gguf) if args.gguf else quantized_file(args.llama_cpp, smollm2_gguf_path(), args.files_dir,
                                                              args.threads, "Q4_0")

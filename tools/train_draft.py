@@ -30,7 +30,8 @@ sys.path[:0] = [str(ROOT / "runtime"), str(ROOT / "plugins")]
 
 def main(argv: Optional[list[str]] = None) -> int:
     import torch
-    from outrider_llm.loading import load_model, smollm2_gguf_path
+    from outrider_llm.loading import load_model
+    from outrider_llm.artifact import smollm2_gguf_path
     from outrider_speculative import training
 
     args = training.build_parser(__doc__.split("\n\n")[0]).parse_args(argv)

@@ -36,7 +36,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from outrider.generation.weights import dequantize_int4, dequantize_int8, pack_int4, unpack_int4  # noqa: F401
+from outrider.generation.weights import dequantize_int4, dequantize_int8, pack_int4, unpack_int4
 from outrider.hardware import cpu_flags
 
 log = logging.getLogger("outrider.llm")

@@ -25,18 +25,13 @@ import torch
 
 from outrider.artifacts import Artifact
 
-from .artifact import (  # noqa: F401  (re-exported: loading was their home)
-    BLOCKS_FORMAT, CACHE_FORMAT, META_FILE, NATIVE_KIND, RAW_Q4_1, SMOLLM2_GGUF, SMOLLM2_PACKAGE, STOP_TOKENS,
-    TOKENIZER_FILE, WEIGHTS_FILE, WEIGHTS_KIND, ChatTokenizer, GGUFError, artifact_dir, chat_tokenizer,
-    artifact_tokenizer, read_artifact_meta, smollm2_gguf_path,
-)
-from .conversion import load_native_artifact, load_weights_artifact  # noqa: F401  (re-exported)
-from .gguf_reading import (  # noqa: F401  (re-exported: loading was their home)
-    FUSED_TENSORS, LAYER_NAMES, UNSUPPORTED_ARCHS, PERMUTED_QK_ARCHS, TOP_NAMES, ARCHITECTURES, NATIVE_ONLY, config_from_gguf, gguf_field, fused_parts,
-    unpermute_rows, gguf_tokenizer as _gguf_tokenizer,
-)
+from .artifact import (RAW_Q4_1, WEIGHTS_FILE, ChatTokenizer, artifact_dir, artifact_tokenizer, chat_tokenizer,
+                       read_artifact_meta, smollm2_gguf_path)
+from .conversion import load_weights_artifact
+from .gguf_reading import gguf_tokenizer
 from .gguf_to_artifact import read_gguf
-from .model import LlamaConfig, LlamaModel, release_free_memory, tune_malloc
+from .heap import release_free_memory, tune_malloc
+from .model import LlamaConfig, LlamaModel
 
 log = logging.getLogger("outrider.llm")
 
@@ -107,7 +102,7 @@ def load_gguf_weights(
         return LlamaConfig.from_dict(meta["config"]), read_artifact_weights(artifact), artifact_tokenizer(artifact)
     config, state_dict, meta = read_gguf(path)
     state_dict = {k: v for k, v in state_dict.items() if RAW_Q4_1 not in k}
-    return config, state_dict, chat_tokenizer(_gguf_tokenizer(path), meta)
+    return config, state_dict, chat_tokenizer(gguf_tokenizer(path), meta)
 
 
 def random_llama_weights(config: LlamaConfig, seed: int = 0) -> dict[str, torch.Tensor]:

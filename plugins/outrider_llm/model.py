@@ -37,27 +37,10 @@ import torch.nn.functional as F
 from outrider.generation.contract import Chunk, ForwardOutput
 
 from .config import FINGERPRINT_ROW_STRIDE, LlamaConfig, rope_tables, weights_fingerprint
-from .heap import release_free_memory, tune_malloc  # noqa: F401  (re-exported: their old home)
-
 from .kv_cache import SlotKVCache
-
-from .linear import (  # noqa: F401  (re-exported: `from outrider_llm.model import QuantizedLinear` keeps working)
-    NATIVE_KERNELS,
-    PACK_ROWS,
-    AffineTable,
-    ConcatLinear,
-    Int8BlockTable,
-    TiedRows,
-    KernelPlan,
-    QuantTensor,
-    QuantizedLinear,
-    W8A8Linear,
-    affine_linear,
-    choose_kernel,
-    cpu_has_native_bf16,
-    dense_linear,
-    onednn_works,
-)
+from .linear import (NATIVE_KERNELS, AffineTable, ConcatLinear, Int8BlockTable, KernelPlan, QuantizedLinear,
+                     QuantTensor, TiedRows, W8A8Linear, affine_linear, choose_kernel, cpu_has_native_bf16,
+                     dense_linear, onednn_works)
 
 log = logging.getLogger("outrider.llm")
 

@@ -54,10 +54,7 @@ import torch.nn.functional as F
 from outrider.errors import ManifestError
 
 from .config import OptionError, known_options, read_bool, read_float, read_int
-from .draft_head import (  # noqa: F401  (re-exported: eagle.py was their home)
-    DEFAULT_WEIGHTS, FORMAT, OPTIONS, TRAIN_HINT, WEIGHTS_DIR, HeadConfig, HeadDrafter, check_fingerprint,
-    target_fingerprint,
-)
+from .draft_head import DEFAULT_WEIGHTS, FORMAT, OPTIONS, TRAIN_HINT, HeadConfig, HeadDrafter, check_fingerprint
 
 log = logging.getLogger("outrider.speculative")
 # ---- the head -------------------------------------------------------------------------------------

@@ -51,7 +51,8 @@ import torch.nn.functional as F
 from outrider.generation.contract import Chunk
 from outrider.hardware import cpu_has_bf16_instructions
 
-from .eagle import DEFAULT_WEIGHTS, DraftHead, HeadConfig, CompiledHead, save_head, target_fingerprint
+from .eagle import DraftHead, CompiledHead, save_head
+from .draft_head import DEFAULT_WEIGHTS, HeadConfig, target_fingerprint
 
 TOP_K = 8  # target probabilities kept per position (the soft label)
 SOURCES = ("chat", "code", "text")
