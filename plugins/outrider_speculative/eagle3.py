@@ -139,7 +139,8 @@ def inverse_frequencies(config: Mapping[str, Any], head_dim: int) -> np.ndarray:
     if kind == "linear":
         inv = inv / float(scaling["factor"])
     elif kind == "llama3":
-        factor, low, high = float(scaling["factor"]), float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
         old = float(scaling["original_max_position_embeddings"])
         wavelength = 2 * math.pi / inv
         smooth = (old / wavelength - low) / (high - low)
@@ -208,16 +209,23 @@ class Eagle3Layer:
         q = self._rope(q, positions) * np.float32(d ** -0.5)
         return residual, q, self._rope(k, positions), v
 
-    def attend(self, q: np.ndarray, keys: np.ndarray, values: np.ndarray, mask: Optional[np.ndarray]) -> np.ndarray:
-        """q [n, heads, D] over keys/values [KV, T, D] (mask bool [n, T], None: all) -> [n, heads x D]."""
+    def attend(self, q: np.ndarray, parts: list[tuple[np.ndarray, np.ndarray]],
+               mask: Optional[np.ndarray] = None) -> np.ndarray:
+        """q [n, heads, D] over the keys/values [KV, T_i, D] of `parts` taken as one sequence, in order,
+        without joining them (a tree row reads the committed cache where it lies); mask bool [n, sum T_i]
+        (None: all) -> [n, heads x D]."""
         n, group = q.shape[0], self.heads // self.kv_heads
         qg = q.reshape(n, self.kv_heads, group, self.head_dim)
-        scores = np.einsum("nkgd,ktd->nkgt", qg, keys)
+        scores = np.concatenate([np.einsum("nkgd,ktd->nkgt", qg, keys) for keys, _ in parts], axis=-1)
         if mask is not None:
             scores = np.where(mask[:, None, None, :], scores, np.float32(-np.inf))
         scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
         scores /= scores.sum(axis=-1, keepdims=True)
-        return np.einsum("nkgt,ktd->nkgd", scores, values).reshape(n, self.heads * self.head_dim)
+        out, start = 0.0, 0
+        for keys, values in parts:
+            out = out + np.einsum("nkgt,ktd->nkgd", scores[..., start:start + keys.shape[1]], values)
+            start += keys.shape[1]
+        return out.reshape(n, self.heads * self.head_dim)
 
     def finish(self, residual: np.ndarray, attention: np.ndarray) -> np.ndarray:
         """The layer's output [n, H] (what deeper levels take as their features)."""
@@ -317,6 +325,7 @@ class Eagle3Drafter(HeadDrafter):
     def _feed(self, cache: _Cache, token_ids: list[int]) -> None:
         """Run the waiting committed rows through the layer into the cache; keep the last one's output."""
         layer = self.layer
+        last: Optional[tuple[int, np.ndarray]] = None  # (position, output) of the last row fed
         for first, features in cache.waiting:
             skip = max(0, cache.next_position - first)  # rows fed before (never expected; harmless)
             features = features[skip:]
@@ -332,10 +341,13 @@ class Eagle3Drafter(HeadDrafter):
                 cache.append(k, v)
                 mask = np.ones((n, cache.rows), dtype=bool)
                 mask[:, before:] = np.tril(np.ones((n, n), dtype=bool))
-                out = layer.finish(residual, layer.attend(q, cache.k[:, :cache.rows], cache.v[:, :cache.rows], mask))
-                cache.root = (int(positions[-1]), out[-1], layer.logits(out[-1:])[0])
+                committed = (cache.k[:, :cache.rows], cache.v[:, :cache.rows])
+                out = layer.finish(residual, layer.attend(q, [committed], mask))
+                last = (int(positions[-1]), out[-1])
             cache.next_position = first + features.shape[0]
         cache.waiting.clear()
+        if last is not None:  # the LM head once, for the row the tree grows from
+            cache.root = (last[0], last[1], layer.logits(last[1][None])[0])
 
     # -- drafting -----------------------------------------------------------------------------
 
@@ -371,9 +383,9 @@ class Eagle3Drafter(HeadDrafter):
         for i, (_, ancestors, position) in enumerate(states):
             self._tentative.append((k[i], v[i]))
             own = ancestors + (len(self._tentative) - 1,)
-            keys = np.concatenate([committed_k, np.stack([self._tentative[j][0] for j in own], axis=1)], axis=1)
-            values = np.concatenate([committed_v, np.stack([self._tentative[j][1] for j in own], axis=1)], axis=1)
-            rows.append(layer.attend(q[i:i + 1], keys, values, None)[0])
+            path = (np.stack([self._tentative[j][0] for j in own], axis=1),
+                    np.stack([self._tentative[j][1] for j in own], axis=1))
+            rows.append(layer.attend(q[i:i + 1], [(committed_k, committed_v), path])[0])
             children.append(own)
         out = layer.finish(residual, np.stack(rows))
         return [(out[i], children[i], int(positions[i]) + 1) for i in range(len(states))], layer.logits(out)

@@ -164,11 +164,11 @@ def check_drafter(registry: PluginRegistry, name: str, model: Any, tokenizer: An
     assert callable(getattr(drafter, "propose", None)), f"drafter {name!r} has no propose(seq, budget)"
     counts = {"proposals": 0, "nodes": 0, "sampled_groups": 0}
     vocab = int(model.vocab_size)
-    for label, params in (("greedy", SamplingParams(temperature=0.0)), ("sampling", SamplingParams(temperature=1.0, seed=3))):
+    for label, params in (("greedy", SamplingParams(temperature=0.0)),
+                          ("sampling", SamplingParams(temperature=1.0, seed=3))):
         view = _View(f"conformance-{label}", prompt_ids, params, new_generator(params.seed))
-        for hook in ("start",):
-            if hasattr(drafter, hook):
-                getattr(drafter, hook)(view)
+        if hasattr(drafter, "start"):
+            drafter.start(view)
         for step in range(steps):
             budget = 1 + step % 8
             tree = drafter.propose(view, budget)
@@ -182,7 +182,8 @@ def check_drafter(registry: PluginRegistry, name: str, model: Any, tokenizer: An
                 assert -1 <= parent < n, f"{name}: a sampled group under missing node {parent}"
                 for group in groups:
                     q = np.asarray(group.q)
-                    assert q.shape == (vocab,) and np.all(q >= 0) and q.sum() > 0, f"{name}: a sampled q is not a distribution over the vocabulary"
+                    assert q.shape == (vocab,) and np.all(q >= 0) and q.sum() > 0, \
+                        f"{name}: a sampled q is not a distribution over the vocabulary"
                     assert all(q[t] > 0 for t in group.draws), f"{name}: a draw has q = 0"
                 counts["sampled_groups"] += len(groups)
             counts["proposals"] += 1
@@ -213,13 +214,15 @@ def check_drafter(registry: PluginRegistry, name: str, model: Any, tokenizer: An
                 finals.append(header)
 
         engine.admit([PendingRequest(b"c", 0, "generate", "conformance", {},
-                                     {"prompt": tokenizer.decode(prompt_ids), "max_tokens": 24, "temperature": 0.0}, send)])
+                                     {"prompt": tokenizer.decode(prompt_ids), "max_tokens": 24, "temperature": 0.0},
+                                     send)])
         while engine.busy():
             engine.step()
         assert finals and finals[0].get("ok", True), f"{name}: the generation failed: {finals}"
         outputs.append(finals[0])
     assert outputs[1]["token_ids"] == outputs[0]["token_ids"], \
-        f"{name}: greedy output with the drafter differs from the target's: {outputs[1]['token_ids']} vs {outputs[0]['token_ids']}"
+        f"{name}: greedy output with the drafter differs from the target's: {outputs[1]['token_ids']} vs " \
+        f"{outputs[0]['token_ids']}"
     counts["engine_draft_tokens"] = outputs[1]["stats"]["draft_tokens"]
     return counts
 

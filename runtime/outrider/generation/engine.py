@@ -25,8 +25,7 @@ import numpy as np
 
 from outrider.errors import BadRequestError, ExecutionError, OutriderError
 from outrider.serving.queue import RequestQueue
-from outrider.serving.request import PendingRequest
-from outrider.serving.request import DEFERRED
+from outrider.serving.request import DEFERRED, PendingRequest
 from outrider.serving.scheduler import Scheduler
 
 from .constraints import TokenRules, check_grammar_state, parse_logit_bias, token_logprobs
@@ -288,8 +287,7 @@ class GenerationEngine:
             n = len(chunk.tokens)
             width = 1 if tree is None else n
             hidden = out.hidden[offset:offset + n]
-            aux = getattr(out, "aux_hidden", None)
-            seq.new_features = None if aux is None else aux[offset:offset + n]
+            seq.new_features = None if out.aux_hidden is None else out.aux_hidden[offset:offset + n]
             logits = logits_all[row:row + width]
             offset += n
             row += width
