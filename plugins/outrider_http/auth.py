@@ -1,4 +1,5 @@
-"""API keys for the HTTP front: `Authorization: Bearer KEY` on every route but health.
+"""API keys for the HTTP front: `Authorization: Bearer KEY` (or `x-api-key: KEY`, as Anthropic's
+clients send it) on every route but health.
 
 `--api-key-file FILE` holds one key per line, as it is or hashed (`sha256:HEX`, the hex SHA-256
 of the key, so the file need not hold the key itself); blank lines and `# comments` are skipped.
@@ -122,15 +123,18 @@ class RequireKey:
     async def __call__(self, scope: dict, receive: Callable[[], Awaitable[dict]], send: Callable) -> None:
         if scope["type"] != "http" or self._open(scope.get("path", "")):
             return await self.app(scope, receive, send)
-        header = b""
+        header = api_key = b""
         for name, value in scope.get("headers", []):
             if name == b"authorization":
                 header = value
-                break
+            elif name == b"x-api-key":  # Anthropic's clients send the key so
+                api_key = value
         scheme, _, key = header.decode("latin-1").partition(" ")
         if scheme.lower() == "bearer" and key.strip() and self.keys.allows(key.strip()):
             return await self.app(scope, receive, send)
-        await self._refuse(scope, send, "a missing" if not header else "a wrong")
+        if api_key.strip() and self.keys.allows(api_key.decode("latin-1").strip()):
+            return await self.app(scope, receive, send)
+        await self._refuse(scope, send, "a missing" if not (header or api_key) else "a wrong")
 
     async def _refuse(self, scope: dict, send: Callable, what: str) -> None:
         self._refused += 1
@@ -140,10 +144,14 @@ class RequireKey:
             log.warning("HTTP 401: %s API key from %s:%s for %s (%d refused since the last such line)",
                         what, client[0], client[1], scope.get("path", "")[:200], self._refused)
             self._logged, self._refused = now, 0
-        message = "this server needs an API key: send 'Authorization: Bearer KEY'"
+        message = "this server needs an API key: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'"
         path = scope.get("path", "")
-        error: dict = ({"error": {"message": message, "type": "invalid_request_error", "param": None,
-                                  "code": "unauthorized"}} if path.startswith("/v1/") else {"error": message})
+        error: dict = {"error": message}
+        if path.startswith("/v1/messages"):  # Anthropic's error shape
+            error = {"type": "error", "error": {"type": "authentication_error", "message": message}}
+        elif path.startswith("/v1/"):
+            error = {"error": {"message": message, "type": "invalid_request_error", "param": None,
+                               "code": "unauthorized"}}
         body = json.dumps(error).encode()
         await send({"type": "http.response.start", "status": 401, "headers": [
             (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),

@@ -58,8 +58,12 @@ class _Generation(Schema):
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
     top_logprobs: Optional[int] = None
-    # Extensions (as vLLM's): top_k, speculative (false turns speculative decoding off), timeout_ms.
+    # Extensions (as vLLM's): top_k, ignore_eos, min_tokens, stop_token_ids, speculative (false
+    # turns speculative decoding off), timeout_ms.
     top_k: Optional[int] = None
+    ignore_eos: Optional[bool] = None
+    min_tokens: Optional[int] = None
+    stop_token_ids: Optional[list[int]] = None
     speculative: Optional[bool] = None
     timeout_ms: Optional[float] = None
 
@@ -201,7 +205,7 @@ def routes(dispatch: Dispatcher) -> list[Route]:
             body = await parse_body(request, ChatRequest if chat else CompletionRequest, limit)
             model = model_named(body.model, generates=True)
             try:
-                tools = Tools(body) if chat else None
+                tools = Tools.of_chat(body) if chat else None
                 choices = _generation_parameters(body, chat, tools)
             except FieldError as exc:
                 raise bad_request(str(exc), exc.param) from None
@@ -294,7 +298,9 @@ def _generation_parameters(body: Any, chat: bool, tools: Optional[Tools] = None)
     for name, value in (("max_tokens", max_tokens), ("temperature", body.temperature), ("top_p", body.top_p),
                         ("top_k", body.top_k), ("seed", body.seed), ("speculative", body.speculative),
                         ("timeout_ms", body.timeout_ms), ("logit_bias", body.logit_bias),
-                        ("presence_penalty", body.presence_penalty), ("frequency_penalty", body.frequency_penalty)):
+                        ("presence_penalty", body.presence_penalty), ("frequency_penalty", body.frequency_penalty),
+                        ("ignore_eos", body.ignore_eos), ("min_tokens", body.min_tokens),
+                        ("stop_token_ids", body.stop_token_ids)):
         if value is not None:
             parameters[name] = value
     if body.stop is not None:
@@ -337,13 +343,13 @@ class Reply:
     def _choice(self, index: int, header: dict) -> dict[str, Any]:
         reason, text = _finish_reason(header), header.get("text", "")
         if not self.chat:
-            return {"index": index, "text": text, "finish_reason": reason,
+            return {"index": index, "text": text, "finish_reason": reason, "stop_reason": header.get("stop_reason"),
                     "logprobs": completion_logprobs(header.get("logprobs"))}
         message: dict[str, Any] = {"role": "assistant", "content": text}
         calls = self.tools.tool_calls(text) if self.tools is not None and reason == "stop" else None
         if calls:
             message, reason = {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
-        return {"index": index, "message": message, "finish_reason": reason,
+        return {"index": index, "message": message, "finish_reason": reason, "stop_reason": header.get("stop_reason"),
                 "logprobs": chat_logprobs(header.get("logprobs"))}
 
     def whole(self, headers: list[dict], n: int = 1) -> dict[str, Any]:

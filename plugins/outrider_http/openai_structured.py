@@ -69,31 +69,52 @@ def constraint_of(body: Any) -> Optional[dict]:
 
 
 class Tools:
-    """A chat request's tools and tool_choice: the constraint, the system message, the parsed call."""
+    """A request's tools and tool choice: the constraint, the system message, the parsed call.
 
-    def __init__(self, body: Any) -> None:
-        extra = body.model_extra or {}
-        tools, choice = extra.get("tools") or [], extra.get("tool_choice")
-        if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
+    Built from any API's fields: `of_chat` reads Chat Completions' (and Responses') shape; the
+    Messages route maps Anthropic's onto the same (functions by name, choice, named function)."""
+
+    def __init__(self, functions: dict[str, dict], choice: str, named: Optional[str] = None) -> None:
+        if len(functions) > MAX_TOOLS:
             raise FieldError(f"'tools' must be a list of at most {MAX_TOOLS} tools", "tools")
-        self.functions: dict[str, dict] = {}
-        for index, tool in enumerate(tools):
-            function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
-            if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
-                raise FieldError(f"tools[{index}] must be {{'type': 'function', 'function': {{'name': ...}}}}", "tools")
-            parameters = function.get("parameters", {"type": "object"})
-            if not isinstance(parameters, dict):
-                raise FieldError(f"tools[{index}].function.parameters must be a JSON schema (an object)", "tools")
-            self.functions[function["name"]] = {**function, "parameters": parameters}
-        if choice is None:
-            choice = "auto" if self.functions else "none"
-        named = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
-        if not (choice in ("none", "auto", "required") or named in self.functions):
-            raise FieldError("'tool_choice' must be none, auto, required or {'type': 'function', 'function': "
-                             f"{{'name': one of {sorted(self.functions)}}}}}", "tool_choice")
-        if choice in ("auto", "required") and not self.functions:
+        self.functions = functions  # name -> {"name", "description", "parameters": JSON schema}
+        if choice in ("auto", "required") and not functions:
             raise FieldError(f"'tool_choice' is {choice!r} but no tools are given", "tool_choice")
         self.choice, self.named = choice, named
+
+    @classmethod
+    def of_chat(cls, body: Any) -> "Tools":
+        """Chat Completions' `tools` ({"type": "function", "function": {...}}) and `tool_choice`."""
+        extra = body.model_extra or {}
+        return cls.of_functions(extra.get("tools"), extra.get("tool_choice"),
+                                lambda tool: tool.get("function") if tool.get("type") == "function" else None,
+                                "{'type': 'function', 'function': {'name': ...}}")
+
+    @classmethod
+    def of_functions(cls, tools: Any, choice: Any, function_of: Any, shape: str) -> "Tools":
+        """Tools from a list whose items `function_of` maps to {"name", "description", "parameters"}
+        (None for an item of the wrong shape, described by `shape` in the error)."""
+        tools = tools or []
+        if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
+            raise FieldError(f"'tools' must be a list of at most {MAX_TOOLS} tools", "tools")
+        functions: dict[str, dict] = {}
+        for index, tool in enumerate(tools):
+            function = function_of(tool) if isinstance(tool, dict) else None
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+                raise FieldError(f"tools[{index}] must be {shape}", "tools")
+            parameters = function.get("parameters") or {"type": "object"}
+            if not isinstance(parameters, dict):
+                raise FieldError(f"tools[{index}]: the parameters must be a JSON schema (an object)", "tools")
+            functions[function["name"]] = {**function, "parameters": parameters}
+        if choice is None:
+            choice = "auto" if functions else "none"
+        named = None
+        if isinstance(choice, dict):
+            named = choice.get("name") or (choice.get("function") or {}).get("name")
+        if not (choice in ("none", "auto", "required") or (named is not None and named in functions)):
+            raise FieldError("'tool_choice' must be none, auto, required or {'type': 'function', 'function': "
+                             f"{{'name': one of {sorted(functions)}}}}}", "tool_choice")
+        return cls(functions, "named" if named else choice, named)
 
     @property
     def active(self) -> bool:
@@ -123,6 +144,15 @@ class Tools:
         if self.named:
             lines.append(f"Call {self.named} now: answer with its arguments as a JSON object.")
         return {"role": "system", "content": "\n".join(lines)}
+
+    def call_of(self, text: str) -> Optional[tuple[str, Any]]:
+        """(name, arguments) of the call in a constrained answer, or None (an "auto" answer in text)."""
+        if self.named:
+            return self.named, json.loads(text)
+        if not text.lstrip().startswith("{"):
+            return None
+        call = json.loads(text)
+        return call["name"], call["arguments"]
 
     def tool_calls(self, text: str) -> Optional[list[dict]]:
         """The call in a constrained answer, or None (an "auto" answer in plain text)."""

@@ -31,6 +31,8 @@ class GenerateResult:
     stats: dict[str, Any] = field(default_factory=dict)
     # With logprobs=True: per token {"token_id", "logprob", "top": [[id, logprob], ...]}.
     logprobs: Optional[list[dict]] = None
+    # finish_reason "stop" not by EOS: the stop string or stop token id that ended it (vLLM's name).
+    stop_reason: Optional[Union[str, int]] = None
 
 
 @dataclass
@@ -89,6 +91,7 @@ def result_of(header: dict) -> GenerateResult:
         finish_reason=header.get("finish_reason", ""),
         stats=dict(header.get("stats", {})),
         logprobs=header.get("logprobs"),
+        stop_reason=header.get("stop_reason"),
     )
 
 

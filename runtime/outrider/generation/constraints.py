@@ -1,4 +1,5 @@
-"""What a request adds to the target's logits: logit_bias, presence/frequency penalties and a grammar.
+"""What a request adds to the target's logits: logit_bias, presence/frequency penalties, min_tokens
+and a grammar.
 
 These are part of the target distribution (`TokenRules.apply`), applied to every row the target
 samples from or verifies, for the path of tokens that reaches it: a tree row at depth d sees the
@@ -57,7 +58,8 @@ class TokenRules:
 
     def __init__(self, vocab_size: int, logit_bias: Optional[dict[int, float]] = None,
                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-                 grammar: Any = None, eos_ids: frozenset[int] = frozenset()) -> None:
+                 grammar: Any = None, eos_ids: frozenset[int] = frozenset(),
+                 min_tokens: int = 0, ending_ids: frozenset[int] = frozenset()) -> None:
         self.vocab_size = vocab_size
         self.bias: Optional[tuple[np.ndarray, np.ndarray]] = None
         if logit_bias:
@@ -67,10 +69,16 @@ class TokenRules:
         self.grammar = grammar  # grammar.GrammarState, or None
         self.eos_ids = eos_ids
         self.counts: dict[int, int] = {}  # generated tokens so far (what the penalties count)
+        # min_tokens: the tokens that would end the sequence (EOS, stop_token_ids) are impossible
+        # until that many are generated, as vLLM's MinTokensLogitsProcessor makes them.
+        self.min_tokens = int(min_tokens)
+        self.ending = np.array(sorted(t for t in ending_ids if 0 <= t < vocab_size), dtype=np.int64)
+        self.generated = 0
 
     @property
     def active(self) -> bool:
-        return bool(self.bias is not None or self.presence or self.frequency or self.grammar is not None)
+        return bool(self.bias is not None or self.presence or self.frequency or self.grammar is not None
+                    or (self.min_tokens > 0 and len(self.ending)))
 
     def apply(self, row: np.ndarray, path: list[int], argmax_only: bool = False) -> np.ndarray:
         """`row` (fp32 [vocab], not modified) as the request's target sees it after `path`.
@@ -91,6 +99,8 @@ class TokenRules:
                 ids = np.fromiter(counts, dtype=np.int64, count=len(counts))
                 n = np.fromiter(counts.values(), dtype=np.float32, count=len(counts))
                 out[ids] -= np.float32(self.frequency) * n + np.float32(self.presence)
+        if self.generated + len(path) < self.min_tokens and len(self.ending):
+            out[self.ending[self.ending < out.shape[-1]]] = -np.inf
         if self.grammar is not None and not any(t in self.eos_ids for t in path):
             if argmax_only and self.grammar.accepts(path, int(np.argmax(out))):
                 return out
@@ -109,7 +119,8 @@ class TokenRules:
         return len(tokens) if self.grammar is None else self.grammar.valid_prefix(tokens)
 
     def commit(self, tokens: list[int]) -> None:
-        """`tokens` were emitted (EOS excluded)."""
+        """`tokens` were emitted (EOS excluded unless the request ignores it)."""
+        self.generated += len(tokens)
         for token in tokens:
             self.counts[token] = self.counts.get(token, 0) + 1
         if self.grammar is not None:

@@ -19,7 +19,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import numpy as np
 
@@ -64,6 +64,10 @@ class Sequence:
         # token_ids[:-1]), when the model captures layers for an EAGLE-3 head; else None.
         self.new_features: Any = None
         self.finish_reason: Optional[str] = None
+        # What ended it with finish_reason "stop" besides EOS: a stop string or a stop token id
+        # (vLLM's `stop_reason`), and the tokens that end it (EOS unless ignored, stop_token_ids).
+        self.stop_reason: Optional[Union[str, int]] = None
+        self.ending: frozenset[int] = frozenset(params.stop_token_ids)
         self.started = time.monotonic()
         self.first_token_seconds: Optional[float] = None
         self.first_emitted: Optional[float] = None  # when the first / latest tokens were emitted
@@ -168,6 +172,7 @@ class GenerationEngine:
                 f"the prompt is {len(prompt_ids)} tokens; this model's context holds {self.max_length}"
             )
         params.max_tokens = min(params.max_tokens, room)
+        params.min_tokens = min(params.min_tokens, params.max_tokens)
         rules = self._rules(params)
         speculate = self.strategy is not None and params.speculative is not False
         if self.stats is not None:
@@ -175,9 +180,11 @@ class GenerationEngine:
         slot = self.free_slots.pop()
         seq: Optional[Sequence] = None
         try:
-            seq = Sequence(request, slot, prompt_ids, params, IncrementalText(self.tokenizer.decode, params.stop),
-                           speculate)
+            seq = Sequence(request, slot, prompt_ids, params,
+                           IncrementalText(self.tokenizer.decode, params.stop, params.min_tokens), speculate)
             seq.rules = rules
+            if not params.ignore_eos:
+                seq.ending |= self.eos
             if self.stats is not None:
                 self.stats.sequences(+1)  # given back in _release, whatever happens next
             self.cache.reset(slot)
@@ -198,6 +205,10 @@ class GenerationEngine:
         """The request's TokenRules (None when it sets none); a bad bias or constraint is its 400."""
         vocab = int(self.model.vocab_size)
         bias = parse_logit_bias(params.logit_bias, vocab)
+        outside = [t for t in params.stop_token_ids if t >= vocab]
+        if outside:
+            raise BadRequestError(f"parameter 'stop_token_ids': token id {outside[0]} is outside the vocabulary "
+                                  f"(0 .. {vocab - 1})")
         grammar = None
         if params.constraint is not None:
             if self._grammars is None:
@@ -209,7 +220,9 @@ class GenerationEngine:
                                           "parameter 'constraint' is not supported here")
                 self._grammars = GrammarCompiler(tokenizer_json, vocab, sorted(self.eos))
             grammar = self._grammars.state(*params.constraint)
-        rules = TokenRules(vocab, bias, params.presence_penalty, params.frequency_penalty, grammar, frozenset(self.eos))
+        ending = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(self.eos))
+        rules = TokenRules(vocab, bias, params.presence_penalty, params.frequency_penalty, grammar, frozenset(self.eos),
+                           params.min_tokens, ending)
         return rules if rules.active else None
 
     def warm_up(self, prompt_ids: list[int], max_tokens: int = 8, temperature: float = 0.0) -> list[int]:
@@ -371,8 +384,10 @@ class GenerationEngine:
         new: list[int] = []
         logprobs: list[dict] = []
         for index, token in enumerate(tokens):
-            if token in self.eos:
+            if token in seq.ending:  # EOS (unless ignored) or a stop token id: not part of the output
                 seq.finish_reason = "stop"
+                if token in seq.params.stop_token_ids:
+                    seq.stop_reason = token
                 break
             seq.generated.append(token)
             seq.token_ids.append(token)
@@ -393,7 +408,7 @@ class GenerationEngine:
             self.strategy.observe(seq, StepOutcome(phase, drafted, accepted, new))
         delta = seq.text.update(seq.generated, final=seq.finish_reason is not None)
         if seq.text.stopped:
-            seq.finish_reason = "stop"
+            seq.finish_reason, seq.stop_reason = "stop", seq.text.matched
         if seq.request is not None and new and self.stats is not None:
             now = time.monotonic()
             if seq.last_emitted is None:
@@ -460,7 +475,9 @@ class GenerationEngine:
             self.stats.add("draft_tokens", stats["draft_tokens"])
             self.stats.add("accepted_tokens", stats["accepted_tokens"])
         if seq.request is not None:
-            extra = {"logprobs": seq.logprobs} if seq.params.logprobs else {}
+            extra: dict[str, Any] = {"logprobs": seq.logprobs} if seq.params.logprobs else {}
+            if seq.stop_reason is not None:
+                extra["stop_reason"] = seq.stop_reason
             seq.request.answer(None, self.stats, text=seq.text.text, token_ids=seq.generated,
                                finish_reason=seq.finish_reason, stats=stats, **extra)
         self._release(seq)

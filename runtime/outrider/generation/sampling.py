@@ -10,6 +10,7 @@ request's own `numpy.random.Generator` (`new_generator`): a seed gives the same 
 
 from __future__ import annotations
 
+import difflib
 import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -20,6 +21,7 @@ from outrider.errors import BadRequestError
 
 MAX_STOP_STRINGS = 8
 MAX_STOP_LENGTH = 64
+MAX_STOP_TOKEN_IDS = 64
 MAX_PROMPT_CHARS = 200_000
 MAX_MESSAGES = 256
 MAX_TEMPERATURE = 100.0
@@ -51,6 +53,11 @@ class SamplingParams:
     constraint: Optional[tuple[str, Any]] = None  # grammar.parse_constraint
     logprobs: bool = False
     top_logprobs: int = 0
+    # vLLM's knobs for load tests and evaluation harnesses: EOS does not end the sequence; EOS,
+    # stop_token_ids and stop strings cannot end it before `min_tokens` tokens.
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)
 
     @property
     def greedy(self) -> bool:
@@ -71,12 +78,33 @@ def _number(params: dict, name: str, default: Any, kind: type, low: float, high:
     return kind(value)
 
 
+#: Every parameter a generate request may carry; any other is refused, so that a misspelled
+#: `temprature` fails loudly instead of being ignored. `timeout_ms` is the server's (its deadline).
+GENERATE_PARAMETERS = frozenset({
+    "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
+    "speculative", "stream", "presence_penalty", "frequency_penalty", "logit_bias", "constraint", "logprobs",
+    "top_logprobs", "ignore_eos", "min_tokens", "timeout_ms",
+})
+
+
+def check_parameter_names(params: dict) -> None:
+    """Refuse a parameter the engine does not take, naming it (and the likely intended one)."""
+    unknown = sorted(str(name) for name in params if name not in GENERATE_PARAMETERS)
+    if unknown:
+        name = unknown[0][:64]
+        close = difflib.get_close_matches(name, GENERATE_PARAMETERS, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise BadRequestError(f"unknown parameter {name!r}{hint}; generate takes "
+                              f"{', '.join(sorted(GENERATE_PARAMETERS))}")
+
+
 def parse_sampling(params: dict, max_tokens_limit: int) -> SamplingParams:
     """Validate a generate request's parameters; errors name the parameter and the expected value.
 
     Runs when the request is admitted, so a bad value fails that request alone. A temperature
     below SAMPLING_EPS is stored as 0 (greedy): every later check of greediness agrees.
     """
+    check_parameter_names(params)
     out = SamplingParams(
         max_tokens=_number(params, "max_tokens", 128, int, 1, max_tokens_limit),
         temperature=_number(params, "temperature", 0.0, float, 0.0, MAX_TEMPERATURE),
@@ -101,6 +129,17 @@ def parse_sampling(params: dict, max_tokens_limit: int) -> SamplingParams:
             f"of at most {MAX_STOP_LENGTH} characters"
         )
     out.stop = stop
+    stop_ids = params.get("stop_token_ids") or []
+    if (not isinstance(stop_ids, list) or len(stop_ids) > MAX_STOP_TOKEN_IDS
+            or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in stop_ids)):
+        raise BadRequestError(f"parameter 'stop_token_ids' must be a list of at most {MAX_STOP_TOKEN_IDS} "
+                              f"token ids (non-negative integers)")
+    out.stop_token_ids = list(dict.fromkeys(stop_ids))
+    ignore_eos = params.get("ignore_eos", False)
+    if ignore_eos is not None and not isinstance(ignore_eos, bool):
+        raise BadRequestError(f"parameter 'ignore_eos' must be true or false, got {ignore_eos!r}")
+    out.ignore_eos = bool(ignore_eos)
+    out.min_tokens = _number(params, "min_tokens", 0, int, 0, out.max_tokens)
     speculative = params.get("speculative")
     if speculative is not None and not isinstance(speculative, bool):
         raise BadRequestError(f"parameter 'speculative' must be true or false, got {speculative!r}")

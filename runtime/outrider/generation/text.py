@@ -3,15 +3,18 @@ character and never shows a piece of a stop string."""
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 
 class IncrementalText:
     """Turns a growing list of token ids into text deltas."""
 
-    def __init__(self, decode: Callable[[list[int]], str], stop: list[str]) -> None:
+    def __init__(self, decode: Callable[[list[int]], str], stop: list[str], min_tokens: int = 0) -> None:
         self._decode = decode
         self.stop = stop
+        self.min_tokens = min_tokens  # stop strings end nothing before this many tokens (vLLM's rule)
+        self.matched: Optional[str] = None  # the stop string that ended the text
+        self._floor: Optional[int] = None  # characters a stop string must end past (min_tokens)
         self._holdback = max((len(s) for s in stop), default=1) - 1
         self.text = ""  # stable text so far (stop string removed once found)
         self.emitted = 0  # characters of `text` already streamed
@@ -23,11 +26,17 @@ class IncrementalText:
         if not final:
             # A byte-level tokenizer shows half a UTF-8 character as U+FFFD until the rest arrives.
             text = text.rstrip("\ufffd")
-        if self.stop:
+        if self.stop and len(token_ids) >= self.min_tokens:
+            if self._floor is None:
+                # A match must end past the text of the first min_tokens - 1 tokens, however many
+                # tokens a step adds (speculation adds several): the same text stops either way.
+                self._floor = len(self._decode(token_ids[:self.min_tokens - 1])) if self.min_tokens > 1 else 0
             start = max(0, self.emitted - self._holdback)
-            hits = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
+            hits = [(i, s) for i, s in ((text.find(s, max(start, self._floor - len(s) + 1)), s) for s in self.stop)
+                    if i >= 0]
             if hits:
-                text = text[: min(hits)]
+                at, self.matched = min(hits)
+                text = text[:at]
                 self.stopped = True
                 final = True
         self.text = text
