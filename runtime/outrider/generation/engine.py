@@ -15,90 +15,30 @@ resets their slots, and the engine keeps serving (waiting requests stay queued).
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from collections import deque
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import numpy as np
 
-from outrider.errors import BadRequestError, ExecutionError, OutriderError
+from outrider.errors import ExecutionError, OutriderError
 from outrider.serving.queue import RequestQueue
 from outrider.serving.request import DEFERRED, PendingRequest
 from outrider.serving.scheduler import Scheduler
 
-from .constraints import TokenRules, check_grammar_state, parse_logit_bias, token_logprobs
-from .contract import Chunk, DraftLimits, DraftTree, StepOutcome, check_tokenizer, children_of, sampled_groups
-from .prefix_cache import BLOCK_TOKENS, PrefixCache, block_keys
-from .sampling import SamplingParams, host_array, new_generator, parse_prompt, parse_sampling, sample_token
+from .constraints import check_grammar_state, token_logprobs
+from .contract import Chunk, DraftLimits, DraftTree, StepOutcome, check_tokenizer
+from .drafting import draft_tree
+from .prefix_cache import PrefixCache
+from .prefix_sharing import reuse_prefix, shares_a_prefill, store_prefix
+from .request_reader import RequestReader
+from .sampling import SamplingParams, host_array, sample_token
+from .sequence import Sequence
 from .text import IncrementalText
 from .verify import verify
 
 log = logging.getLogger("outrider.llm")
-
-MAX_FORCED_DRAFT = 16  # forced tokens drafted in one step
-_sequence_ids = itertools.count()
-
-
-class Sequence:
-    """One generation in flight. Also the `SequenceView` drafters read."""
-
-    def __init__(self, request: Optional[PendingRequest], slot: int, prompt_ids: list[int],
-                 params: SamplingParams, text: IncrementalText, speculate: bool) -> None:
-        self.request = request
-        self.seq_id = next(_sequence_ids)  # unique in the process: drafters key their state by it
-        self.slot = slot
-        self.token_ids: list[int] = list(prompt_ids)  # prompt + generated (+ the pending token)
-        self.prompt_length = len(prompt_ids)
-        self.generated: list[int] = []
-        self.params = params
-        self.text = text
-        self.speculate = speculate
-        # Sampling runs on the host (numpy) whatever computed the logits: one generator per request.
-        self.generator = new_generator(params.seed)
-        self.prefilled = False
-        self.released = False
-        self.last_hidden: Any = None  # the model's hidden-state row (numpy or torch), for draft heads
-        # ForwardOutput.aux_hidden rows of the tokens the last step committed (the last ones of
-        # token_ids[:-1]), when the model captures layers for an EAGLE-3 head; else None.
-        self.new_features: Any = None
-        self.finish_reason: Optional[str] = None
-        # What ended it with finish_reason "stop" besides EOS: a stop string or a stop token id
-        # (vLLM's `stop_reason`), and the tokens that end it (EOS unless ignored, stop_token_ids).
-        self.stop_reason: Optional[Union[str, int]] = None
-        self.ending: frozenset[int] = frozenset(params.stop_token_ids)
-        self.started = time.monotonic()
-        self.first_token_seconds: Optional[float] = None
-        self.first_emitted: Optional[float] = None  # when the first / latest tokens were emitted
-        self.last_emitted: Optional[float] = None
-        self.steps = 0
-        self.draft_tokens = 0
-        self.accepted_tokens = 0
-        self.rules: Optional[TokenRules] = None  # the request's logit_bias, penalties, grammar
-        self.cached_tokens = 0  # prompt tokens whose K/V came from the prefix cache
-        self.forced_draft = False  # this step's draft is the grammar's forced tokens
-        self.deferred = False  # its prefill waited a step for another prompt's identical first block
-        self.logprobs: list[dict] = []  # per generated token, when the request asks for them
-
-    @property
-    def cancelled(self) -> bool:
-        return self.request is not None and self.request.done and self.finish_reason is None
-
-    def stats(self) -> dict[str, Any]:
-        decode_steps = max(self.steps - 1, 0)
-        return {
-            "prompt_tokens": self.prompt_length,
-            "new_tokens": len(self.generated),
-            "steps": self.steps,
-            "draft_tokens": self.draft_tokens,
-            "accepted_tokens": self.accepted_tokens,
-            # tokens gained per decode step (1.0 = no speculation gain)
-            "mean_accepted_length": round((len(self.generated) - 1) / decode_steps, 3) if decode_steps else 0.0,
-            "seconds": round(time.monotonic() - self.started, 4),
-            "time_to_first_token": round(self.first_token_seconds or 0.0, 4),
-            "cached_tokens": self.cached_tokens,
-        }
 
 
 class GenerationEngine:
@@ -119,7 +59,7 @@ class GenerationEngine:
         self.stats = stats
         self.eos = set(tokenizer.eos_token_ids)
         self.steps = 0  # forward passes run so far (warmup included): a backend tells idle spells apart by it
-        self._grammars: Any = None  # grammar.GrammarCompiler, made on the first constrained request
+        self.reader = RequestReader(model, tokenizer, max_length, self.eos)
         # Prompt prefixes' K/V, reused by later requests (the cache must offer read and write).
         self.prefix_cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
 
@@ -140,40 +80,7 @@ class GenerationEngine:
 
     def _start(self, request: PendingRequest) -> Sequence:
         """A Sequence in a free slot for `request`, or raise (OutriderError: that request's answer)."""
-        if request.kind != "generate":
-            raise BadRequestError(f"model {request.model!r} generates text; send generate, not {request.kind}")
-        params = parse_sampling(request.parameters, self.max_length)
-        prompt, messages = parse_prompt(request.parameters)
-        if messages is not None:
-            if not self.tokenizer.chat_template:
-                raise BadRequestError(f"model {request.model!r} has no chat template; send 'prompt' instead of 'messages'")
-            try:
-                text = self.tokenizer.apply_chat_template(messages)
-            except OutriderError:
-                raise
-            except Exception as exc:  # e.g. the template's raise_exception: these messages do not fit it
-                raise BadRequestError(
-                    f"model {request.model!r} could not render 'messages' with its chat template: "
-                    f"{type(exc).__name__}: {exc}"
-                ) from None
-        else:
-            text = prompt
-        try:
-            prompt_ids = self.tokenizer.encode(text)
-        except OutriderError:
-            raise
-        except Exception as exc:
-            raise ExecutionError(f"tokenizing the prompt failed: {type(exc).__name__}: {exc}") from None
-        if not prompt_ids:
-            raise BadRequestError("the prompt is empty after tokenization")
-        room = self.max_length - len(prompt_ids) - 1
-        if room < 1:
-            raise BadRequestError(
-                f"the prompt is {len(prompt_ids)} tokens; this model's context holds {self.max_length}"
-            )
-        params.max_tokens = min(params.max_tokens, room)
-        params.min_tokens = min(params.min_tokens, params.max_tokens)
-        rules = self._rules(params)
+        params, prompt_ids, rules = self.reader.read(request)
         speculate = self.strategy is not None and params.speculative is not False
         if self.stats is not None:
             self.stats.observe("queue_seconds", time.monotonic() - request.received)
@@ -200,30 +107,6 @@ class GenerationEngine:
             log.exception("model %s: request %r: starting its generation failed", request.model, request.id)
             raise ExecutionError(f"starting this generation failed: {type(exc).__name__}: {exc}") from None
         return seq
-
-    def _rules(self, params: SamplingParams) -> Optional[TokenRules]:
-        """The request's TokenRules (None when it sets none); a bad bias or constraint is its 400."""
-        vocab = int(self.model.vocab_size)
-        bias = parse_logit_bias(params.logit_bias, vocab)
-        outside = [t for t in params.stop_token_ids if t >= vocab]
-        if outside:
-            raise BadRequestError(f"parameter 'stop_token_ids': token id {outside[0]} is outside the vocabulary "
-                                  f"(0 .. {vocab - 1})")
-        grammar = None
-        if params.constraint is not None:
-            if self._grammars is None:
-                from .grammar import GrammarCompiler
-
-                tokenizer_json = self.tokenizer.to_json()
-                if tokenizer_json is None:
-                    raise BadRequestError("this model's tokenizer cannot be given to the grammar engine: "
-                                          "parameter 'constraint' is not supported here")
-                self._grammars = GrammarCompiler(tokenizer_json, vocab, sorted(self.eos))
-            grammar = self._grammars.state(*params.constraint)
-        ending = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(self.eos))
-        rules = TokenRules(vocab, bias, params.presence_penalty, params.frequency_penalty, grammar, frozenset(self.eos),
-                           params.min_tokens, ending)
-        return rules if rules.active else None
 
     def warm_up(self, prompt_ids: list[int], max_tokens: int = 8, temperature: float = 0.0) -> list[int]:
         """Generate from `prompt_ids` outside any request (prefill, drafts, verification); not counted in stats."""
@@ -270,7 +153,7 @@ class GenerationEngine:
         planned: list[tuple[Sequence, Chunk, Optional[DraftTree]]] = []
         prefilling: set[bytes] = set()  # first blocks of the prompts prefilled in this step
         for seq in list(self.active):
-            if self._shares_a_prefill(seq, prefilling):
+            if shares_a_prefill(self.prefix_cache, seq, prefilling):
                 continue  # next step it finds that prompt's blocks in the prefix cache
             try:
                 planned.append((seq, *self._plan(seq)))
@@ -318,7 +201,7 @@ class GenerationEngine:
         if not seq.prefilled:
             n = len(seq.token_ids)
             if self.prefix_cache is not None and seq.request is not None and length == 0:
-                self._reuse_prefix(seq)
+                reuse_prefix(self.prefix_cache, self.cache, seq, self.stats)
                 length = self.cache.length(seq.slot)
             return Chunk(seq.slot, np.array(seq.token_ids[length:], dtype=np.int64),
                          np.arange(length, n, dtype=np.int64)), None
@@ -327,19 +210,7 @@ class GenerationEngine:
         room = min(self.max_length - length - 1, remaining - 1)
         seq.forced_draft = False
         if seq.speculate and room > 0:
-            forced = seq.rules.forced_tokens(min(room, MAX_FORCED_DRAFT)) if seq.rules is not None else []
-            if forced:
-                # What the grammar forces next (a key, punctuation), drafted as a chain: the target
-                # still verifies it, so this only saves steps (SGLang's jump-forward, kept lossless).
-                tree = DraftTree(list(forced), list(range(-1, len(forced) - 1)), [1.0] * len(forced))
-                seq.forced_draft = True
-            else:
-                tree = self.strategy.propose(seq, DraftLimits(room, len(self.active), self.steps))
-                depth = max(tree.depths(), default=0)
-                if depth > room:  # positions past the context: a strategy bug, this request's alone
-                    raise ExecutionError(f"the decode strategy drafted {depth} tokens deep; room for {room}")
-                if seq.rules is not None and seq.rules.grammar is not None and len(tree):
-                    tree = _grammatical(tree, seq.rules)
+            tree = draft_tree(seq, self.strategy, DraftLimits(room, len(self.active), self.steps))
         tokens = np.array([seq.token_ids[-1], *tree.tokens], dtype=np.int64)
         positions = length + np.array([0, *tree.depths()], dtype=np.int64)
         return Chunk(seq.slot, tokens, positions, tree.mask() if len(tree) else None), tree
@@ -354,7 +225,7 @@ class GenerationEngine:
             self.cache.commit(seq.slot, list(range(len(chunk.tokens))))
             seq.last_hidden = hidden[-1]
             seq.prefilled = True
-            self._store_prefix(seq)
+            store_prefix(self.prefix_cache, self.cache, seq)
             row = logits[-1] if adjust is None else adjust(logits[-1], [])
             token = sample_token(row, seq.params, seq.generator)
             seq.first_token_seconds = time.monotonic() - seq.started
@@ -423,48 +294,8 @@ class GenerationEngine:
         if seq.finish_reason is not None:
             self._finish(seq)
 
-    def _shares_a_prefill(self, seq: Sequence, prefilling: set[bytes]) -> bool:
-        """Whether `seq`'s prompt starts with a block another prompt prefills in this step (n
-        choices of one prompt, a burst of requests with one system prompt): it then waits one
-        step and reuses that K/V instead of computing it again."""
-        if seq.prefilled or self.prefix_cache is None or seq.request is None or seq.deferred:
-            return False
-        if len(seq.token_ids) <= BLOCK_TOKENS:  # a lookup leaves the last token: no block to share
-            return False
-        first = block_keys(seq.token_ids[:BLOCK_TOKENS])[0]
-        if first in self.prefix_cache.blocks:
-            return False
-        if first in prefilling:
-            seq.deferred = True  # once: a prompt never waits twice
-            return True
-        prefilling.add(first)
-        return False
-
-    def _reuse_prefix(self, seq: Sequence) -> None:
-        """Copy the cached blocks that start `seq`'s prompt into its slot (counted in stats)."""
-        blocks = self.prefix_cache.lookup(seq.token_ids)
-        restorable = getattr(self.cache, "restorable", None)  # a cache with windowed layers forgets rows
-        if restorable is not None and blocks:
-            blocks = blocks[:restorable([block.kv for block in blocks])]
-        for block in blocks:
-            self.cache.write(seq.slot, self.cache.length(seq.slot), block.kv)
-        seq.cached_tokens = self.cache.length(seq.slot)
-        if self.stats is not None:
-            self.stats.add("prefix_cache_queries", len(seq.token_ids))
-            self.stats.add("prefix_cache_hits", seq.cached_tokens)
-
-    def _store_prefix(self, seq: Sequence) -> None:
-        """Keep the full blocks of `seq`'s committed tokens for later requests (not warmup's)."""
-        if self.prefix_cache is None or seq.request is None:
-            return
-        length = self.cache.length(seq.slot)
-        try:
-            self.prefix_cache.insert(seq.token_ids[:length], lambda start, end: self.cache.read(seq.slot, start, end))
-        except Exception:  # a cache that cannot be read costs reuse, never this request
-            log.exception("model %s: storing a prefix in the prefix cache failed", seq.request.model)
-
     def _finish(self, seq: Sequence) -> None:
-        self._store_prefix(seq)
+        store_prefix(self.prefix_cache, self.cache, seq)
         stats = seq.stats()
         if self.stats is not None:
             self.stats.add("prompt_tokens", stats["prompt_tokens"])
@@ -553,36 +384,6 @@ def _adjuster(seq: Sequence, rows: list[np.ndarray]) -> Any:
         return out
 
     return adjust
-
-
-def _grammatical(tree: DraftTree, rules: TokenRules) -> DraftTree:
-    """`tree` without the nodes the grammar refuses (and their subtrees): a draft-side cut, like a
-    probability threshold. Sampled groups keep their draws (verify.py: a pruned draw stays)."""
-    import copy
-
-    children = children_of(tree)
-    keep: list[int] = []
-
-    def walk(node: int, path: list[int]) -> None:
-        for child in children[node]:
-            candidate = path + [tree.tokens[child]]
-            if rules.allowed_prefix(candidate) == len(candidate):
-                keep.append(child)
-                walk(child, candidate)
-
-    walk(-1, [])
-    if len(keep) == len(tree):
-        return tree
-    keep.sort()  # topological order is node order
-    index = {old: new for new, old in enumerate(keep)}
-    out = copy.copy(tree)
-    out.tokens = [tree.tokens[i] for i in keep]
-    out.parents = [-1 if tree.parents[i] < 0 else index[tree.parents[i]] for i in keep]
-    out.probs = [tree.probs[i] for i in keep] if tree.probs else []
-    sampled = sampled_groups(tree)
-    if sampled:  # groups hang off parents; a pruned parent's groups go with it
-        out.sampled = {(-1 if p < 0 else index[p]): g for p, g in sampled.items() if p < 0 or p in index}
-    return out
 
 
 class GenerationScheduler(Scheduler):

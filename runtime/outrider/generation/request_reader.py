@@ -1,0 +1,86 @@
+"""Reading a generate request: its sampling parameters, prompt tokens and token rules.
+
+All of it is checked before the request takes a slot, so a bad request costs only its own answer.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from outrider.errors import BadRequestError, ExecutionError, OutriderError
+from outrider.serving.request import PendingRequest
+
+from .constraints import TokenRules, parse_logit_bias
+from .sampling import SamplingParams, parse_prompt, parse_sampling
+
+
+class RequestReader:
+    """Turns a generate request into what its sequence starts from, or raises that request's error."""
+
+    def __init__(self, model: Any, tokenizer: Any, max_length: int, eos: set[int]) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_length = max_length
+        self.eos = eos
+        self._grammars: Any = None  # grammar.GrammarCompiler, made on the first constrained request
+
+    def read(self, request: PendingRequest) -> tuple[SamplingParams, list[int], Optional[TokenRules]]:
+        """`request`'s sampling parameters (max_tokens cut to the context), prompt token ids and rules."""
+        if request.kind != "generate":
+            raise BadRequestError(f"model {request.model!r} generates text; send generate, not {request.kind}")
+        params = parse_sampling(request.parameters, self.max_length)
+        prompt, messages = parse_prompt(request.parameters)
+        if messages is not None:
+            if not self.tokenizer.chat_template:
+                raise BadRequestError(f"model {request.model!r} has no chat template; send 'prompt' instead of 'messages'")
+            try:
+                text = self.tokenizer.apply_chat_template(messages)
+            except OutriderError:
+                raise
+            except Exception as exc:  # e.g. the template's raise_exception: these messages do not fit it
+                raise BadRequestError(
+                    f"model {request.model!r} could not render 'messages' with its chat template: "
+                    f"{type(exc).__name__}: {exc}"
+                ) from None
+        else:
+            text = prompt
+        try:
+            prompt_ids = self.tokenizer.encode(text)
+        except OutriderError:
+            raise
+        except Exception as exc:
+            raise ExecutionError(f"tokenizing the prompt failed: {type(exc).__name__}: {exc}") from None
+        if not prompt_ids:
+            raise BadRequestError("the prompt is empty after tokenization")
+        room = self.max_length - len(prompt_ids) - 1
+        if room < 1:
+            raise BadRequestError(
+                f"the prompt is {len(prompt_ids)} tokens; this model's context holds {self.max_length}"
+            )
+        params.max_tokens = min(params.max_tokens, room)
+        params.min_tokens = min(params.min_tokens, params.max_tokens)
+        return params, prompt_ids, self.rules(params)
+
+    def rules(self, params: SamplingParams) -> Optional[TokenRules]:
+        """The request's TokenRules (None when it sets none); a bad bias or constraint is its 400."""
+        vocab = int(self.model.vocab_size)
+        bias = parse_logit_bias(params.logit_bias, vocab)
+        outside = [t for t in params.stop_token_ids if t >= vocab]
+        if outside:
+            raise BadRequestError(f"parameter 'stop_token_ids': token id {outside[0]} is outside the vocabulary "
+                                  f"(0 .. {vocab - 1})")
+        grammar = None
+        if params.constraint is not None:
+            if self._grammars is None:
+                from .grammar import GrammarCompiler
+
+                tokenizer_json = self.tokenizer.to_json()
+                if tokenizer_json is None:
+                    raise BadRequestError("this model's tokenizer cannot be given to the grammar engine: "
+                                          "parameter 'constraint' is not supported here")
+                self._grammars = GrammarCompiler(tokenizer_json, vocab, sorted(self.eos))
+            grammar = self._grammars.state(*params.constraint)
+        ending = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(self.eos))
+        rules = TokenRules(vocab, bias, params.presence_penalty, params.frequency_penalty, grammar, frozenset(self.eos),
+                           params.min_tokens, ending)
+        return rules if rules.active else None
