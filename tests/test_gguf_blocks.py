@@ -119,7 +119,7 @@ def _blocks_state_dict(weights: dict, types: dict) -> tuple[dict, dict]:
     """(state dict with each matrix as affine groups of its type, the fp32 dict those stand for)."""
     import torch
 
-    from outrider_llm.linear import affine_state_dict
+    from outrider_llm.quantized_weights import affine_state_dict
 
     quantized, reference = {}, {}
     for i, (name, tensor) in enumerate(sorted(weights.items())):
@@ -304,7 +304,7 @@ def test_an_embedding_table_keeps_k_type_scales_exact():
     """An untied model's embeddings in a K type whose scales fp16 would round: lookups still give
     the file's rows bit for bit (AffineTable keeps fp32 tables then)."""
     torch = pytest.importorskip("torch")
-    from outrider_llm.linear import AffineTable, QuantTensor
+    from outrider_llm.quantized_weights import AffineTable, QuantTensor
 
     raw = _k_blocks("Q4_K", 32, 512, seed=13, simple_scales=False)
     groups = gguf_blocks.to_affine(raw, "Q4_K", (32, 512))

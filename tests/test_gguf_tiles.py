@@ -77,10 +77,12 @@ def test_every_type_is_served_at_the_files_bytes_and_multiplies_by_its_weights(k
     6-bit sub-block scales take a byte each; the others exactly), the same bits on every kernel set
     this CPU runs, and x @ W.T of the file's own weights within the int8 activations' error."""
     native_c = _native_c()
+    from outrider_llm import native_c_weights
+
     rows, cols = 48, 512  # 3 tiles; two K-type super-blocks a row
     blocks = _blocks(kind, rows, cols, seed=ALL_TYPES.index(kind))
     weights = _dequantized(kind, blocks, rows, cols)
-    part = native_c.pack_gguf(kind, blocks, cols)
+    part = native_c_weights.pack_gguf(kind, blocks, cols)
     assert part.out == rows and part.inputs == cols
     bits = _served_bits(part, rows, cols)
     assert FILE_BITS[kind] <= bits <= FILE_BITS[kind] * 1.03, (kind, bits)
@@ -94,7 +96,7 @@ def test_every_type_is_served_at_the_files_bytes_and_multiplies_by_its_weights(k
     assert np.abs(reference - want).max() < 0.03 * np.abs(want).max()
     if part.bits & native_c.SUPER_BLOCKS:  # row lookups (embeddings) give the file's weights exactly
         ids = np.array([0, 17, 47, 3])
-        assert np.array_equal(native_c.dequantize_super_rows(part, ids), weights[ids])
+        assert np.array_equal(native_c_weights.dequantize_super_rows(part, ids), weights[ids])
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
@@ -105,39 +107,41 @@ def test_the_simple_types_group_blocks_compute_what_the_separate_tables_do(kind,
     Part.from_affine) builds from the same blocks: the same products bit for bit on every kernel set,
     and the same rows looked up."""
     native_c = _native_c()
-    from outrider_llm import gguf_blocks
+    from outrider_llm import gguf_blocks, native_c_weights
     from outrider_llm.gguf_blocks import AffineGroups
-    from outrider_llm.native_model import _Rows
+    from outrider_llm.native_model_weights import PartRows
 
     rows, cols = 32, 256
     blocks = _blocks(kind, rows, cols, seed=3)
     groups = gguf_blocks.to_affine(blocks, kind, (rows, cols))
     if groups.bits == 5 and not five_bit:
         groups = AffineGroups(8, groups.q, groups.d, groups.m, groups.group, groups.exact, groups.source)
-    tables = native_c.Part.from_affine(groups)
-    packed = native_c.pack_gguf(kind, blocks, cols, five_bit=five_bit)
+    tables = native_c_weights.Part.from_affine(groups)
+    packed = native_c_weights.pack_gguf(kind, blocks, cols, five_bit=five_bit)
     assert packed.bits == tables.bits | native_c.GROUP_BLOCKS and packed.d is None and packed.m is None
     x = np.random.default_rng(4).standard_normal((9, cols)).astype(np.float32)
     same = _on_every_kernel_set(native_c, lambda: np.array_equal(packed.matmul(x), tables.matmul(x)))
     assert same and all(same.values()), same
     ids = np.array([0, 31, 5, 17])
-    assert np.array_equal(_Rows(packed, rows, cols)(ids), _Rows(tables, rows, cols)(ids))
+    assert np.array_equal(PartRows(packed, rows, cols)(ids), PartRows(tables, rows, cols)(ids))
 
 
 def test_rows_are_taken_in_the_order_asked_and_padding_rows_are_zero():
     """row_map: llama's un-permuted Q/K rows and a vocabulary padded to whole tiles."""
-    native_c = _native_c()
+    _native_c()
+    from outrider_llm import native_c_weights
+
     rows, cols = 40, 256
     blocks = _blocks("Q4_K", rows, cols, seed=5)
     weights = _dequantized("Q4_K", blocks, rows, cols)
     order = np.concatenate([np.arange(rows)[::-1], [-1] * 8])
-    part = native_c.pack_gguf("Q4_K", blocks, cols, rows_out=48, row_map=order)
-    got = native_c.dequantize_super_rows(part, np.arange(48))
+    part = native_c_weights.pack_gguf("Q4_K", blocks, cols, rows_out=48, row_map=order)
+    got = native_c_weights.dequantize_super_rows(part, np.arange(48))
     assert np.array_equal(got[:rows], weights[::-1]) and not got[rows:].any()
     with pytest.raises(ValueError, match="multiple of 16"):
-        native_c.pack_gguf("Q4_K", blocks, cols, rows_out=40)
+        native_c_weights.pack_gguf("Q4_K", blocks, cols, rows_out=40)
     with pytest.raises(ValueError, match="not one the kernels take"):
-        native_c.packed_shape("Q2_K", cols)
+        native_c_weights.packed_shape("Q2_K", cols)
 
 
 def _chunk(tokens):

@@ -20,7 +20,9 @@ from outrider.artifacts import Artifact, ArtifactCache  # noqa: E402
 from outrider.errors import QualityGateError  # noqa: E402
 from outrider.generation.contract import Chunk  # noqa: E402
 from outrider.generation.weights import quantize_int4  # noqa: E402
-from outrider_llm.linear import Int8BlockTable, Int4Linear, Int8Linear, QuantTensor, choose_kernel  # noqa: E402
+from outrider_llm.kernel_choice import choose_kernel  # noqa: E402
+from outrider_llm.linear import Int4Linear, Int8Linear  # noqa: E402
+from outrider_llm.quantized_weights import Int8BlockTable, QuantTensor  # noqa: E402
 from outrider.generation.weights import dequantize_int4, pack_int4, unpack_int4  # noqa: E402
 from outrider_llm.loading import random_llama_weights, tiny_llama_config  # noqa: E402
 from outrider_llm.model import LlamaModel  # noqa: E402
@@ -437,13 +439,13 @@ def test_native_kernels_fall_back_to_the_measured_choice_where_they_cannot_run(m
     """A manifest asking for w4a8 or int4native on a CPU without them (or without a compiler)
     still serves: the measured choice takes over, the plan says why, attention stays torch's."""
     _packed_or_skip("int4")
-    from outrider_llm import linear, native
+    from outrider_llm import kernel_choice, native
 
     monkeypatch.setattr(native, "w4a8_kernel", lambda: (False, "the CPU lacks avx512_vnni"))
     monkeypatch.setattr(native, "int4_kernel", lambda: (False, "OUTRIDER_NATIVE_INT4_BF16=0"))
-    monkeypatch.setattr(linear, "_PLANS", {})
+    monkeypatch.setattr(kernel_choice, "_PLANS", {})
     for kernel, why in (("w4a8", "avx512_vnni"), ("int4native", "OUTRIDER_NATIVE_INT4_BF16=0")):
-        plan = linear.choose_kernel("int4", kernel)
+        plan = kernel_choice.choose_kernel("int4", kernel)
         assert plan.kernel != kernel and "not usable" in plan.reason and why in plan.reason
     config, weights = _tiny()
     model = LlamaModel(config, quantize_state_dict(weights, "int4", head_mode="float"), kernel="w4a8")

@@ -17,6 +17,8 @@ import numpy as np
 import pytest
 
 from outrider_llm import native_c as nc
+from outrider_llm import native_c_layers as ncl
+from outrider_llm import native_c_weights as ncw
 
 ROOT = Path(__file__).resolve().parent.parent
 EPS = 1e-5
@@ -62,14 +64,14 @@ def _weight(rng, out: int, inp: int, group: int, bits: int, f32: bool = False, o
     q = rng.integers(0, 1 << bits, (out, inp)).astype(np.uint8)
     d, m = _tables(rng, out, inp // group, bits, f32, offset)
     dtype = np.float32 if f32 else np.float16
-    w = {4: nc.nibble_tiles, 5: nc.pack_w5, 8: nc.byte_tiles}[bits](q)
-    dt, mt = nc.per_tile(d, m, dtype=dtype)
-    part = nc.Part(w, dt, None if offset else mt, nc.bits_flags(bits, dtype, offset), group)
+    w = {4: ncw.nibble_tiles, 5: ncw.pack_w5, 8: ncw.byte_tiles}[bits](q)
+    dt, mt = ncw.per_tile(d, m, dtype=dtype)
+    part = ncw.Part(w, dt, None if offset else mt, nc.bits_flags(bits, dtype, offset), group)
     dense = (q.reshape(out, -1, group) * d[..., None] + m[..., None]).reshape(out, inp)
     return part, q, d, m, dense
 
 
-def _torch_mm(torch, part: nc.Part, x: np.ndarray):
+def _torch_mm(torch, part: ncw.Part, x: np.ndarray):
     """The torch op's result for the same weight (w4a8_mm / w5a8_mm / w8a8_mm)."""
     bits, offset = part.bits & 15, 1 << (part.bits >> 8) if part.bits >> 8 else 0
     t = [torch.from_numpy(a) for a in (x, part.w, part.d)]
@@ -99,7 +101,7 @@ def test_a8_matmul_equals_the_torch_op_on_every_kernel_set(lib, torch_native, bi
         want = _torch_mm(torch, part, x)
         for name in lib.kernel_sets():
             lib.select(name)
-            assert _same(lib.a8_matmul(x, part.w, part.d, part.m, part.bits, part.group), want), (name, rows)
+            assert _same(ncw.a8_matmul(x, part.w, part.d, part.m, part.bits, part.group), want), (name, rows)
     lib.select(lib.kernel_sets()[0])
 
 
@@ -108,9 +110,9 @@ def test_a8_matmul_writes_a_column_slice_of_a_wider_output(lib) -> None:
     part, *_ = _weight(rng, 32, 64, 32, 4)
     x = rng.standard_normal((5, 64)).astype(np.float32)
     wide = np.full((5, 96), 7.0, np.float32)
-    got = lib.a8_matmul(x, part.w, part.d, part.m, part.bits, part.group, out=32, y=wide[:, 48:80])
+    got = ncw.a8_matmul(x, part.w, part.d, part.m, part.bits, part.group, out=32, y=wide[:, 48:80])
     assert got.base is wide or got.base is wide.base
-    assert _same(wide[:, 48:80].copy(), lib.a8_matmul(x, part.w, part.d, part.m, part.bits, part.group))
+    assert _same(wide[:, 48:80].copy(), ncw.a8_matmul(x, part.w, part.d, part.m, part.bits, part.group))
     assert (wide[:, :48] == 7).all() and (wide[:, 80:] == 7).all()
 
 
@@ -118,11 +120,11 @@ def test_a_parts_matmul_is_a8_matmul_and_a_bad_part_is_refused_at_construction(l
     rng = np.random.default_rng(17)
     part, *_ = _weight(rng, 32, 64, 32, 5, True, 16)
     x = rng.standard_normal((3, 64)).astype(np.float32)
-    assert _same(part.matmul(x), lib.a8_matmul(x, part.w, part.d, part.m, part.bits, part.group))
+    assert _same(part.matmul(x), ncw.a8_matmul(x, part.w, part.d, part.m, part.bits, part.group))
     with pytest.raises(ValueError, match=r"Part: d \(bits 0x415: \| F32_TABLES\) must be float32"):
-        nc.Part(part.w, part.d.astype(np.float16), None, part.bits, part.group)
+        ncw.Part(part.w, part.d.astype(np.float16), None, part.bits, part.group)
     with pytest.raises(ValueError, match="Part: w .* must be uint8"):
-        nc.Part(part.w.astype(np.int8), part.d, None, part.bits, part.group)
+        ncw.Part(part.w.astype(np.int8), part.d, None, part.bits, part.group)
 
 
 def test_a4_with_an_offset_equals_its_table_and_the_float_weights_within_the_int8_error(lib) -> None:
@@ -131,10 +133,10 @@ def test_a4_with_an_offset_equals_its_table_and_the_float_weights_within_the_int
     each activation is off by at most half its scale (amax / 127)."""
     rng = np.random.default_rng(2)
     part, q, d, m, dense = _weight(rng, 64, 256, 64, 4, offset=8)
-    table = nc.per_tile(m, dtype=np.float16)[0]
+    table = ncw.per_tile(m, dtype=np.float16)[0]
     x = rng.standard_normal((4, 256)).astype(np.float32)
-    got = lib.a8_matmul(x, part.w, part.d, None, part.bits, part.group)
-    assert _same(got, lib.a8_matmul(x, part.w, part.d, table, nc.bits_flags(4), part.group))
+    got = ncw.a8_matmul(x, part.w, part.d, None, part.bits, part.group)
+    assert _same(got, ncw.a8_matmul(x, part.w, part.d, table, nc.bits_flags(4), part.group))
     want = x.astype(np.float64) @ dense.T.astype(np.float64)
     amax = np.abs(x.reshape(4, -1, 64)).max(axis=2)  # [rows, groups]
     half_step = np.repeat(amax / 127 / 2, 64, axis=1)  # [rows, in]
@@ -150,7 +152,7 @@ def test_threads_change_nothing_in_the_result(lib) -> None:
     for count in (1, 2, 3, 7):
         lib.set_threads(count)
         assert lib.threads() == count
-        results.append(lib.a8_matmul(x, part.w, part.d, None, part.bits, part.group))
+        results.append(ncw.a8_matmul(x, part.w, part.d, None, part.bits, part.group))
     lib.set_threads(0)
     assert lib.threads() >= 1
     assert all(_same(r, results[0]) for r in results)
@@ -175,14 +177,14 @@ def test_rms_norm_and_swiglu_against_float_references(lib) -> None:
     w = rng.uniform(0.5, 1.5, 64).astype(np.float32)
     x64 = x.astype(np.float64)
     want = x64 / np.sqrt((x64 ** 2).mean(axis=1, keepdims=True) + EPS) * w
-    np.testing.assert_allclose(lib.rms_norm(x, w, EPS), want, rtol=2e-6, atol=1e-6)
+    np.testing.assert_allclose(ncl.rms_norm(x, w, EPS), want, rtol=2e-6, atol=1e-6)
     inplace = x.copy()
-    assert _same(lib.rms_norm(inplace, w, EPS, y=inplace), lib.rms_norm(x, w, EPS))
+    assert _same(ncl.rms_norm(inplace, w, EPS, y=inplace), ncl.rms_norm(x, w, EPS))
     gate_up = rng.standard_normal((2, 64)).astype(np.float32)
     g, u = gate_up[:, :32].astype(np.float64), gate_up[:, 32:].astype(np.float64)
-    np.testing.assert_allclose(lib.swiglu(gate_up), g / (1 + np.exp(-g)) * u, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(ncl.swiglu(gate_up), g / (1 + np.exp(-g)) * u, rtol=1e-5, atol=1e-6)
     a, b = x.copy(), rng.standard_normal((3, 64)).astype(np.float32)
-    assert _same(lib.add(a, b), x + b)
+    assert _same(ncl.add(a, b), x + b)
 
 
 # ---- attention --------------------------------------------------------------------------------------
@@ -198,7 +200,7 @@ def test_attend_equals_the_torch_op(lib, torch_native) -> None:
     qkv = rng.standard_normal((5, (heads + 2 * kv_heads) * dim)).astype(np.float32)
     for chunks, visible in ((np.array([[0, 0, 4, 6], [2, 4, 1, 9]]), TREE), (np.array([[1, 0, 5, 3]]), None)):
         mine, theirs = kv.copy(), torch.from_numpy(kv.copy())
-        got = lib.attend(qkv, mine, chunks, visible, heads, kv_heads)
+        got = ncl.attend(qkv, mine, chunks, visible, heads, kv_heads)
         want = torch.ops.outrider.attend(torch.from_numpy(qkv), theirs, torch.from_numpy(chunks),
                                          torch.empty(0, dtype=torch.bool) if visible is None
                                          else torch.from_numpy(visible), heads, kv_heads)
@@ -238,18 +240,18 @@ def test_llama_layers_equal_w4a8_layers_in_the_plain_case(lib, torch_native) -> 
     layers, norms, packed, scales, minimums = [], [], [], [], []
     for _ in range(LAYERS):
         parts = {name: _weight(rng, out, inp, 32, 4)[0] for name, (out, inp) in shapes.items()}
-        layer = nc.Layer(_norm(rng, HIDDEN), _norm(rng, HIDDEN), **parts)
+        layer = ncl.Layer(_norm(rng, HIDDEN), _norm(rng, HIDDEN), **parts)
         layers.append(layer)
         norms += [torch.from_numpy(layer.attn_norm), torch.from_numpy(layer.mlp_norm)]
         for name in shapes:
             packed.append(torch.from_numpy(parts[name].w))
             scales.append(torch.from_numpy(parts[name].d))
             minimums.append(torch.from_numpy(parts[name].m))
-    stack = nc.LayerStack(layers, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM, eps=EPS)
+    stack = ncl.LayerStack(layers, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM, eps=EPS)
     for name in lib.kernel_sets():
         lib.select(name)
         kv_mine = np.zeros((LAYERS, 2, 2, KV_HEADS, 32, DIM), np.float32)
-        caches = nc.KvCaches(kv_mine, KV_HEADS)
+        caches = ncl.KvCaches(kv_mine, KV_HEADS)
         kv_theirs = torch.zeros(kv_mine.shape)
         step_rng = np.random.default_rng(7)
         for chunks, visible, rows in _steps():
@@ -267,14 +269,14 @@ def test_llama_layers_equal_w4a8_layers_in_the_plain_case(lib, torch_native) -> 
     lib.select(lib.kernel_sets()[0])
 
 
-def _mixed_layer(rng) -> nc.Layer:
+def _mixed_layer(rng) -> ncl.Layer:
     """Qwen-shaped: q | k | v in three block types (4-bit fp16, 8-bit Q8_0-like offset with fp32
     tables, 5-bit tables in groups of 16), a 5-bit offset o, gate | up in 8 and 4 bits (the latter
     symmetric, fp32, groups of 64), an 8-bit down; the qkv bias and q/k norms."""
     def part(out, inp, group, bits, f32=False, offset=0):
         return _weight(rng, out, inp, group, bits, f32, offset)[0]
 
-    return nc.Layer(
+    return ncl.Layer(
         _norm(rng, HIDDEN), _norm(rng, HIDDEN),
         qkv=[part(HEADS * DIM, HIDDEN, 32, 4), part(KV_HEADS * DIM, HIDDEN, 64, 8, True, 128),
              part(KV_HEADS * DIM, HIDDEN, 16, 5)],
@@ -291,46 +293,46 @@ def _reference_step(layers, x, cos, sin, kv, chunks, visible) -> np.ndarray:
     x = x.copy()
     rows, half, q_width = x.shape[0], DIM // 2, HEADS * DIM
     for li, layer in enumerate(layers):
-        h = nc.rms_norm(x, layer.attn_norm, EPS)
+        h = ncl.rms_norm(x, layer.attn_norm, EPS)
         qkv = np.empty((rows, WIDTH), np.float32)
         column = 0
         for p in layer.qkv:
-            nc.a8_matmul(h, p.w, p.d, p.m, p.bits, p.group, y=qkv[:, column:column + p.out])
+            ncw.a8_matmul(h, p.w, p.d, p.m, p.bits, p.group, y=qkv[:, column:column + p.out])
             column += p.out
         qkv += layer.qkv_bias
         for start, heads, weight in ((0, HEADS, layer.q_norm), (q_width, KV_HEADS, layer.k_norm)):
             block = np.ascontiguousarray(qkv[:, start:start + heads * DIM]).reshape(rows * heads, DIM)
-            qkv[:, start:start + heads * DIM] = nc.rms_norm(block, weight, EPS).reshape(rows, heads * DIM)
+            qkv[:, start:start + heads * DIM] = ncl.rms_norm(block, weight, EPS).reshape(rows, heads * DIM)
         roped = qkv[:, :(HEADS + KV_HEADS) * DIM].reshape(rows, HEADS + KV_HEADS, DIM)
         a, b = roped[..., :half].copy(), roped[..., half:].copy()
         c, s = cos[:, None, :], sin[:, None, :]
         roped[..., :half] = a * c[..., :half] + b * s[..., :half]
         roped[..., half:] = b * c[..., half:] + a * s[..., half:]
-        attn = nc.attend(qkv, kv[li], chunks, visible, HEADS, KV_HEADS)
-        x += nc.a8_matmul(attn, layer.o.w, layer.o.d, layer.o.m, layer.o.bits, layer.o.group)
-        h = nc.rms_norm(x, layer.mlp_norm, EPS)
-        gate_up = np.concatenate([nc.a8_matmul(h, p.w, p.d, p.m, p.bits, p.group) for p in layer.gate_up], axis=1)
-        act = nc.swiglu(gate_up)
+        attn = ncl.attend(qkv, kv[li], chunks, visible, HEADS, KV_HEADS)
+        x += ncw.a8_matmul(attn, layer.o.w, layer.o.d, layer.o.m, layer.o.bits, layer.o.group)
+        h = ncl.rms_norm(x, layer.mlp_norm, EPS)
+        gate_up = np.concatenate([ncw.a8_matmul(h, p.w, p.d, p.m, p.bits, p.group) for p in layer.gate_up], axis=1)
+        act = ncl.swiglu(gate_up)
         down = layer.down[0]
-        x += nc.a8_matmul(act, down.w, down.d, down.m, down.bits, down.group)
+        x += ncw.a8_matmul(act, down.w, down.d, down.m, down.bits, down.group)
     return x
 
 
 def test_llama_layers_with_mixed_parts_bias_and_qk_norms_equal_their_pieces(lib) -> None:
     rng = np.random.default_rng(8)
     layers = [_mixed_layer(rng) for _ in range(LAYERS)]
-    stack = nc.LayerStack(layers, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM, eps=EPS)
+    stack = ncl.LayerStack(layers, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM, eps=EPS)
     for name in lib.kernel_sets():
         lib.select(name)
         kv_mine = np.zeros((LAYERS, 2, 2, KV_HEADS, 32, DIM), np.float32)
         kv_ref = kv_mine.copy()
-        caches = nc.KvCaches(kv_mine, KV_HEADS)
+        caches = ncl.KvCaches(kv_mine, KV_HEADS)
         step_rng = np.random.default_rng(9)
         for chunks, visible, rows in _steps():
             x = step_rng.standard_normal((rows, HIDDEN)).astype(np.float32)
             cos, sin = _rope(step_rng, rows)
             want = _reference_step(layers, x, cos, sin, kv_ref, chunks, visible)
-            nc.llama_layers(x, cos, sin, caches, stack, chunks, visible)
+            ncl.llama_layers(x, cos, sin, caches, stack, chunks, visible)
             assert _same(x, want), name
         assert _same(kv_mine, kv_ref), name
     lib.select(lib.kernel_sets()[0])
@@ -340,7 +342,7 @@ def test_llama_layers_with_mixed_parts_bias_and_qk_norms_equal_their_pieces(lib)
     chunks = np.array([[0, 0, 3, 0]])
     a, b = x.copy(), x.copy()
     stack(a, cos, sin, np.zeros((LAYERS, 2, 1, KV_HEADS, 8, DIM), np.float32), chunks)
-    nc.llama_layers(b, cos, sin, np.zeros((LAYERS, 2, 1, KV_HEADS, 8, DIM), np.float32), layers, chunks,
+    ncl.llama_layers(b, cos, sin, np.zeros((LAYERS, 2, 1, KV_HEADS, 8, DIM), np.float32), layers, chunks,
                     num_heads=HEADS, num_kv_heads=KV_HEADS, eps=EPS)
     assert _same(a, b)
 
@@ -352,26 +354,26 @@ def test_bad_matmul_arguments_raise_with_what_was_expected(lib) -> None:
     part, q, d, m, _ = _weight(rng, 32, 96, 32, 4)
     x = rng.standard_normal((2, 96)).astype(np.float32)
     with pytest.raises(ValueError, match=r"group must be a multiple of 16 dividing the 96 inputs, got 24"):
-        d24, m24 = nc.per_tile(*_tables(rng, 32, 4, 4, False, 0))
-        lib.a8_matmul(x, part.w, d24, m24, part.bits, 24)
+        d24, m24 = ncw.per_tile(*_tables(rng, 32, 4, 4, False, 0))
+        ncw.a8_matmul(x, part.w, d24, m24, part.bits, 24)
     with pytest.raises(ValueError, match="not a code of bits_flags"):
-        lib.a8_matmul(x, part.w, part.d, part.m, 6, 32)
+        ncw.a8_matmul(x, part.w, part.d, part.m, 6, 32)
     with pytest.raises(ValueError, match="m must be None"):
-        lib.a8_matmul(x, part.w, part.d, part.m, nc.bits_flags(4, offset=8), 32)
+        ncw.a8_matmul(x, part.w, part.d, part.m, nc.bits_flags(4, offset=8), 32)
     with pytest.raises(ValueError, match=r"d \(bits 0x4: without F32_TABLES\) must be float16"):
-        lib.a8_matmul(x, part.w, part.d.astype(np.float32), part.m.astype(np.float32), part.bits, 32)
+        ncw.a8_matmul(x, part.w, part.d.astype(np.float32), part.m.astype(np.float32), part.bits, 32)
     with pytest.raises(ValueError, match=r"x must be float32 \[\*, 96\], got float64"):
-        lib.a8_matmul(x.astype(np.float64), part.w, part.d, part.m, part.bits, 32)
+        ncw.a8_matmul(x.astype(np.float64), part.w, part.d, part.m, part.bits, 32)
     with pytest.raises(ValueError, match="C-contiguous"):
-        lib.a8_matmul(np.asfortranarray(x), part.w, part.d, part.m, part.bits, 32)
+        ncw.a8_matmul(np.asfortranarray(x), part.w, part.d, part.m, part.bits, 32)
     with pytest.raises(ValueError, match="w holds 32 outputs, out says 48"):
-        lib.a8_matmul(x, part.w, part.d, part.m, part.bits, 32, out=48)
+        ncw.a8_matmul(x, part.w, part.d, part.m, part.bits, 32, out=48)
     with pytest.raises(ValueError, match="contiguous rows"):
-        lib.a8_matmul(x, part.w, part.d, part.m, part.bits, 32, y=np.empty((2, 64), np.float32)[:, ::2])
+        ncw.a8_matmul(x, part.w, part.d, part.m, part.bits, 32, y=np.empty((2, 64), np.float32)[:, ::2])
     with pytest.raises(ValueError, match="power of two"):
         nc.bits_flags(8, offset=12)
     with pytest.raises(ValueError, match="multiple of 16"):
-        lib.rms_norm(x[:, :40].copy(), np.ones(40, np.float32), EPS)
+        ncl.rms_norm(x[:, :40].copy(), np.ones(40, np.float32), EPS)
 
 
 def test_bad_layer_stacks_and_steps_raise_naming_the_layer_and_matrix(lib) -> None:
@@ -388,23 +390,23 @@ def test_bad_layer_stacks_and_steps_raise_naming_the_layer_and_matrix(lib) -> No
     short_v = _weight(rng, 16, HIDDEN, 16, 5)[0]
     with pytest.raises(ValueError, match=r"layer 1 qkv: the parts' outputs sum to 112, expected \(heads \+ 2 kv "
                                          r"heads\) x head_dim = 128"):
-        nc.LayerStack(with_layer1(qkv=good[1].qkv[:2] + [short_v]), **config)
+        ncl.LayerStack(with_layer1(qkv=good[1].qkv[:2] + [short_v]), **config)
     with pytest.raises(ValueError, match=r"layer 1 gate_up part 0: group must be a multiple of 16 dividing the 64 "
                                          r"inputs, got 8"):
         bad = _weight(rng, INTER, HIDDEN, 16, 8)[0]
-        d8, m8 = nc.per_tile(*_tables(rng, INTER, HIDDEN // 8, 8, False, 0))
-        nc.LayerStack(with_layer1(gate_up=[nc.Part(bad.w, d8, m8, bad.bits, 8), good[1].gate_up[1]]), **config)
+        d8, m8 = ncw.per_tile(*_tables(rng, INTER, HIDDEN // 8, 8, False, 0))
+        ncl.LayerStack(with_layer1(gate_up=[ncw.Part(bad.w, d8, m8, bad.bits, 8), good[1].gate_up[1]]), **config)
     with pytest.raises(ValueError, match="layer 1 down part 0: w holds 64 inputs, expected 96"):
-        nc.LayerStack(with_layer1(down=_weight(rng, HIDDEN, 64, 32, 8)[0]), **config)
+        ncl.LayerStack(with_layer1(down=_weight(rng, HIDDEN, 64, 32, 8)[0]), **config)
     with pytest.raises(ValueError, match="layer 1 o: 1 to 3 parts, got 4"):
-        nc.LayerStack(with_layer1(o=[good[1].o] * 4), **config)
+        ncl.LayerStack(with_layer1(o=[good[1].o] * 4), **config)
     with pytest.raises(ValueError, match=r"layer 1 k_norm must be float32 \[16\]"):
-        nc.LayerStack(with_layer1(k_norm=np.ones(8, np.float32)), **config)
+        ncl.LayerStack(with_layer1(k_norm=np.ones(8, np.float32)), **config)
     with pytest.raises(ValueError, match="attend: head_dim must be 16, 32, 64, 128 or 256 and heads a positive multiple "
                                          "of kv heads, got 16, 3, 2"):
-        lib.attend(np.zeros((1, 7 * DIM), np.float32), np.zeros((2, 1, 2, 4, DIM), np.float32),
+        ncl.attend(np.zeros((1, 7 * DIM), np.float32), np.zeros((2, 1, 2, 4, DIM), np.float32),
                    np.array([[0, 0, 1, 0]]), None, 3, 2)
-    stack = nc.LayerStack(good, **config)
+    stack = ncl.LayerStack(good, **config)
     kv = np.zeros((2, 2, 2, KV_HEADS, 16, DIM), np.float32)
     x = np.zeros((4, HIDDEN), np.float32)
     cos, sin = _rope(rng, 4)
@@ -425,34 +427,36 @@ def test_bad_layer_stacks_and_steps_raise_naming_the_layer_and_matrix(lib) -> No
 
 def test_numpy_packers_equal_the_torch_packers_byte_for_byte(lib, torch_native) -> None:
     torch, native = torch_native
-    from outrider_llm import linear
     from outrider_llm.gguf_blocks import AffineGroups
+    from outrider_llm.linear import W8A8Linear
 
     rng = np.random.default_rng(15)
     q8 = rng.integers(0, 256, (48, 64)).astype(np.uint8)
-    assert _same(nc.nibble_tiles(q8 & 15), native.nibble_tiles(torch.from_numpy(q8 & 15)).numpy())
-    assert _same(nc.byte_tiles(q8), native.byte_tiles(torch.from_numpy(q8)).numpy())
-    assert _same(nc.pack_w5(q8 & 31), native.pack_w5(torch.from_numpy(q8 & 31)).numpy())
+    assert _same(ncw.nibble_tiles(q8 & 15), native.nibble_tiles(torch.from_numpy(q8 & 15)).numpy())
+    assert _same(ncw.byte_tiles(q8), native.byte_tiles(torch.from_numpy(q8)).numpy())
+    assert _same(ncw.pack_w5(q8 & 31), native.pack_w5(torch.from_numpy(q8 & 31)).numpy())
     d = rng.uniform(1e-3, 1e-1, (48, 4)).astype(np.float32)
     exact = d.astype(np.float16).astype(np.float32)
     for dtype, tdtype in ((np.float16, torch.float16), (np.float32, torch.float32)):
-        for mine, theirs in zip(nc.per_tile(d, -d, dtype=dtype), native.per_tile(torch.from_numpy(d),
+        for mine, theirs in zip(ncw.per_tile(d, -d, dtype=dtype), native.per_tile(torch.from_numpy(d),
                                                                                  torch.from_numpy(-d), dtype=tdtype)):
             assert _same(mine, theirs.numpy())
-    assert nc.table_dtype(exact, -exact) == np.float16 and native.table_dtype(torch.from_numpy(exact)) == torch.float16
-    assert nc.table_dtype(exact, d) == np.float32 and native.table_dtype(torch.from_numpy(d)) == torch.float32
+    assert ncw.table_dtype(exact, -exact) == np.float16 and native.table_dtype(torch.from_numpy(exact)) == torch.float16
+    assert ncw.table_dtype(exact, d) == np.float32 and native.table_dtype(torch.from_numpy(d)) == torch.float32
     for bits in (4, 5, 8):
         for scale in (exact, d):
             for minimum in (-scale * np.float32(16), -scale * rng.uniform(0, 3, scale.shape).astype(np.float32)):
                 groups = AffineGroups(bits, rng.integers(0, 1 << bits, (48, 128)).astype(np.uint8),
                                       scale.copy(), minimum.astype(np.float32), 32, True, "test")
-                for mine, theirs in zip(nc.pack_affine(groups), native.pack_affine(groups)):
+                for mine, theirs in zip(ncw.pack_affine(groups), native.pack_affine(groups)):
                     assert _same(mine, theirs.numpy()), bits
-                dt, mt, offset = nc.scale_tables(scale, minimum)
-                tdt, tmt, toffset = linear._scale_tables(torch.from_numpy(scale), torch.from_numpy(minimum))
-                assert offset == toffset and _same(dt, tdt.numpy())
-                assert (mt is None) == (tmt.numel() == 0) and (mt is None or _same(mt, tmt.numpy()))
-                part = nc.Part.from_affine(groups)
+                dt, mt, offset = ncw.scale_tables(scale, minimum)
+                if bits == 8:  # the torch model's 8-bit kernel holds the same tables
+                    held = W8A8Linear(torch.from_numpy(groups.q), torch.from_numpy(scale), torch.from_numpy(minimum))
+                    assert held.offset == offset and _same(dt, held.scales.numpy())
+                    assert (mt is None) == (held.minimums.numel() == 0)
+                    assert mt is None or _same(mt, held.minimums.numpy())
+                part = ncw.Part.from_affine(groups)
                 assert part.bits == nc.bits_flags(bits, dt.dtype, offset) and _same(part.d, dt)
 
 
@@ -466,10 +470,10 @@ def test_a_part_from_affine_groups_computes_what_the_torch_linear_does(lib, torc
     for bits, cls, offset in ((8, W8A8Linear, 128), (8, W8A8Linear, 0), (5, W5A8Linear, 16), (5, W5A8Linear, 0)):
         d, m = _tables(rng, 32, 2, bits, True, offset)
         q = rng.integers(0, 1 << bits, (32, 64)).astype(np.uint8)
-        part = nc.Part.from_affine(AffineGroups(bits, q, d, m, 32, True, "test"))
+        part = ncw.Part.from_affine(AffineGroups(bits, q, d, m, 32, True, "test"))
         assert (part.m is None) == bool(offset)
         linear = cls(torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(m))
-        assert _same(nc.a8_matmul(x, part.w, part.d, part.m, part.bits, part.group),
+        assert _same(ncw.a8_matmul(x, part.w, part.d, part.m, part.bits, part.group),
                      linear(torch.from_numpy(x)).numpy()), (bits, offset)
 
 
@@ -480,11 +484,12 @@ def test_a_process_using_only_the_c_library_never_imports_torch(lib) -> None:
         import sys
         import numpy as np
         import outrider_llm.native_c as n
+        import outrider_llm.native_c_weights as w
         ok, why = n.library()
         assert ok, why
         q = np.random.default_rng(0).integers(0, 16, (32, 64)).astype(np.uint8)
-        d, m = n.per_tile(np.full((32, 2), 0.01, np.float32), np.full((32, 2), -0.08, np.float32))
-        y = n.a8_matmul(np.ones((2, 64), np.float32), n.nibble_tiles(q), d, m, n.bits_flags(4), 32)
+        d, m = w.per_tile(np.full((32, 2), 0.01, np.float32), np.full((32, 2), -0.08, np.float32))
+        y = w.a8_matmul(np.ones((2, 64), np.float32), w.nibble_tiles(q), d, m, n.bits_flags(4), 32)
         assert y.shape == (2, 32) and np.isfinite(y).all()
         assert "torch" not in sys.modules, sorted(k for k in sys.modules if k.startswith("torch"))
         print("ok")

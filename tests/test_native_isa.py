@@ -187,10 +187,10 @@ def test_the_quantized_cache_key_names_what_computes_the_model(native, monkeypat
     """The quantizer's cache key carries the kernel that computes the model here: the same for
     every native kernel set (same bits), another one where torch's kernels stand in."""
     import torch
-    from outrider_llm import linear
+    from outrider_llm import kernel_choice
 
-    assert linear.kernel_key("int4", "w4a8") == "w4a8:native"
+    assert kernel_choice.kernel_key("int4", "w4a8") == "w4a8:native"
     monkeypatch.setattr(native, "w4a8_kernel", lambda: (False, "not built at install"))
-    monkeypatch.setattr(linear, "_PLANS", {})
-    fallback = linear.kernel_key("int4", "w4a8")
+    monkeypatch.setattr(kernel_choice, "_PLANS", {})
+    fallback = kernel_choice.kernel_key("int4", "w4a8")
     assert fallback != "w4a8:native" and fallback.endswith(torch.backends.cpu.get_cpu_capability())

@@ -199,14 +199,14 @@ def test_a_q8_0_cache_holds_ggmls_blocks_and_computes_near_fp32():
     random model's logits reach +-900, where any rounding of K is amplified: measured at the layer),
     and a prefix read and written back computing the same next logits bit for bit."""
     _native_c()
-    from outrider_llm import native_c
+    from outrider_llm import native_c_layers
 
     rng = np.random.default_rng(0)
     qkv = rng.standard_normal((8, 8 * 64)).astype(np.float32)
     qkv[:, :4 * 64] *= np.float32(0.125)  # q pre-scaled by 1 / sqrt(64), as the layer stack gives it
     chunks = np.array([[0, 0, 8, 0]], np.int64)
-    exact = native_c.attend(qkv, np.zeros((2, 1, 2, 16, 64), np.float32), chunks, None, 4, 2)
-    rounded = native_c.attend(qkv, np.zeros((2, 1, 2, 16, 68), np.int8), chunks, None, 4, 2)
+    exact = native_c_layers.attend(qkv, np.zeros((2, 1, 2, 16, 64), np.float32), chunks, None, 4, 2)
+    rounded = native_c_layers.attend(qkv, np.zeros((2, 1, 2, 16, 68), np.int8), chunks, None, 4, 2)
     assert np.linalg.norm(rounded - exact) / np.linalg.norm(exact) < 0.02
     from outrider_llm.loading import random_llama_weights, tiny_llama_config
     from outrider_llm.native_model import NativeLlama, Weights
@@ -274,7 +274,8 @@ def test_the_packed_model_is_built_once_then_mapped(tmp_path):
     from gguf_models import write_tiny_gguf
     from outrider.artifacts import ArtifactCache
     from outrider_llm.conversion import load_native_artifact
-    from outrider_llm.native_model import TILES_KIND, NativeLlama, load_tiles
+    from outrider_llm.native_model import NativeLlama, load_tiles
+    from outrider_llm.native_model_tiles import TILES_KIND
 
     path, _ = write_tiny_gguf(tmp_path, "qwen2", seed=4, matrix_type="Q4_0")
     cache = ArtifactCache(tmp_path / "cache")
@@ -344,7 +345,8 @@ def test_a_quantize_int4_artifact_computes_the_torch_w4a8_models_layers(table, h
     _native_c()
     from outrider_llm.loading import tiny_llama_config
     from outrider_llm.model import LlamaModel
-    from outrider_llm.native_model import NativeLlama, Weights, _map_tiles, _save_tiles
+    from outrider_llm.native_model import NativeLlama, Weights
+    from outrider_llm.native_model_tiles import save_tiles
     from outrider_quantize.llm import quantize_state_dict
 
     config = tiny_llama_config(vocab_size=256, hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2)
@@ -366,8 +368,8 @@ def test_a_quantize_int4_artifact_computes_the_torch_w4a8_models_layers(table, h
     n = len(tokens)
     assert np.array_equal(cache.kv[:, :, 0, :, :n], torch_cache.kv[:, :, 0, :, :n].numpy()), "layers differ"
     assert np.abs(got.logits - want).max() < 1e-4
-    _save_tiles(model, tmp_path)
-    mapped = _map_tiles(tmp_path)
+    save_tiles(model, tmp_path)
+    mapped = NativeLlama.from_tiles(tmp_path)
     assert np.array_equal(mapped.forward(mapped.new_cache(1, 64), [_chunk(tokens)]).logits, got.logits)
     assert np.array_equal(mapped.embed(np.array(tokens)), want_rows)
 

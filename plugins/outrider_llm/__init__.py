@@ -225,7 +225,7 @@ class LlmBackend(GeneratingBackend):
         def kernel_key(mode: str) -> str:
             if native:  # the C ABI's kernels: the same bits on every instruction set
                 return f"{mode}:{kernel}:native-c"
-            from .linear import kernel_key as torch_kernel_key
+            from .kernel_choice import kernel_key as torch_kernel_key
 
             return torch_kernel_key(mode, kernel, self.device)
 

@@ -7,7 +7,7 @@ they lie in the file to its tiles through the C packer (csrc/gguf_pack.cpp), a b
 at a time, written at its place in the tiles file; the file's pages a tensor used are dropped from
 this process once it is packed. So a first start holds about one chunk besides what it maps, and
 the artifact it writes ("llama-gguf-tiles": tiles.bin, tiles.json, meta.json, tokenizer.json) is
-mapped as it is by every later start (native_model._map_tiles).
+mapped as it is by every later start (NativeLlama.from_tiles).
 
 What it covers (`plan`): the architectures native_model covers, with every matrix and the token
 embeddings in a type the kernels take as it is (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K; the
@@ -29,7 +29,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from . import native_c
+from . import native_c, native_c_weights
 from .artifact import CACHE_FORMAT, META_FILE, TILES_FILE, TILES_INDEX, TOKENIZER_FILE, GGUFError
 from .chat_templates import BUILTIN_TEMPLATES
 from .gguf_reading import (FUSED_TENSORS, LAYER_NAMES, PERMUTED_QK_ARCHS, TOP_NAMES, GEMMA_POST_NORMS, NATIVE_ONLY, GGUFFile,
@@ -246,7 +246,7 @@ def _pack_matrix(out: _TilesFile, pieces: list[Piece], drop: _Dropper, five_bit:
     parts = []
     for group in groups:
         _, cols = _matrix_rows(group[0].tensor)
-        shape = native_c.packed_shape(group[0].type_name, cols, five_bit)
+        shape = native_c_weights.packed_shape(group[0].type_name, cols, five_bit)
         total = rows_out if rows_out is not None else sum(len(p.rows) for p in group)
         ref = out.reserve(np.uint8, shape.w_shape(total // native_c.TILE, cols))
         chunk_rows = max(native_c.TILE, CHUNK_BYTES // max(1, shape.w_tile_bytes) * native_c.TILE)
@@ -257,8 +257,9 @@ def _pack_matrix(out: _TilesFile, pieces: list[Piece], drop: _Dropper, five_bit:
                 rows = np.concatenate([rows, np.full(rows_out - len(rows), -1, np.int64)])
             blocks = np.asarray(piece.tensor.data).reshape(_matrix_rows(piece.tensor)[0], -1)
             for start in range(0, len(rows), chunk_rows):
-                part = native_c.pack_gguf(piece.type_name, blocks, cols, rows_out=min(chunk_rows, len(rows) - start),
-                                          row_map=rows[start:start + chunk_rows], five_bit=five_bit)
+                part = native_c_weights.pack_gguf(piece.type_name, blocks, cols,
+                                                  rows_out=min(chunk_rows, len(rows) - start),
+                                                  row_map=rows[start:start + chunk_rows], five_bit=five_bit)
                 out.write(ref, part.w, tile * shape.w_tile_bytes)
                 tile += part.out // native_c.TILE
             drop(piece.tensor)

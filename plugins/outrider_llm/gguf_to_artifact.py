@@ -127,7 +127,7 @@ def _add_tensor(state_dict: dict, tensor: Any, pieces: list[tuple[str, slice]], 
     import numpy as np
     from gguf import GGMLQuantizationType, dequantize
 
-    from .linear import affine_state_dict
+    from .quantized_weights import affine_state_dict
 
     permuted = arch in PERMUTED_QK_ARCHS and parts[0] == "blk" and parts[2] in ("attn_q", "attn_k")
     heads = config.num_heads if parts[2:3] == ["attn_q"] else config.num_kv_heads

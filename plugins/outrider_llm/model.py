@@ -38,9 +38,10 @@ from outrider.generation.contract import Chunk, ForwardOutput
 
 from .config import FINGERPRINT_ROW_STRIDE, LlamaConfig, rope_tables, weights_fingerprint
 from .kv_cache import SlotKVCache
-from .linear import (NATIVE_KERNELS, AffineTable, ConcatLinear, Int8BlockTable, KernelPlan, QuantizedLinear,
-                     QuantTensor, TiedRows, W8A8Linear, affine_linear, choose_kernel, cpu_has_native_bf16,
-                     dense_linear, onednn_works)
+from .kernel_choice import KernelPlan, choose_kernel
+from .linear import (NATIVE_KERNELS, ConcatLinear, QuantizedLinear, TiedRows, W8A8Linear, affine_linear,
+                     cpu_has_native_bf16, dense_linear, onednn_works)
+from .quantized_weights import AffineTable, Int8BlockTable, QuantTensor
 
 log = logging.getLogger("outrider.llm")
 
