@@ -13,6 +13,7 @@ and verifies:
 - `draft_model.py` DraftModelDrafter: a small model of the same vocabulary, its own KV cache
 - `eagle.py`     DraftHead, its weights file (tied to the target by fingerprint), EagleDrafter
 - `eagle3.py`    Eagle3Drafter: EAGLE-3 heads as published (SafeAILab/EAGLE, SpecForge safetensors)
+- `eagle3_files.py` reading such a head's folder: config.json, safetensors on numpy, tensor names
 - `draft_head.py` the head file, the fingerprint check and the tree growth both head drafters
                  share, and HostEagleDrafter (numpy, for a target without torch)
 - `tree.py`      SpecTree (sampled candidates), prune_tree, merge_trees, build_dynamic_tree
