@@ -64,7 +64,7 @@ def tiny_head(tiny, tmp_path_factory) -> Path:
     store = FeatureStore()
     generate(model, prompts, store, time.monotonic() + 60, eos=set(), batch=8, max_length=128)
     cfg = TrainConfig(intermediate_size=64, draft_vocab=VOCAB, batch=64, warmup_steps=5, lr=3e-3,
-                                  precision="fp32", noise=0.0)
+                      precision="fp32", noise=0.0)
     trainer = Trainer(model, store.features(), cfg)
     trainer.train(minutes=0.06)
     evaluation = trainer.evaluate()
