@@ -1,6 +1,6 @@
 """The eagle draft head: its weights are tied to the target, its trees are valid, drafting with it stays exact.
 
-A tiny head is trained here (outrider_speculative.training's own collection and training code, a few
+A tiny head is trained here (outrider_draft_training's own collection and training code, a few
 seconds) for the tiny random Llama; the last test runs the shipped head on SmolLM2 (greedy acceptance).
 """
 
@@ -25,7 +25,10 @@ from outrider_speculative.eagle import EagleDrafter, load_head, make_eagle_draft
 from outrider_speculative.draft_head import DEFAULT_WEIGHTS, target_fingerprint  # noqa: E402
 from outrider_speculative.tree import check_tree  # noqa: E402
 from outrider_speculative.config import OptionError  # noqa: E402
-from outrider_speculative import training  # noqa: E402
+from outrider_draft_training.collection import generate  # noqa: E402
+from outrider_draft_training.corpus import Prompt  # noqa: E402
+from outrider_draft_training.features import FeatureStore  # noqa: E402
+from outrider_draft_training.trainer import TrainConfig, Trainer  # noqa: E402
 
 from test_generate import CharTokenizer  # noqa: E402
 
@@ -56,13 +59,13 @@ def tiny_head(tiny, tmp_path_factory) -> Path:
     """A head trained for a few seconds on the tiny model's own greedy continuations."""
     model, _ = tiny
     gen = torch.Generator().manual_seed(0)
-    prompts = [training.Prompt(torch.randint(0, VOCAB, (6,), generator=gen).tolist(), "chat", 0.0, 0, max_new=48)
+    prompts = [Prompt(torch.randint(0, VOCAB, (6,), generator=gen).tolist(), "chat", 0.0, 0, max_new=48)
                for _ in range(40)]
-    store = training.FeatureStore()
-    training.generate(model, prompts, store, time.monotonic() + 60, eos=set(), batch=8, max_length=128)
-    cfg = training.TrainConfig(intermediate_size=64, draft_vocab=VOCAB, batch=64, warmup_steps=5, lr=3e-3,
-                                  precision="fp32", noise=0.0)
-    trainer = training.Trainer(model, store.features(), cfg)
+    store = FeatureStore()
+    generate(model, prompts, store, time.monotonic() + 60, eos=set(), batch=8, max_length=128)
+    cfg = TrainConfig(intermediate_size=64, draft_vocab=VOCAB, batch=64, warmup_steps=5, lr=3e-3,
+                      precision="fp32", noise=0.0)
+    trainer = Trainer(model, store.features(), cfg)
     trainer.train(minutes=0.06)
     evaluation = trainer.evaluate()
     path = tmp_path_factory.mktemp("eagle") / "tiny-eagle.safetensors"

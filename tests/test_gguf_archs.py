@@ -153,19 +153,19 @@ def test_train_draft_trains_a_head_for_another_model_and_the_head_serves_only_it
 
     from outrider.errors import ManifestError
     from outrider_llm.loading import load_model
-    from outrider_speculative import training
+    from outrider_draft_training import cli
     from outrider_speculative.eagle import make_eagle_drafter
     from test_generate import _engine, _run
 
     monkeypatch.setenv("OUTRIDER_CACHE_DIR", str(tmp_path / "cache"))  # the trainer's loads stay out of the suite's cache
     path, _ = write_tiny_gguf(tmp_path, "qwen2", seed=6)
     out = tmp_path / "head.safetensors"
-    args = training.build_parser().parse_args([
+    args = cli.build_parser().parse_args([
         "--gguf", str(path), "--minutes", "0.6", "--gen-minutes", "0.05", "--text-minutes", "0.03", "--out", str(out),
         "--batch-sequences", "8", "--draft-vocab", "128", "--intermediate", "64", "--blocks", "1"])
     run_start = time.monotonic()
     target, target_tokenizer = load_model(path)  # as the tool loads it
-    assert training.run(args, target, target_tokenizer, f"{path.stem} ({path.name})", run_start) == 0
+    assert cli.run(args, target, target_tokenizer, f"{path.stem} ({path.name})", run_start) == 0
     model, tokenizer = _ours(path, tmp_path, native=False)
     make_eagle_drafter(model, {"weights": str(out)})  # its own model takes it
     params = [{"prompt": p, "max_tokens": 24} for p in ("the cat", "hello there")]

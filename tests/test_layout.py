@@ -1,14 +1,20 @@
-"""Dependencies run one way: core <- plugins <- tools/tests.
+"""Dependencies run one way: core <- plugins <- tooling packages <- tools/tests.
 
 Every `import` statement under runtime/ and plugins/ is read with `ast` (those inside functions
 too: a lazy import is a dependency all the same). The core (`runtime/outrider`) may import no
 plugin package, and a plugin may import only its own package besides the core and third parties.
 What two plugins both need belongs in the core (e.g. `outrider.onnx`).
+
+A plugin is what pyproject.toml registers in the `outrider` entry-point group (plus the test
+plugins in tests/plugins). A package under plugins/ that registers nothing is a tooling package
+(TOOLING_PACKAGES): it makes artifacts that a plugin serves, so it may import that plugin; no
+plugin, and not the core, may import a tooling package, so serving never loads one.
 """
 
 from __future__ import annotations
 
 import ast
+import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -18,10 +24,20 @@ PLUGINS = ROOT / "plugins"
 #: files allowed to break the rule for now, relative to the repository root, each with why
 KNOWN_EXCEPTIONS: set[str] = set()
 
+#: packages under plugins/ that are not plugins (no entry point) -> the plugins each may import, with why
+TOOLING_PACKAGES: dict[str, set[str]] = {
+    # The draft head's trainer (tools/train_draft.py) writes the head files outrider_speculative
+    # serves, with its torch DraftHead, save_head and fingerprint: one definition of the format.
+    "outrider_draft_training": {"outrider_speculative"},
+}
+
 
 def plugin_packages() -> set[str]:
-    """Top-level names of the built-in plugins (plugins/) and the test plugins (tests/plugins/)."""
-    names = {p.name for p in PLUGINS.iterdir() if p.is_dir() and (p / "__init__.py").is_file()}
+    """Top-level names of the built-in plugins (pyproject.toml's `outrider` entry points) and the
+    test plugins (tests/plugins/)."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    entry_points = project["project"]["entry-points"]["outrider"]
+    names = {value.split(":")[0].split(".")[0] for value in entry_points.values()}
     names |= {p.stem for p in (ROOT / "tests" / "plugins").glob("outrider_*.py")}
     return names
 
@@ -37,11 +53,11 @@ def imported_roots(tree: ast.AST) -> list[tuple[int, str]]:
     return found
 
 
-def forbidden_imports(root: Path, own_package: str | None, plugins: set[str]) -> list[str]:
-    """'file:line imports X' for each plugin package imported under `root` other than `own_package`."""
+def forbidden_imports(root: Path, own_package: str | None, plugins: set[str], base: Path = ROOT) -> list[str]:
+    """'file:line imports X' for each package of `plugins` imported under `root` other than `own_package`."""
     problems = []
     for path in sorted(root.rglob("*.py")):
-        where = path.relative_to(ROOT).as_posix()
+        where = path.relative_to(base).as_posix()
         if where in KNOWN_EXCEPTIONS:
             continue
         tree = ast.parse(path.read_text(encoding="utf-8"), filename=where)
@@ -55,21 +71,53 @@ def test_the_plugin_set_is_found() -> None:
     # Guards the tests below against passing because they found nothing to check.
     plugins = plugin_packages()
     assert {"outrider_onnxruntime", "outrider_tensorrt", "outrider_torch", "outrider_http"} <= plugins
-    assert "outrider" not in plugins
+    assert "outrider" not in plugins and not plugins & set(TOOLING_PACKAGES)
+
+
+def test_every_package_under_plugins_is_a_plugin_or_a_listed_tooling_package() -> None:
+    packages = {p.name for p in PLUGINS.iterdir() if p.is_dir() and (p / "__init__.py").is_file()}
+    unknown = packages - plugin_packages() - set(TOOLING_PACKAGES)
+    assert not unknown, f"packages under plugins/ with no entry point and not in TOOLING_PACKAGES: {sorted(unknown)}"
+    assert set(TOOLING_PACKAGES) <= packages
 
 
 def test_the_core_imports_no_plugin() -> None:
-    problems = forbidden_imports(RUNTIME / "outrider", None, plugin_packages())
+    problems = forbidden_imports(RUNTIME / "outrider", None, plugin_packages() | set(TOOLING_PACKAGES))
     assert not problems, "the core imports a plugin package (move what it needs into the core):\n" + "\n".join(problems)
 
 
+def plugin_import_problems(plugins_dir: Path = PLUGINS, base: Path = ROOT) -> list[str]:
+    """Imports under `plugins_dir` that break the rule: a plugin importing another plugin or any tooling
+    package, a tooling package importing a plugin it is not listed for."""
+    plugins, problems = plugin_packages(), []
+    for package in sorted(p for p in plugins_dir.iterdir() if p.is_dir()):
+        if package.name in plugins:
+            problems += forbidden_imports(package, package.name, plugins | set(TOOLING_PACKAGES), base)
+        elif package.name in TOOLING_PACKAGES:
+            problems += forbidden_imports(package, package.name, plugins - TOOLING_PACKAGES[package.name], base)
+    return problems
+
+
 def test_no_plugin_imports_another() -> None:
-    plugins = plugin_packages()
-    problems = []
-    for package in sorted(p for p in PLUGINS.iterdir() if p.is_dir() and p.name in plugins):
-        problems += forbidden_imports(package, package.name, plugins)
-    assert not problems, ("a plugin imports another plugin's package (what both need belongs in the core):\n"
+    problems = plugin_import_problems()
+    assert not problems, ("a plugin imports another plugin's or a tooling package (what both need belongs in the "
+                          "core; a tooling package imports only the plugins TOOLING_PACKAGES lists):\n"
                           + "\n".join(problems))
+
+
+def test_the_plugin_rule_bites(tmp_path) -> None:
+    # A plugin that imports a tooling package (lazily, too) is reported, and so is a tooling package
+    # that imports a plugin it is not listed for; the listed import is not.
+    (tmp_path / "outrider_speculative").mkdir()
+    (tmp_path / "outrider_speculative" / "strategy.py").write_text(
+        "def train():\n    from outrider_draft_training.cli import run\n")
+    (tmp_path / "outrider_draft_training").mkdir()
+    (tmp_path / "outrider_draft_training" / "trainer.py").write_text(
+        "from outrider_speculative.eagle import DraftHead\nimport outrider_llm\n")
+    assert plugin_import_problems(tmp_path, tmp_path) == [
+        "outrider_draft_training/trainer.py:2 imports outrider_llm",
+        "outrider_speculative/strategy.py:2 imports outrider_draft_training",
+    ]
 
 
 def test_the_check_names_file_and_line() -> None:

@@ -23,10 +23,12 @@ pytest.importorskip("onnxruntime")
 pytest.importorskip("onnx")
 
 from outrider_quantize.config import QuantizeConfig  # noqa: E402
-from outrider_quantize.onnx import (  # noqa: E402
-    CALIBRATION_SENTENCES, HELDOUT_SENTENCES, OnnxQuantizer, activation_ranges, calibration_feeds, choose_nodes,
-    cpu_class, embedding_quality, quantize_onnx, recipe_for, sensitive_matmuls, split_outlier_channels,
-)
+from outrider_quantize.onnx import OnnxQuantizer  # noqa: E402
+from outrider_quantize.onnx_graph import choose_nodes, sensitive_matmuls  # noqa: E402
+from outrider_quantize.onnx_int8 import activation_ranges, quantize_onnx, split_outlier_channels  # noqa: E402
+from outrider_quantize.onnx_quality import embedding_quality  # noqa: E402
+from outrider_quantize.onnx_recipe import cpu_class, recipe_for  # noqa: E402
+from outrider_quantize.onnx_sentences import CALIBRATION_SENTENCES, HELDOUT_SENTENCES, calibration_feeds  # noqa: E402
 
 
 class CountingCache(ArtifactCache):

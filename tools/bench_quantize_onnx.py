@@ -16,7 +16,8 @@ a few minutes there.
 Sessions use 2 intra-op threads (the target machines have 2 cores). Throughput is timed in
 alternating rounds (fp32, int8, fp32, ...) and the best round of each is kept, so a neighbour
 process stealing a core skews both sides alike; compare the ratio, not the absolute figures.
-Cosines are on the held-out sentences of outrider_quantize.onnx, each alone and in batches of 32.
+Cosines are on the held-out sentences of outrider_quantize.onnx_sentences, each alone and in
+batches of 32.
 """
 
 from __future__ import annotations
@@ -37,10 +38,10 @@ from outrider.manifest import load_manifest  # noqa: E402
 from outrider.onnx.artifact import onnx_model  # noqa: E402
 from outrider.artifacts import package_version  # noqa: E402
 from outrider_quantize.config import QuantizeConfig  # noqa: E402
-from outrider_quantize.onnx import (  # noqa: E402
-    HELDOUT_SENTENCES, calibration_feeds, cpu_class, embedding_quality, needs_calibration, quantize_onnx,
-    recipe_for, session,
-)
+from outrider_quantize.onnx_int8 import quantize_onnx  # noqa: E402
+from outrider_quantize.onnx_quality import embedding_quality, session  # noqa: E402
+from outrider_quantize.onnx_recipe import cpu_class, needs_calibration, recipe_for  # noqa: E402
+from outrider_quantize.onnx_sentences import HELDOUT_SENTENCES, calibration_feeds  # noqa: E402
 
 CLASSES = ("vnni", "avx2", "arm", "other")
 from outrider_text import SentenceEmbeddingTask  # noqa: E402

@@ -13,8 +13,8 @@ A head for another model: pass its GGUF with --gguf and point the manifest's
 head trained for other weights, saying which. Budget more minutes for a larger model (collection
 runs the target itself; the defaults suit a 135M model on 2 cores).
 
-The trainer is `outrider_speculative.training` (what it collects and how it trains are described
-there); this tool loads the target through the llm backend and runs it.
+The trainer is the package `outrider_draft_training` (what it collects and how it trains are
+described there); this tool loads the target through the llm backend and runs it.
 """
 
 from __future__ import annotations
@@ -32,15 +32,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     import torch
     from outrider_llm.loading import load_model
     from outrider_llm.artifact import smollm2_gguf_path
-    from outrider_speculative import training
+    from outrider_draft_training import cli
 
-    args = training.build_parser(__doc__.split("\n\n")[0]).parse_args(argv)
+    args = cli.build_parser(__doc__.split("\n\n")[0]).parse_args(argv)
     run_start = time.monotonic()
     torch.set_num_threads(args.threads)
     source = Path(args.gguf) if args.gguf else smollm2_gguf_path()
     model, tokenizer = load_model(source)  # fp32: the fingerprint is the same for every load of the file
     target = f"{source.stem} ({source.name})" if args.gguf else f"SmolLM2-135M-Instruct ({source.name})"
-    return training.run(args, model, tokenizer, target, run_start)
+    return cli.run(args, model, tokenizer, target, run_start)
 
 
 if __name__ == "__main__":

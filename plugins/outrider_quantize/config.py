@@ -51,7 +51,7 @@ class QualityGate(_Strict):
         return out
 
 
-#: classes of CPU whose ONNX Runtime int8 MatMul kernels compute differently (outrider_quantize.onnx.cpu_class):
+#: classes of CPU whose ONNX Runtime int8 MatMul kernels compute differently (outrider_quantize.onnx_recipe.cpu_class):
 #: vnni: x86 with AVX512-VNNI or AVX-VNNI (vpdpbusd, 32-bit sums, AMX CPUs too); avx2: other x86 with AVX2
 #: (AVX-512 without VNNI included), whose u8s8 kernel adds pairs of products in 16 bits with saturation;
 #: arm: aarch64; other: anything else (x86 without AVX2, unknown)

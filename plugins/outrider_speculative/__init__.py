@@ -13,11 +13,13 @@ and verifies:
 - `draft_model.py` DraftModelDrafter: a small model of the same vocabulary, its own KV cache
 - `eagle.py`     DraftHead, its weights file (tied to the target by fingerprint), EagleDrafter
 - `eagle3.py`    Eagle3Drafter: EAGLE-3 heads as published (SafeAILab/EAGLE, SpecForge safetensors)
+- `eagle3_files.py` reading such a head's folder: config.json, safetensors on numpy, tensor names
 - `draft_head.py` the head file, the fingerprint check and the tree growth both head drafters
                  share, and HostEagleDrafter (numpy, for a target without torch)
 - `tree.py`      SpecTree (sampled candidates), prune_tree, merge_trees, build_dynamic_tree
-- `training.py`  the draft head's trainer (collection, training, export; tools/train_draft.py
-                 is its command line); imported by nothing here, it needs torch
+
+The head's trainer is not part of this plugin: it is the tooling package `outrider_draft_training`
+(tools/train_draft.py is its command line), which imports this one, never the other way round.
 
 Importing this package imports no torch; the factories do, when a manifest asks for them.
 """

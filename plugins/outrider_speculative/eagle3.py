@@ -25,9 +25,10 @@ between those layers. Committed rows enter the head's cache as they arrive (buff
 `flush_rows` at a time when drafting rests), so the drafts attend to the whole sequence; tree
 nodes are tentative rows, each attending to the committed ones and its ancestors.
 
-The files: a folder with `config.json` (hidden_size, num_attention_heads, num_key_value_heads,
-intermediate_size, rms_norm_eps, rope_theta, rope_scaling, vocab_size, draft_vocab_size,
-optionally head_dim, target_hidden_size, norm_before_residual, eagle_config) and safetensors
+The files (eagle3_files.py reads them): a folder with `config.json` (hidden_size,
+num_attention_heads, num_key_value_heads, intermediate_size, rms_norm_eps, rope_theta, rope_scaling,
+vocab_size, draft_vocab_size, optionally head_dim, target_hidden_size, norm_before_residual,
+eagle_config) and safetensors
 weights (F32, F16 or BF16): `fc.weight`, `midlayer.*` (or `layers.0.*` / `model.layers.0.*`),
 `norm.weight`, `lm_head.weight`, `d2t` (absent: the draft vocabulary is the target's), optionally
 `embed_tokens.weight` (else the target's embeddings, which such heads are trained with).
@@ -41,9 +42,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-import struct
 from collections import OrderedDict
-from pathlib import Path
 from typing import Any, Hashable, Mapping, Optional
 
 import numpy as np
@@ -54,80 +53,15 @@ from outrider.generation.sampling import host_array
 from .config import OptionError, path_drafter_options, read_bool, read_float, read_int
 from .draft_head import HeadDrafter, rms_norm
 from .drafters import sequence_key
+from .eagle3_files import read_head
 from .tree import SpecTree
 
 log = logging.getLogger("outrider.speculative")
 
 OPTIONS = ("path", "max_depth", "max_children", "prob_threshold", "frontier", "sample", "quantize", "max_sequences",
            "layers")
-MAX_HEADER_BYTES = 64 << 20  # a safetensors header larger than this is not a draft head's
-_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": "bf16", "I64": np.int64, "I32": np.int32, "BOOL": np.bool_}
 _ATTENTION_ROWS = 128  # committed rows fed per pass (their scores matrix stays small)
 _ROOT = ("root",)  # the state of the tree's root in `_run`: the last committed row's output
-
-
-# ---- the files --------------------------------------------------------------------------------------
-
-
-def read_safetensors(path: Path) -> dict[str, np.ndarray]:
-    """Every tensor of a .safetensors file, as numpy (BF16 widened to fp32); ValueError naming what is
-    wrong with the file. Its header is checked against the file's size before anything is read."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) != 8:
-            raise ValueError("shorter than a safetensors header")
-        (length,) = struct.unpack("<Q", head)
-        if not 0 < length <= min(MAX_HEADER_BYTES, size - 8):
-            raise ValueError(f"header of {length} bytes in a file of {size}")
-        header = json.loads(f.read(length))
-    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + length)
-    out: dict[str, np.ndarray] = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        kind = _DTYPES.get(info.get("dtype"))
-        if kind is None:
-            raise ValueError(f"tensor {name!r}: dtype {info.get('dtype')!r} (expected one of {sorted(_DTYPES)})")
-        begin, end = (int(x) for x in info["data_offsets"])
-        shape = tuple(int(x) for x in info["shape"])
-        width = 2 if kind == "bf16" else np.dtype(kind).itemsize
-        if not 0 <= begin <= end <= data.size or end - begin != width * math.prod(shape):
-            raise ValueError(f"tensor {name!r}: bytes {begin}..{end} do not hold {shape} of {info['dtype']}")
-        raw = data[begin:end]
-        if kind == "bf16":  # the high half of an fp32
-            array = (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
-        else:
-            array = raw.view(kind)
-        out[name] = np.array(array.reshape(shape))
-    return out
-
-
-def _files(path: Path) -> tuple[dict, list[Path]]:
-    """(config, safetensors files) of a head given as its folder or one of its .safetensors files."""
-    folder = path if path.is_dir() else path.parent
-    if path.is_file() and path.suffix != ".safetensors":
-        raise ValueError(f"{str(path)!r} is not a .safetensors file: pickle checkpoints (.bin, .pt) are not loaded; "
-                         f"convert it (safetensors.torch.save_file(torch.load(...), 'model.safetensors'))")
-    weights = [path] if path.is_file() else sorted(folder.glob("*.safetensors"))
-    if not weights:
-        pickled = sorted(p.name for p in folder.glob("*.bin")) + sorted(p.name for p in folder.glob("*.pt"))
-        hint = f" (it has {', '.join(pickled)}: pickle checkpoints are not loaded; convert them to safetensors)" \
-            if pickled else ""
-        raise ValueError(f"no .safetensors file in {str(folder)!r}{hint}")
-    config_file = folder / "config.json"
-    if not config_file.is_file():
-        raise ValueError(f"no config.json beside the weights in {str(folder)!r}")
-    return json.loads(config_file.read_text()), weights
-
-
-def _layer_name(name: str) -> str:
-    """The tensor's name in SafeAILab's layout (`midlayer.`), whichever of the published ones it uses."""
-    if name.startswith("model."):
-        name = name[len("model."):]
-    if name.startswith("layers.0."):
-        name = "midlayer." + name[len("layers.0."):]
-    return name
 
 
 def inverse_frequencies(config: Mapping[str, Any], head_dim: int) -> np.ndarray:
@@ -421,10 +355,7 @@ def make_eagle3_drafter(model: Any, options: Optional[Mapping[str, Any]] = None,
     if quantize not in ("none", "int4"):
         raise OptionError("quantize", f"expected 'none' or 'int4' (got {quantize!r})")
     try:
-        config, files = _files(resolved)
-        tensors: dict[str, np.ndarray] = {}
-        for file in files:
-            tensors.update({_layer_name(k): v for k, v in read_safetensors(file).items()})
+        config, tensors = read_head(resolved)
     except (ValueError, OSError, KeyError, json.JSONDecodeError) as exc:
         raise OptionError("path", f"EAGLE-3 head {str(resolved)!r} cannot be read: {exc}") from None
     layers = _read_layers(options, config, layers_total)
