@@ -60,12 +60,18 @@ def test_every_route_but_health_needs_a_key(keyed):
         for key in ("key-one", "key-two"):  # as it is, and hashed in the file
             answer = httpx.request(method, base + path, json=body, headers={"Authorization": f"Bearer {key}"})
             assert answer.status_code == 200, (path, key, answer.text)
+        # Anthropic's clients send x-api-key: the same keys, the same refusals
+        assert httpx.request(method, base + path, json=body, headers={"x-api-key": "key-two"}).status_code == 200
+        for headers in ({"x-api-key": "nope"}, {"x-api-key": ""}, {"x-api-key": "Bearer key-one"}):
+            assert httpx.request(method, base + path, json=body, headers=headers).status_code == 401, headers
     log = server.log()
     assert "HTTP 401" in log and "nope" not in log and "key-one" not in log
     api = openai.OpenAI(base_url=base + "/v1", api_key="key-one", max_retries=0)
     assert [m.id for m in api.models.list()] == ["echo"]
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=base + "/v1", api_key="wrong", max_retries=0).models.list()
+    refused = httpx.post(base + "/v1/messages", json={}, headers={"x-api-key": "wrong"})
+    assert refused.status_code == 401 and refused.json()["error"]["type"] == "authentication_error"
 
 
 def test_keys_rotate_by_editing_the_file(keyed):

@@ -8,8 +8,10 @@ What Claude Code and the `anthropic` SDK send when pointed at a local base URL:
 - `tools` ({name, description, input_schema}) and `tool_choice` (auto, any, tool, none) on the
   structured-output engine Chat Completions' tools use: a call comes back as a `tool_use` block,
   stop_reason "tool_use".
-- `max_tokens` (required), `stop_sequences`, `temperature`, `top_p`, `top_k`, `metadata` (kept
-  aside). Extensions, as on the OpenAI routes: `seed`, `speculative`, `ignore_eos`,
+- `output_config.format` (a JSON schema) on the same grammar engine.
+- `max_tokens` (required), `stop_sequences`, `temperature`, `top_p`, `top_k` (which the 2026
+  SDK no longer sends; raw requests and older clients do); `metadata`, `service_tier`,
+  `cache_control`, `speed`, `inference_geo` and `output_config.effort` are kept aside. Extensions, as on the OpenAI routes: `seed`, `speculative`, `ignore_eos`,
   `min_tokens`, `timeout_ms`.
 - A field the API does not define is refused with a 400 naming it (Anthropic's convention);
   errors come in Anthropic's shape: {"type": "error", "error": {"type", "message"}}.
@@ -26,7 +28,7 @@ import logging
 import uuid
 from typing import Any, AsyncIterator, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 from sse_starlette.sse import EventSourceResponse
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -73,6 +75,16 @@ class ToolChoice(Strict):
     disable_parallel_tool_use: Optional[bool] = None  # one call per answer is all the grammar makes
 
 
+class OutputFormat(Strict):
+    type: Literal["json_schema"]
+    schema_: dict = Field(alias="schema")  # BaseModel has a `schema`
+
+
+class OutputConfig(Strict):
+    format: Optional[OutputFormat] = None  # structured output on the grammar engine
+    effort: Optional[str] = None  # kept aside: no reasoning budget to spend here
+
+
 class CountRequest(Strict):
     model: str
     messages: list[Message]
@@ -89,8 +101,17 @@ class MessagesRequest(CountRequest):
     top_p: Optional[float] = None
     top_k: Optional[int] = None
     stream: Optional[bool] = False
+    output_config: Optional[OutputConfig] = None
+    # Kept aside: they change where or how fast a hosted model answers, not what (the prefix
+    # cache here is automatic, so cache_control has nothing to add).
     metadata: Optional[dict] = None
     service_tier: Optional[str] = None
+    cache_control: Optional[dict] = None
+    inference_geo: Optional[str] = None
+    speed: Optional[str] = None
+    diagnostics: Optional[dict] = None
+    user_profile_id: Optional[str] = None
+    workspace_id: Optional[str] = None
     # Extensions (the OpenAI routes' names)
     seed: Optional[int] = None
     speculative: Optional[bool] = None
@@ -203,8 +224,13 @@ def generate_parameters(body: MessagesRequest, tools: Optional[Tools]) -> dict[s
             parameters[name] = value
     if body.thinking is not None and body.thinking.get("type") not in ("disabled", "enabled", "adaptive"):
         raise FieldError("thinking.type must be enabled or disabled", "thinking")
+    shaped = body.output_config is not None and body.output_config.format is not None
     if tools is not None and tools.active:
+        if shaped:
+            raise FieldError("give 'tools' or 'output_config.format', not both", "tools")
         parameters["constraint"] = tools.constraint()
+    elif shaped:
+        parameters["constraint"] = {"json_schema": body.output_config.format.schema_}
     if body.stream:
         parameters["stream"] = True
     return parameters

@@ -1,6 +1,6 @@
 """The ASGI application: OIP v2 routes, Triton's generate and model-repository extensions, OpenAI routes (generation in
 openai_api.py; embeddings, tokenize and detokenize in embeddings_api.py), Anthropic's Messages
-(anthropic_messages.py) and /metrics,
+(anthropic_messages.py), OpenAI's Responses (openai_responses.py) and /metrics,
 over one dispatch path; Ray Serve replicas (ray_serve.py) serve the same `routes`."""
 
 from __future__ import annotations
@@ -39,12 +39,13 @@ def routes(dispatch: Dispatcher) -> list[Route]:
     if getattr(server, "repository", None) is not None:
         found += repository_api.routes(dispatch)
     try:
-        from . import anthropic_messages, embeddings_api, openai_api, tokenize_api
+        from . import anthropic_messages, embeddings_api, openai_api, openai_responses, tokenize_api
     except ImportError as exc:  # sse-starlette is in outrider[http], not in ray[serve] (a Ray replica)
         log.info("OpenAI-compatible routes off (%s): pip install 'outrider[http]'", exc)
     else:
         found += [*openai_api.routes(dispatch), *embeddings_api.routes(dispatch), *tokenize_api.routes(dispatch),
-                  *anthropic_messages.routes(dispatch), Route("/openapi.json", openapi)]
+                  *anthropic_messages.routes(dispatch),
+                  *openai_responses.routes(dispatch), Route("/openapi.json", openapi)]
     return found
 
 
