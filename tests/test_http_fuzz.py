@@ -124,18 +124,20 @@ JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_
 def test_openapi_document_describes_the_routes(served):
     _, spec = served
     assert spec["openapi"].startswith("3.1")
-    for path in ("/v2/models/{name}/infer", "/v1/chat/completions", "/v1/completions", "/v1/embeddings"):
+    for path in ("/v2/models/{name}/infer", "/v1/chat/completions", "/v1/completions", "/v1/embeddings",
+                 "/v1/messages", "/v1/messages/count_tokens", "/v1/responses"):
         body, answers = _schemas(spec, path)
         assert body["type"] == "object" and 200 in answers and 400 in answers
 
 
 @pytest.mark.parametrize("path,models", [("/v1/chat/completions", ["tiny"]), ("/v1/completions", ["tiny"]),
-                                         ("/v1/embeddings", ["minilm", "echo"])])
+                                         ("/v1/embeddings", ["minilm", "echo"]), ("/v1/messages", ["tiny", "echo"]),
+                                         ("/v1/messages/count_tokens", ["tiny"]), ("/v1/responses", ["tiny"])])
 def test_openai_routes_fuzzed_from_their_schemas(served, path, models):
     client, spec = served
     body_schema, answers = _schemas(spec, path)
     body_schema["properties"]["model"] = {"enum": models}
-    for name in ("max_tokens", "max_completion_tokens"):
+    for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         if name in body_schema["properties"]:  # a long generation costs time, not coverage
             body_schema["properties"][name] = {"anyOf": [{"type": "integer", "maximum": 8}, {"type": "null"}]}
     body_schema["properties"].pop("stream", None)  # an SSE answer is not a JSON document

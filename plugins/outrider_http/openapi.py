@@ -1,8 +1,9 @@
 """`GET /openapi.json`: an OpenAPI 3.1 description of the HTTP front, for clients and for fuzzing.
 
-The OpenAI request bodies are the routes' own pydantic schemas (what the routes validate with);
+The OpenAI and Anthropic request bodies are the routes' own pydantic schemas (what the routes validate with);
 the OIP v2 infer request and response follow KServe's REST spec for the parts served here. Every
-route answers errors in one of two shapes, `OipError` ({"error": "..."}) or `OpenAIError`. The
+route answers errors in one of three shapes, `OipError` ({"error": "..."}), `OpenAIError`, or
+`AnthropicError` (/v1/messages). The
 property-based fuzzer (tests/test_http_fuzz.py) draws request bodies from these schemas and
 checks each answer against the schema of its status.
 """
@@ -60,6 +61,26 @@ COMPLETION_RESPONSE = {
                    "choices": {"type": "array"}, "usage": {"type": "object"}},
     "required": ["id", "object", "choices"],
 }
+ANTHROPIC_ERROR = {
+    "type": "object",
+    "properties": {"type": {"const": "error"}, "error": {"type": "object", "properties": {
+        "type": {"type": "string"}, "message": {"type": "string"}}, "required": ["type", "message"]}},
+    "required": ["type", "error"],
+}
+MESSAGE_RESPONSE = {
+    "type": "object",
+    "properties": {"id": {"type": "string"}, "type": {"const": "message"}, "role": {"const": "assistant"},
+                   "content": {"type": "array"}, "stop_reason": {"type": ["string", "null"]},
+                   "usage": {"type": "object"}},
+    "required": ["id", "type", "role", "content", "stop_reason", "usage"],
+}
+TOKEN_COUNT = {"type": "object", "properties": {"input_tokens": {"type": "integer"}}, "required": ["input_tokens"]}
+RESPONSE_OBJECT = {
+    "type": "object",
+    "properties": {"id": {"type": "string"}, "object": {"const": "response"}, "status": {"type": "string"},
+                   "output": {"type": "array"}, "usage": {"type": ["object", "null"]}},
+    "required": ["id", "object", "status", "output"],
+}
 EMBEDDING_RESPONSE = {
     "type": "object",
     "properties": {"object": {"const": "list"}, "data": {"type": "array"}, "model": {"type": "string"},
@@ -78,14 +99,18 @@ def _errors(kind: str) -> dict:
 
 def document() -> dict[str, Any]:
     """The OpenAPI document (computed on each call: cheap, and it never goes stale)."""
+    from .anthropic_messages import CountRequest, MessagesRequest
     from .embeddings_api import EmbeddingRequest
     from .openai_api import ChatRequest, CompletionRequest
+    from .openai_responses import ResponsesRequest
 
     schemas: dict[str, Any] = {"Tensor": TENSOR, "InferRequest": INFER_REQUEST, "InferResponse": INFER_RESPONSE,
                                "OipError": OIP_ERROR, "OpenAIError": OPENAI_ERROR,
-                               "CompletionResponse": COMPLETION_RESPONSE, "EmbeddingResponse": EMBEDDING_RESPONSE}
-    for model in (ChatRequest, CompletionRequest, EmbeddingRequest):
-        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                               "CompletionResponse": COMPLETION_RESPONSE, "EmbeddingResponse": EMBEDDING_RESPONSE,
+                               "AnthropicError": ANTHROPIC_ERROR, "MessageResponse": MESSAGE_RESPONSE,
+                               "TokenCount": TOKEN_COUNT, "ResponseObject": RESPONSE_OBJECT}
+    for model in (ChatRequest, CompletionRequest, EmbeddingRequest, MessagesRequest, CountRequest, ResponsesRequest):
+        schema = model.model_json_schema(ref_template="#/components/schemas/{model}", by_alias=True)
         schemas.update(schema.pop("$defs", {}))
         schemas[model.__name__] = schema
 
@@ -106,6 +131,9 @@ def document() -> dict[str, Any]:
             "/v1/chat/completions": post("ChatRequest", "CompletionResponse", "OpenAIError"),
             "/v1/completions": post("CompletionRequest", "CompletionResponse", "OpenAIError"),
             "/v1/embeddings": post("EmbeddingRequest", "EmbeddingResponse", "OpenAIError"),
+            "/v1/messages": post("MessagesRequest", "MessageResponse", "AnthropicError"),
+            "/v1/messages/count_tokens": post("CountRequest", "TokenCount", "AnthropicError"),
+            "/v1/responses": post("ResponsesRequest", "ResponseObject", "OpenAIError"),
         },
         "components": {"schemas": schemas, "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
         "security": [{"bearer": []}, {}],
