@@ -36,13 +36,25 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(zip(bs, (chr(c) for c in cs)))
 
 
-def tokenizer_fields() -> tuple[list[str], list[str]]:
-    """(tokens, merges): the 256 byte tokens, a few merges, and the chat specials."""
+THINK_TAGS = ["<think>", "</think>"]
+# Qwen3's way: the model opens <think> itself; enable_thinking=false writes an empty one into the prompt.
+QWEN3_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and "
+                  "enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+# DeepSeek-R1's way: the generation prompt opens <think>.
+R1_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+               "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}")
+THINKING_TEMPLATES = {"qwen3": QWEN3_TEMPLATE, "r1": R1_TEMPLATE}
+
+
+def tokenizer_fields(thinking: bool = False) -> tuple[list[str], list[str]]:
+    """(tokens, merges): the 256 byte tokens, a few merges, (with `thinking`, <think> and </think>),
+    and the chat specials, last."""
     alphabet = list(_bytes_to_unicode().values())
     merges = ["Ġ t", "Ġ a", "h e", "i n", "Ġt he", "e r", "o n", "Ġ s"]
     merged = [m.replace(" ", "") for m in merges]
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    return alphabet + merged + specials, merges
+    return alphabet + merged + (THINK_TAGS if thinking else []) + specials, merges
 
 
 def hf_config(arch: str, vocab_size: int, **overrides):
@@ -141,16 +153,18 @@ def _permute(weights: np.ndarray, heads: int) -> np.ndarray:
 
 
 def write_tiny_gguf(directory: Path, arch: str, seed: int = 0, matrix_type: str = "F32",
-                    types: Optional[dict[str, str]] = None, **overrides) -> tuple[Path, object]:
+                    types: Optional[dict[str, str]] = None, thinking: Optional[str] = None,
+                    **overrides) -> tuple[Path, object]:
     """A random `arch` model as `directory/tiny-<arch>.gguf`; returns (path, the transformers model).
 
     Matrices are written in `matrix_type` (F32, F16, or a type gguf-py quantizes: Q8_0, Q4_0, ...),
-    or per GGUF tensor-name suffix in `types`; norms and biases stay F32.
+    or per GGUF tensor-name suffix in `types`; norms and biases stay F32. `thinking` ("qwen3" or
+    "r1") adds <think> and </think> tokens (user-defined, as Qwen3's) and that family's template.
     """
     import torch
     import transformers
 
-    tokens, merges = tokenizer_fields()
+    tokens, merges = tokenizer_fields(thinking is not None)
     config = hf_config(arch, len(tokens), **overrides)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
@@ -172,12 +186,14 @@ def write_tiny_gguf(directory: Path, arch: str, seed: int = 0, matrix_type: str 
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
-    writer.add_token_types([1] * (len(tokens) - 3) + [3] * 3)
+    tags = 2 if thinking else 0
+    writer.add_token_types([1] * (len(tokens) - 3 - tags) + [4] * tags + [3] * 3)
     writer.add_token_merges(merges)
     writer.add_bos_token_id(len(tokens) - 3)
     writer.add_eos_token_id(len(tokens) - 1)
     writer.add_pad_token_id(len(tokens) - 1)  # else transformers' phi3 takes Phi-3's own (32000)
-    writer.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    writer.add_chat_template(THINKING_TEMPLATES[thinking] if thinking else
+                             "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
                              "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     factors = llama3_rope_factors(config, head_dim)
     if factors is not None:  # as convert_hf_to_gguf.py writes Llama 3's rope scaling

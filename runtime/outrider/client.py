@@ -33,6 +33,8 @@ class GenerateResult:
     logprobs: Optional[list[dict]] = None
     # finish_reason "stop" not by EOS: the stop string or stop token id that ended it (vLLM's name).
     stop_reason: Optional[Union[str, int]] = None
+    # A thinking model's chat (`<think>...</think>`): the thinking, kept out of `text`.
+    reasoning: Optional[str] = None
 
 
 @dataclass
@@ -42,6 +44,13 @@ class GenerateChunk:
     text: str
     token_ids: list[int]
     logprobs: Optional[list[dict]] = None
+    reasoning: str = ""  # a thinking model's chat: the thinking's new text (`text` is the answer's)
+
+
+def chunk_of(header: dict) -> GenerateChunk:
+    """The GenerateChunk of a streamed generate's chunk header."""
+    return GenerateChunk(header.get("text", ""), list(header.get("token_ids", [])), header.get("logprobs"),
+                         header.get("reasoning", ""))
 
 
 def _parse(frames: list[Any]) -> tuple[str, dict, dict[str, np.ndarray]]:
@@ -92,6 +101,7 @@ def result_of(header: dict) -> GenerateResult:
         stats=dict(header.get("stats", {})),
         logprobs=header.get("logprobs"),
         stop_reason=header.get("stop_reason"),
+        reasoning=header.get("reasoning"),
     )
 
 
@@ -201,7 +211,7 @@ class Client:
             while True:
                 kind, header, _ = self._receive(request_id, time.monotonic() + per_chunk, f"generate on {model!r}")
                 if kind == "chunk":
-                    yield GenerateChunk(header.get("text", ""), list(header.get("token_ids", [])), header.get("logprobs"))
+                    yield chunk_of(header)
                     continue
                 finished = True
                 _raise_if_error(header)
@@ -362,7 +372,7 @@ class AsyncClient:
             while True:
                 kind, header, _ = await self._next(request_id, queue, timeout, f"generate on {model!r}")
                 if kind == "chunk":
-                    yield GenerateChunk(header.get("text", ""), list(header.get("token_ids", [])), header.get("logprobs"))
+                    yield chunk_of(header)
                     continue
                 finished = True
                 _raise_if_error(header)

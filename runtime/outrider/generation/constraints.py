@@ -23,6 +23,7 @@ import numpy as np
 
 from outrider.errors import BadRequestError, ExecutionError
 
+from .reasoning import ANSWER, MAYBE, THINKING, ThinkTags, walk
 from .sampling import host_array, is_greedy, target_distribution
 
 MAX_LOGIT_BIAS = 1024  # entries
@@ -59,7 +60,8 @@ class TokenRules:
     def __init__(self, vocab_size: int, logit_bias: Optional[dict[int, float]] = None,
                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                  grammar: Any = None, eos_ids: frozenset[int] = frozenset(),
-                 min_tokens: int = 0, ending_ids: frozenset[int] = frozenset()) -> None:
+                 min_tokens: int = 0, ending_ids: frozenset[int] = frozenset(),
+                 thinking: Optional[tuple[ThinkTags, str]] = None) -> None:
         self.vocab_size = vocab_size
         self.bias: Optional[tuple[np.ndarray, np.ndarray]] = None
         if logit_bias:
@@ -74,6 +76,8 @@ class TokenRules:
         self.min_tokens = int(min_tokens)
         self.ending = np.array(sorted(t for t in ending_ids if 0 <= t < vocab_size), dtype=np.int64)
         self.generated = 0
+        # A thinking model's grammar constrains the answer alone (reasoning.py): (tags, phase now).
+        self.tags, self.phase = thinking if thinking is not None else (None, ANSWER)
 
     @property
     def active(self) -> bool:
@@ -101,35 +105,54 @@ class TokenRules:
                 out[ids] -= np.float32(self.frequency) * n + np.float32(self.presence)
         if self.generated + len(path) < self.min_tokens and len(self.ending):
             out[self.ending[self.ending < out.shape[-1]]] = -np.inf
-        if self.grammar is not None and not any(t in self.eos_ids for t in path):
-            if argmax_only and self.grammar.accepts(path, int(np.argmax(out))):
-                return out
-            allowed = self.grammar.allowed(path)  # bool [tokenizer vocab]
+        phase, answer = self._answer_part(path)
+        if self.grammar is not None and phase != THINKING and not any(t in self.eos_ids for t in answer):
+            opens = phase == MAYBE  # the first token: `<think>`, or the answer's first token
+            if argmax_only:
+                best = int(np.argmax(out))
+                if (opens and best == self.tags.open) or self.grammar.accepts(answer, best):
+                    return out
+            allowed = self.grammar.allowed(answer)  # bool [tokenizer vocab]
             width = min(out.shape[-1], allowed.shape[-1])
+            keep = out[self.tags.open] if opens else None
             out[:width][~allowed[:width]] = -np.inf
             out[width:] = -np.inf  # ids past the tokenizer's vocabulary (padded heads) never fit
+            if opens:
+                out[self.tags.open] = keep
         return out
+
+    def _answer_part(self, path: list[int]) -> tuple[str, list[int]]:
+        """(the phase after the committed tokens and `path`, the answer's tokens in `path`)."""
+        if self.tags is None:
+            return ANSWER, path
+        phase, start = walk(self.phase, list(path), self.tags)
+        return phase, list(path[start:])
 
     def forced_tokens(self, limit: int) -> list[int]:
         """The tokens the grammar forces next (none without a grammar), at most `limit`."""
-        return self.grammar.forced_tokens()[:limit] if self.grammar is not None else []
+        return self.grammar.forced_tokens()[:limit] if self.grammar is not None and self.phase == ANSWER else []
 
     def allowed_prefix(self, tokens: list[int]) -> int:
         """How many of `tokens` (a draft path after the committed ones) the grammar accepts."""
-        return len(tokens) if self.grammar is None else self.grammar.valid_prefix(tokens)
+        if self.grammar is None:
+            return len(tokens)
+        phase, answer = self._answer_part(tokens)
+        return len(tokens) - len(answer) + self.grammar.valid_prefix(answer)
 
     def commit(self, tokens: list[int]) -> None:
         """`tokens` were emitted (EOS excluded unless the request ignores it)."""
         self.generated += len(tokens)
         for token in tokens:
             self.counts[token] = self.counts.get(token, 0) + 1
-        if self.grammar is not None:
-            self.grammar.commit(tokens)
+        phase, answer = self._answer_part(tokens)
+        self.phase = phase
+        if self.grammar is not None and answer:
+            self.grammar.commit(answer)
 
     @property
     def finished(self) -> bool:
         """The grammar allows nothing but the end: the sequence is complete."""
-        return self.grammar is not None and self.grammar.finished
+        return self.grammar is not None and self.phase == ANSWER and self.grammar.finished
 
 
 def token_logprobs(row: np.ndarray, token: int, params: Any, top: int,

@@ -35,6 +35,7 @@ from .prefix_sharing import reuse_prefix, shares_a_prefill, store_prefix
 from .request_reader import RequestReader
 from .sampling import SamplingParams, host_array, sample_token
 from .sequence import Sequence
+from .reasoning import ReasoningText
 from .text import IncrementalText
 from .verify import verify
 
@@ -80,16 +81,16 @@ class GenerationEngine:
 
     def _start(self, request: PendingRequest) -> Sequence:
         """A Sequence in a free slot for `request`, or raise (OutriderError: that request's answer)."""
-        params, prompt_ids, rules = self.reader.read(request)
+        read = self.reader.read(request)
+        params = read.params
         speculate = self.strategy is not None and params.speculative is not False
         if self.stats is not None:
             self.stats.observe("queue_seconds", time.monotonic() - request.received)
         slot = self.free_slots.pop()
         seq: Optional[Sequence] = None
         try:
-            seq = Sequence(request, slot, prompt_ids, params,
-                           IncrementalText(self.tokenizer.decode, params.stop, params.min_tokens), speculate)
-            seq.rules = rules
+            seq = Sequence(request, slot, read.prompt_ids, params, read.text, speculate)
+            seq.rules = read.rules
             if not params.ignore_eos:
                 seq.ending |= self.eos
             if self.stats is not None:
@@ -290,7 +291,10 @@ class GenerationEngine:
             if seq.first_emitted is None:
                 seq.first_emitted = now
         if seq.request is not None and seq.params.stream and (delta or new):
-            seq.request.chunk(text=delta, token_ids=new, **({"logprobs": logprobs} if seq.params.logprobs else {}))
+            fields: dict[str, Any] = {"logprobs": logprobs} if seq.params.logprobs else {}
+            if isinstance(seq.text, ReasoningText):  # a thinking model's chat: its thinking apart
+                fields["reasoning"] = seq.text.reasoning_delta
+            seq.request.chunk(text=delta, token_ids=new, **fields)
         if seq.finish_reason is not None:
             self._finish(seq)
 
@@ -309,6 +313,8 @@ class GenerationEngine:
             extra: dict[str, Any] = {"logprobs": seq.logprobs} if seq.params.logprobs else {}
             if seq.stop_reason is not None:
                 extra["stop_reason"] = seq.stop_reason
+            if isinstance(seq.text, ReasoningText):
+                extra["reasoning"] = seq.text.reasoning
             seq.request.answer(None, self.stats, text=seq.text.text, token_ids=seq.generated,
                                finish_reason=seq.finish_reason, stats=stats, **extra)
         self._release(seq)

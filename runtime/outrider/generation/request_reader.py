@@ -5,13 +5,26 @@ All of it is checked before the request takes a slot, so a bad request costs onl
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, Optional, Union
 
 from outrider.errors import BadRequestError, ExecutionError, OutriderError
 from outrider.serving.request import PendingRequest
 
 from .constraints import TokenRules, parse_logit_bias
-from .sampling import SamplingParams, parse_prompt, parse_sampling
+from .reasoning import ReasoningText, ThinkTags, first_phase, think_tags
+from .sampling import SamplingParams, parse_prompt, parse_sampling, parse_template_kwargs
+from .text import IncrementalText
+
+
+@dataclass
+class ReadRequest:
+    """What a sequence starts from: its parameters, prompt ids, token rules and output text."""
+
+    params: SamplingParams
+    prompt_ids: list[int]
+    rules: Optional[TokenRules]
+    text: Union[IncrementalText, ReasoningText]
 
 
 class RequestReader:
@@ -23,18 +36,22 @@ class RequestReader:
         self.max_length = max_length
         self.eos = eos
         self._grammars: Any = None  # grammar.GrammarCompiler, made on the first constrained request
+        self.tags: Optional[ThinkTags] = think_tags(tokenizer)  # a thinking model's chats are split
 
-    def read(self, request: PendingRequest) -> tuple[SamplingParams, list[int], Optional[TokenRules]]:
-        """`request`'s sampling parameters (max_tokens cut to the context), prompt token ids and rules."""
+    def read(self, request: PendingRequest) -> ReadRequest:
+        """`request`'s sampling parameters (max_tokens cut to the context), prompt ids, rules and text."""
         if request.kind != "generate":
             raise BadRequestError(f"model {request.model!r} generates text; send generate, not {request.kind}")
         params = parse_sampling(request.parameters, self.max_length)
         prompt, messages = parse_prompt(request.parameters)
+        template_kwargs = parse_template_kwargs(request.parameters)
+        if template_kwargs and messages is None:
+            raise BadRequestError("parameter 'chat_template_kwargs' needs 'messages' (a chat), not 'prompt'")
         if messages is not None:
             if not self.tokenizer.chat_template:
                 raise BadRequestError(f"model {request.model!r} has no chat template; send 'prompt' instead of 'messages'")
             try:
-                text = self.tokenizer.apply_chat_template(messages)
+                text = self.tokenizer.apply_chat_template(messages, **template_kwargs)
             except OutriderError:
                 raise
             except Exception as exc:  # e.g. the template's raise_exception: these messages do not fit it
@@ -59,9 +76,15 @@ class RequestReader:
             )
         params.max_tokens = min(params.max_tokens, room)
         params.min_tokens = min(params.min_tokens, params.max_tokens)
-        return params, prompt_ids, self.rules(params)
+        if self.tags is not None and messages is not None:
+            phase = first_phase(prompt_ids, self.tags)
+            output: Union[IncrementalText, ReasoningText] = ReasoningText(
+                self.tokenizer.decode, params.stop, params.min_tokens, self.tags, phase)
+            return ReadRequest(params, prompt_ids, self.rules(params, (self.tags, phase)), output)
+        return ReadRequest(params, prompt_ids, self.rules(params),
+                           IncrementalText(self.tokenizer.decode, params.stop, params.min_tokens))
 
-    def rules(self, params: SamplingParams) -> Optional[TokenRules]:
+    def rules(self, params: SamplingParams, thinking: Optional[tuple[ThinkTags, str]] = None) -> Optional[TokenRules]:
         """The request's TokenRules (None when it sets none); a bad bias or constraint is its 400."""
         vocab = int(self.model.vocab_size)
         bias = parse_logit_bias(params.logit_bias, vocab)
@@ -82,5 +105,5 @@ class RequestReader:
             grammar = self._grammars.state(*params.constraint)
         ending = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(self.eos))
         rules = TokenRules(vocab, bias, params.presence_penalty, params.frequency_penalty, grammar, frozenset(self.eos),
-                           params.min_tokens, ending)
+                           params.min_tokens, ending, thinking)
         return rules if rules.active else None

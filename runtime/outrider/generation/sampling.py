@@ -83,8 +83,11 @@ def _number(params: dict, name: str, default: Any, kind: type, low: float, high:
 GENERATE_PARAMETERS = frozenset({
     "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
     "speculative", "stream", "presence_penalty", "frequency_penalty", "logit_bias", "constraint", "logprobs",
-    "top_logprobs", "ignore_eos", "min_tokens", "timeout_ms",
+    "top_logprobs", "ignore_eos", "min_tokens", "timeout_ms", "chat_template_kwargs",
 })
+MAX_TEMPLATE_KWARGS = 16
+#: what the engine itself passes to a chat template: a request may not set these
+TEMPLATE_OWN = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token"})
 
 
 def check_parameter_names(params: dict) -> None:
@@ -180,6 +183,25 @@ def parse_prompt(params: dict) -> tuple[Optional[str], Optional[list[dict]]]:
     if total > MAX_PROMPT_CHARS:
         raise BadRequestError(f"messages hold {total} characters; the limit is {MAX_PROMPT_CHARS}")
     return None, [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+def parse_template_kwargs(params: dict) -> dict[str, Any]:
+    """`chat_template_kwargs`: extra variables for the chat template (e.g. Qwen3's enable_thinking),
+    as vLLM takes them: at most 16, named by identifiers, each a bool, number, string or null."""
+    value = params.get("chat_template_kwargs")
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or len(value) > MAX_TEMPLATE_KWARGS:
+        raise BadRequestError(f"parameter 'chat_template_kwargs' must be a map of at most {MAX_TEMPLATE_KWARGS} "
+                              f"names to values")
+    for name, item in value.items():
+        if not isinstance(name, str) or not name.isidentifier() or len(name) > 64 or name in TEMPLATE_OWN:
+            raise BadRequestError(f"parameter 'chat_template_kwargs': {str(name)[:64]!r} is not a name a request may "
+                                  f"set (an identifier, not one of {', '.join(sorted(TEMPLATE_OWN))})")
+        if not (item is None or isinstance(item, (bool, int, float)) or (isinstance(item, str) and len(item) <= 4096)):
+            raise BadRequestError(f"parameter 'chat_template_kwargs': {name!r} must be a bool, a number, a string "
+                                  f"of at most 4096 characters, or null")
+    return dict(value)
 
 
 def new_generator(seed: Optional[int] = None) -> np.random.Generator:

@@ -9,6 +9,7 @@ from typing import Any, Optional, Union
 from outrider.serving.request import PendingRequest
 
 from .constraints import TokenRules
+from .reasoning import ReasoningText
 from .sampling import SamplingParams, new_generator
 from .text import IncrementalText
 
@@ -19,7 +20,7 @@ class Sequence:
     """One generation in flight. Also the `SequenceView` drafters read."""
 
     def __init__(self, request: Optional[PendingRequest], slot: int, prompt_ids: list[int],
-                 params: SamplingParams, text: IncrementalText, speculate: bool) -> None:
+                 params: SamplingParams, text: Union[IncrementalText, ReasoningText], speculate: bool) -> None:
         self.request = request
         self.seq_id = next(_sequence_ids)  # unique in the process: drafters key their state by it
         self.slot = slot
