@@ -160,3 +160,60 @@ def test_chat_template_kwargs_reach_the_template(qwen3):
     assert "needs 'messages'" in messages[0]
     assert "'messages' is not a name a request may set" in messages[1]
     assert "'x' must be a bool" in messages[2]
+
+
+def test_every_route_returns_the_thinking_apart(tmp_path):
+    """A thinking model served for real: Chat Completions' reasoning_content, Messages' thinking
+    block, Responses' reasoning item, whole and streamed, each equal to the engine's split over
+    ZeroMQ. (Messages and Responses take no logit_bias: there the random model thinks to the end.)"""
+    anthropic = pytest.importorskip("anthropic")
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("starlette")
+    from conftest import free_port, start_server, write_manifest
+    from gguf_models import tokenizer_fields, write_tiny_gguf
+
+    path, _ = write_tiny_gguf(tmp_path, "qwen3", seed=7, thinking="r1")
+    close = tokenizer_fields(thinking=True)[0].index("</think>")
+    manifest = write_manifest(tmp_path, f"name: thinker\nbackend: llm\nmodel: {{path: {path}}}\n"
+                                        f"speculative: {{drafters: [ngram]}}\n", "thinker.yaml")
+    port = free_port()
+    server = start_server(tmp_path, [manifest], ["outrider_llm", "outrider_speculative", "outrider_http"],
+                          args=["--http", f"127.0.0.1:{port}"])
+    try:
+        server.wait_ready(timeout=300)
+        with server.client() as zmq:
+            for half in range(0, 24):  # as _close_bias, over the wire
+                bias = {str(close): half / 2}
+                split = zmq.generate("thinker", messages=ASK, max_tokens=24, logit_bias=bias)
+                if close in split.token_ids[3:16] and close not in split.token_ids[:3]:
+                    break
+            else:
+                pytest.fail("no bias closes the thinking after 3 to 16 tokens")
+            thought = zmq.generate("thinker", messages=ASK, max_tokens=12)
+        assert split.reasoning and thought.reasoning and thought.text == ""
+        base = f"http://127.0.0.1:{port}"
+        gpt = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+        chat = gpt.chat.completions.create(model="thinker", messages=ASK, max_tokens=24, logit_bias=bias)
+        assert chat.choices[0].message.reasoning_content == split.reasoning
+        assert chat.choices[0].message.content == split.text
+        chunks = gpt.chat.completions.create(model="thinker", messages=ASK, max_tokens=24, logit_bias=bias, stream=True)
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == split.reasoning
+        assert "".join(d.content or "" for d in deltas) == split.text
+        claude = anthropic.Anthropic(base_url=base, api_key="unused", max_retries=0, timeout=120)
+        message = claude.messages.create(model="thinker", messages=ASK, max_tokens=12)
+        assert [b.type for b in message.content] == ["thinking", "text"]
+        assert message.content[0].thinking == thought.reasoning
+        with claude.messages.stream(model="thinker", messages=ASK, max_tokens=12) as stream:
+            kinds = [event.type for event in stream]
+            final = stream.get_final_message()
+        assert "thinking" in kinds and final.content[0].thinking == thought.reasoning
+        response = gpt.responses.create(model="thinker", input=ASK[0]["content"], max_output_tokens=12)
+        assert response.output[0].type == "reasoning" and response.output[0].content[0].text == thought.reasoning
+        events = list(gpt.responses.create(model="thinker", input=ASK[0]["content"], max_output_tokens=12,
+                                           stream=True))
+        assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == thought.reasoning
+        assert [item.type for item in events[-1].response.output] == ["reasoning", "message"]
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+    finally:
+        server.stop()

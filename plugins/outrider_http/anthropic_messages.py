@@ -222,8 +222,11 @@ def generate_parameters(body: MessagesRequest, tools: Optional[Tools]) -> dict[s
                         ("timeout_ms", body.timeout_ms)):
         if value is not None:
             parameters[name] = value
-    if body.thinking is not None and body.thinking.get("type") not in ("disabled", "enabled", "adaptive"):
-        raise FieldError("thinking.type must be enabled or disabled", "thinking")
+    if body.thinking is not None:
+        # A thinking model's template takes enable_thinking (Qwen3's); others ignore it.
+        if body.thinking.get("type") not in ("disabled", "enabled", "adaptive"):
+            raise FieldError("thinking.type must be enabled, adaptive or disabled", "thinking")
+        parameters["chat_template_kwargs"] = {"enable_thinking": body.thinking["type"] != "disabled"}
     shaped = body.output_config is not None and body.output_config.format is not None
     if tools is not None and tools.active:
         if shaped:
@@ -273,6 +276,8 @@ class Reply:
             content = [{"type": "tool_use", "id": _tool_id(), "name": call[0], "input": call[1]}]
         else:
             content = [{"type": "text", "text": text}]
+        if header.get("reasoning"):  # a thinking model's thinking, first, as Claude's extended thinking
+            content.insert(0, {"type": "thinking", "thinking": header["reasoning"], "signature": ""})
         return self.message(content, self.stop_reason(header, call is not None), self.usage(header.get("stats") or {}))
 
 
@@ -290,22 +295,28 @@ async def _events(dispatch: Dispatcher, call: Call, reply: Reply,
     stream = ToolCallStream(reply.tools)
     index, open_kind = -1, None  # the open content block: its index and kind ("text" | "tool_use")
 
-    def blocks(events: list[StreamEvent]) -> list[dict[str, str]]:
+    def open_block(kind: str, block: dict[str, Any]) -> list[dict[str, str]]:
         nonlocal index, open_kind
+        out = [_event("content_block_stop", {"index": index})] if open_kind is not None else []
+        index, open_kind = index + 1, kind
+        return out + [_event("content_block_start", {"index": index, "content_block": block})]
+
+    def blocks(events: list[StreamEvent]) -> list[dict[str, str]]:
         out = []
         for event in events:
             if event.kind == "call":
-                if open_kind is not None:
-                    out.append(_event("content_block_stop", {"index": index}))
-                index, open_kind = index + 1, "tool_use"
-                out.append(_event("content_block_start", {"index": index, "content_block": {
-                    "type": "tool_use", "id": _tool_id(), "name": event.name, "input": {}}}))
+                out += open_block("tool_use", {"type": "tool_use", "id": _tool_id(), "name": event.name, "input": {}})
                 continue
-            if open_kind is None:
-                index, open_kind = index + 1, "text"
-                out.append(_event("content_block_start", {"index": index, "content_block": {"type": "text", "text": ""}}))
-            delta = ({"type": "text_delta", "text": event.text} if event.kind == "text"
-                     else {"type": "input_json_delta", "partial_json": event.text})
+            if event.kind == "thinking":
+                if open_kind != "thinking":
+                    out += open_block("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+                delta = {"type": "thinking_delta", "thinking": event.text}
+            elif event.kind == "text":
+                if open_kind not in ("text", "tool_use"):
+                    out += open_block("text", {"type": "text", "text": ""})
+                delta = {"type": "text_delta", "text": event.text}
+            else:
+                delta = {"type": "input_json_delta", "partial_json": event.text}
             out.append(_event("content_block_delta", {"index": index, "delta": delta}))
         return out
 
@@ -318,12 +329,13 @@ async def _events(dispatch: Dispatcher, call: Call, reply: Reply,
         while True:
             kind, header, _ = item
             if kind == "chunk":
-                for event in blocks(stream.feed(header.get("text") or "")):
+                thinking = [StreamEvent("thinking", header["reasoning"])] if header.get("reasoning") else []
+                for event in blocks(thinking + stream.feed(header.get("text") or "")):
                     yield event
             elif header.get("ok"):
                 for event in blocks(stream.finish()):
                     yield event
-                if open_kind is None:  # an empty answer is still one (empty) text block
+                if open_kind in (None, "thinking"):  # an empty answer is still one (empty) text block
                     for event in blocks([StreamEvent("text", "")]):
                         yield event
                 yield _event("content_block_stop", {"index": index})

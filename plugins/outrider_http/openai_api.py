@@ -30,6 +30,7 @@ from outrider.errors import ModelNotFoundError, OutriderError
 from .dispatch import Call, ClientGone, Dispatcher, error_code, off_loop, read_body, status_of
 from .openai_structured import (FieldError, Tools, chat_logprobs, completion_logprobs, constraint_of,
                                 history_as_text)
+from .tool_stream import StreamEvent, ToolCallStream
 
 log = logging.getLogger("outrider.http")
 
@@ -90,6 +91,7 @@ class ChatRequest(_Generation):
     messages: list[ChatMessage]
     max_completion_tokens: Optional[int] = None
     logprobs: Optional[bool] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None  # vLLM's: e.g. {"enable_thinking": false}
 
 
 # Fields refused unless absent or at their default (value that means "off").
@@ -279,6 +281,8 @@ def _generation_parameters(body: Any, chat: bool, tools: Optional[Tools] = None)
                 content = "".join(part.text or "" for part in content)
             messages.append({"role": message.role, "content": content or ""})
         parameters["messages"] = messages
+        if body.chat_template_kwargs is not None:
+            parameters["chat_template_kwargs"] = body.chat_template_kwargs
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if body.logprobs or body.top_logprobs:
             parameters["logprobs"] = True
@@ -349,6 +353,8 @@ class Reply:
         calls = self.tools.tool_calls(text) if self.tools is not None and reason == "stop" else None
         if calls:
             message, reason = {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
+        if header.get("reasoning") is not None:  # a thinking model's thinking, as vLLM returns it
+            message["reasoning_content"] = header["reasoning"]
         return {"index": index, "message": message, "finish_reason": reason, "stop_reason": header.get("stop_reason"),
                 "logprobs": chat_logprobs(header.get("logprobs"))}
 
@@ -363,11 +369,13 @@ class Reply:
                 "usage": usage(merged)}
 
     def chunk(self, text: Optional[str], reason: Optional[str] = None, role: bool = False,
-              logprobs: Optional[list[dict]] = None) -> dict[str, Any]:
+              logprobs: Optional[list[dict]] = None, reasoning: Optional[str] = None) -> dict[str, Any]:
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
             if text:
                 delta["content"] = text
+            if reasoning:
+                delta["reasoning_content"] = reasoning
             choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": chat_logprobs(logprobs)}
             out = {**self._base("chat.completion.chunk"), "choices": [choice]}
         else:
@@ -375,6 +383,19 @@ class Reply:
                       "logprobs": completion_logprobs(logprobs, self.streamed_chars)}
             self.streamed_chars += len(text or "")
             out = {**self._base("text_completion"), "choices": [choice]}
+        if self.include_usage:
+            out["usage"] = None
+        return out
+
+    def tool_chunk(self, event: StreamEvent) -> dict[str, Any]:
+        """A chat chunk with a tool call's start (id, name) or a piece of its arguments."""
+        if event.kind == "call":
+            self.call_id = "call_" + uuid.uuid4().hex[:24]
+            call = {"index": 0, "id": self.call_id, "type": "function", "function": {"name": event.name, "arguments": ""}}
+        else:
+            call = {"index": 0, "function": {"arguments": event.text}}
+        choice = {"index": 0, "delta": {"tool_calls": [call]}, "finish_reason": None, "logprobs": None}
+        out = {**self._base("chat.completion.chunk"), "choices": [choice]}
         if self.include_usage:
             out["usage"] = None
         return out
@@ -408,6 +429,17 @@ def _data(obj: Any) -> dict[str, str]:
 async def _events(dispatch: Dispatcher, call: Call, reply: Reply,
                   first: tuple[str, dict, Optional[dict]]) -> AsyncIterator[dict[str, str]]:
     """The SSE stream; if the client goes away (the task is cancelled), so does the generation."""
+    calls = ToolCallStream(reply.tools)  # a call's arguments stream as tool_calls deltas
+
+    def deltas(events: list[StreamEvent], logprobs: Optional[list[dict]] = None,
+               reasoning: Optional[str] = None) -> list[dict[str, str]]:
+        text = "".join(e.text for e in events if e.kind == "text")
+        out = [_data(reply.chunk(text, logprobs=logprobs, reasoning=reasoning))] if text or logprobs or reasoning else []
+        for event in events:
+            if event.kind != "text":
+                out.append(_data(reply.tool_chunk(event)))
+        return out
+
     try:
         if reply.chat:
             yield _data(reply.chunk(None, role=True))
@@ -415,10 +447,15 @@ async def _events(dispatch: Dispatcher, call: Call, reply: Reply,
         while True:
             kind, header, _ = item
             if kind == "chunk":
-                if header.get("text") or header.get("logprobs"):
-                    yield _data(reply.chunk(header.get("text"), logprobs=header.get("logprobs")))
+                for event in deltas(calls.feed(header.get("text") or ""), header.get("logprobs"),
+                                    header.get("reasoning")):
+                    yield event
             elif header.get("ok"):
-                yield _data(reply.chunk(None, _finish_reason(header)))
+                for event in deltas(calls.finish()):
+                    yield event
+                reason = _finish_reason(header)
+                called = calls.kind == "call" and reason == "stop"
+                yield _data(reply.chunk(None, "tool_calls" if called else reason))
                 if reply.include_usage:
                     yield _data(reply.usage_chunk(header))
                 break

@@ -261,9 +261,17 @@ class Reply:
             output = [self.call_item(call[0], arguments)]
         else:
             output = [self.message_item(text)]
+        if header.get("reasoning"):  # a thinking model's thinking, as a reasoning item before the answer
+            output.insert(0, self.reasoning_item(header["reasoning"]))
         cut = header.get("finish_reason") == "length"
         return self.response("incomplete" if cut else "completed", output, self.usage(header.get("stats") or {}),
                              "max_output_tokens" if cut else None)
+
+    @staticmethod
+    def reasoning_item(text: str, status: str = "completed") -> dict[str, Any]:
+        content = [{"type": "reasoning_text", "text": text}] if status == "completed" else []
+        return {"type": "reasoning", "id": "rs_" + uuid.uuid4().hex, "summary": [], "content": content,
+                "status": status}
 
     def event(self, kind: str, **payload: Any) -> dict[str, str]:
         self.sequence += 1
@@ -273,7 +281,7 @@ class Reply:
 
 def output_turn(response: dict) -> dict[str, str]:
     """A response's output as the assistant's text turn of the conversation it continues."""
-    item = response["output"][0]
+    item = response["output"][-1]  # after a reasoning item, if the model thought
     if item["type"] == "function_call":
         try:
             arguments = json.loads(item["arguments"])
@@ -288,30 +296,53 @@ async def _events(dispatch: Dispatcher, call: Call, reply: Reply, first: tuple[s
                   keep: Any) -> AsyncIterator[dict[str, str]]:
     """The Responses event sequence; if the client goes away (the task is cancelled), so does the generation."""
     stream = ToolCallStream(reply.tools)
-    item: Optional[dict] = None  # the output item being streamed
-    text = arguments = ""
+    item: Optional[dict] = None  # the answer's output item being streamed
+    thought: Optional[dict] = None  # the reasoning item, while it streams
+    done_items: list[dict] = []
+    text = arguments = reasoning = ""
+
+    def close_thought() -> list[dict[str, str]]:
+        nonlocal thought
+        if thought is None:
+            return []
+        done = {**thought, "status": "completed", "content": [{"type": "reasoning_text", "text": reasoning}]}
+        done_items.append(done)
+        thought = None
+        return [reply.event("response.reasoning_text.done", item_id=done["id"], output_index=0, content_index=0,
+                            text=reasoning),
+                reply.event("response.output_item.done", output_index=0, item=done)]
 
     def on(events: list[StreamEvent]) -> list[dict[str, str]]:
-        nonlocal item, text, arguments
+        nonlocal item, thought, text, arguments, reasoning
         out = []
         for event in events:
+            if event.kind == "thinking":
+                if thought is None:
+                    thought = reply.reasoning_item("", "in_progress")
+                    out.append(reply.event("response.output_item.added", output_index=0, item=thought))
+                reasoning += event.text
+                out.append(reply.event("response.reasoning_text.delta", item_id=thought["id"], output_index=0,
+                                       content_index=0, delta=event.text))
+                continue
+            out += close_thought()
+            at = len(done_items)
             if event.kind == "call":
                 item = reply.call_item(event.name, "", "in_progress")
-                out.append(reply.event("response.output_item.added", output_index=0, item=item))
+                out.append(reply.event("response.output_item.added", output_index=at, item=item))
                 continue
             if item is None:
                 item = reply.message_item("", "in_progress")
-                out.append(reply.event("response.output_item.added", output_index=0, item=item))
-                out.append(reply.event("response.content_part.added", item_id=item["id"], output_index=0,
+                out.append(reply.event("response.output_item.added", output_index=at, item=item))
+                out.append(reply.event("response.content_part.added", item_id=item["id"], output_index=at,
                                        content_index=0, part={"type": "output_text", "text": "", "annotations": []}))
             if event.kind == "text":
                 text += event.text
-                out.append(reply.event("response.output_text.delta", item_id=item["id"], output_index=0,
+                out.append(reply.event("response.output_text.delta", item_id=item["id"], output_index=at,
                                        content_index=0, delta=event.text, logprobs=[]))
             else:
                 arguments += event.text
                 out.append(reply.event("response.function_call_arguments.delta", item_id=item["id"],
-                                       output_index=0, delta=event.text))
+                                       output_index=at, delta=event.text))
         return out
 
     try:
@@ -321,25 +352,27 @@ async def _events(dispatch: Dispatcher, call: Call, reply: Reply, first: tuple[s
         while True:
             kind, header, _ = current
             if kind == "chunk":
-                for event in on(stream.feed(header.get("text") or "")):
+                thinking = [StreamEvent("thinking", header["reasoning"])] if header.get("reasoning") else []
+                for event in on(thinking + stream.feed(header.get("text") or "")):
                     yield event
             elif header.get("ok"):
                 for event in on(stream.finish() or ([] if item is not None else [StreamEvent("text", "")])):
                     yield event
+                at = len(done_items)
                 if item["type"] == "function_call":
                     done = {**item, "arguments": arguments, "status": "completed"}
-                    yield reply.event("response.function_call_arguments.done", item_id=item["id"], output_index=0,
+                    yield reply.event("response.function_call_arguments.done", item_id=item["id"], output_index=at,
                                       arguments=arguments)
                 else:
                     part = {"type": "output_text", "text": text, "annotations": []}
                     done = {**item, "status": "completed", "content": [part]}
-                    yield reply.event("response.output_text.done", item_id=item["id"], output_index=0,
+                    yield reply.event("response.output_text.done", item_id=item["id"], output_index=at,
                                       content_index=0, text=text, logprobs=[])
-                    yield reply.event("response.content_part.done", item_id=item["id"], output_index=0,
+                    yield reply.event("response.content_part.done", item_id=item["id"], output_index=at,
                                       content_index=0, part=part)
-                yield reply.event("response.output_item.done", output_index=0, item=done)
+                yield reply.event("response.output_item.done", output_index=at, item=done)
                 cut = header.get("finish_reason") == "length"
-                final = reply.response("incomplete" if cut else "completed", [done],
+                final = reply.response("incomplete" if cut else "completed", [*done_items, done],
                                        reply.usage(header.get("stats") or {}), "max_output_tokens" if cut else None)
                 keep(final)
                 yield reply.event("response.incomplete" if cut else "response.completed", response=final)
@@ -383,6 +416,9 @@ def routes(dispatch: Dispatcher) -> list[Route]:
                             ("min_tokens", body.min_tokens), ("timeout_ms", body.timeout_ms)):
             if value is not None:
                 parameters[name] = value
+        effort = (body.reasoning or {}).get("effort")
+        if effort is not None:  # a thinking model's template takes enable_thinking (Qwen3's); others ignore it
+            parameters["chat_template_kwargs"] = {"enable_thinking": effort != "none"}
         constraint = constraint_of(body)
         if tools.active:
             if constraint is not None:
@@ -411,7 +447,7 @@ def routes(dispatch: Dispatcher) -> list[Route]:
 
             def keep(response: dict) -> None:
                 if body.store is not False:
-                    item = response["output"][0]
+                    item = response["output"][-1]
                     if item["type"] == "function_call":
                         calls[item["call_id"]] = item["name"]
                     store.put(response["id"], Stored(response, turns + [output_turn(response)], calls))

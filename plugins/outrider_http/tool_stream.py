@@ -25,7 +25,8 @@ _CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"argume
 
 @dataclass
 class StreamEvent:
-    """kind: "text" (text), "call" (a call starts: name), "arguments" (text of its arguments)."""
+    """kind: "text" (text), "call" (a call starts: name), "arguments" (text of its arguments); the
+    fronts add "thinking" (a thinking model's reasoning text) to the same stream."""
 
     kind: str
     text: str = ""
