@@ -268,7 +268,7 @@ def test_commit_rejects_bad_indices_and_overflow_is_refused() -> None:
 def attention_mode(request, lm: Setup, monkeypatch: pytest.MonkeyPatch) -> str:
     """Small chunks attend as the cost model says, always together (padded), or always alone."""
     if request.param != "auto":
-        monkeypatch.setattr(lm.model, "_batch_is_cheaper", lambda small: request.param == "batched")
+        monkeypatch.setattr(lm.model.attention, "_batch_is_cheaper", lambda small: request.param == "batched")
     return request.param
 
 

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from outrider.generation.contract import Chunk, ForwardOutput
 
-from .model import decoder_layer
+from .decoder_layer import decoder_layer
 
 log = logging.getLogger("outrider.llm")
 
@@ -172,7 +172,7 @@ def padded_forward(model: Any, kv: torch.Tensor, ints: torch.Tensor, visible: to
                    slots: int, width: int, span: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(hidden [S*W, H], fp32 logits [S*W, vocab]) of a padded step; writes its K/V into `kv`.
 
-    The model's `decoder_layer` with attention as `LlamaModel._attend_batch` computes it (all slots
+    The model's `decoder_layer` with attention as `StepAttention._attend_batch` computes it (all slots
     0..S-1 attending together), the mask built from device tensors: no host sync, no shape that
     depends on the data, so it can be captured.
     """

@@ -79,7 +79,7 @@ def model_from_artifact(
 
     The compute dtype: `dtype` when given, else the artifact's meta "dtype" (a bf16 quantize
     artifact says "bf16"), else fp32; quantized weights run in their kernel's dtype whatever is
-    asked (see `LlamaModel`). `kernel` picks the quantized matmul (`linear.choose_kernel`).
+    asked (see `LlamaModel`). `kernel` picks the quantized matmul (`kernel_choice.choose_kernel`).
     """
     tune_malloc()
     meta = read_artifact_meta(artifact)

@@ -120,7 +120,7 @@ class Weights:
 
 
 def scaled_groups(groups: AffineGroups, factor: float) -> AffineGroups:
-    """The weight times `factor`, as linear.QuantTensor.scaled forms it: d and m scaled in fp32, kept
+    """The weight times `factor`, as quantized_weights.QuantTensor.scaled forms it: d and m scaled in fp32, kept
     in fp16 when the file's were (rounded when `factor` is not a power of two)."""
     d, m = groups.d.astype(np.float32) * np.float32(factor), groups.m.astype(np.float32) * np.float32(factor)
     if groups.d.dtype == np.float16 and groups.m.dtype == np.float16:
