@@ -133,7 +133,7 @@ def test_the_cpu_session_form_computes_what_the_graph_does(kind, tmp_path, monke
     from outrider.hardware import cpu_fingerprint
     from outrider.manifest import load_manifest
     from outrider.onnx.artifact import onnx_model
-    from outrider_onnxruntime import SESSION_DATA, mapped_form, session_form
+    from outrider_onnxruntime.saved_forms import SESSION_DATA, mapped_form, session_form
     from outrider_text import SentenceEmbeddingTask
 
     manifest = load_manifest(MANIFESTS / "minilm.yaml")
@@ -155,10 +155,10 @@ def test_the_cpu_session_form_computes_what_the_graph_does(kind, tmp_path, monke
     assert "cpu" not in json.loads((mapped.parent / "provenance.json").read_text())["options"]
     if kind == "float":  # MLAS packs fp32 MatMul weights on every CPU: the packed copies are in the side file
         assert (form.parent / SESSION_DATA).stat().st_size > 1.2 * (mapped.parent / SESSION_DATA).stat().st_size
-        import outrider_onnxruntime
+        import outrider_onnxruntime.saved_forms
 
         with monkeypatch.context() as patch:  # a host whose CPU differs in any flag packs its own copy
-            patch.setattr(outrider_onnxruntime, "cpu_fingerprint", lambda: "x86_64/0123456789abcdef")
+            patch.setattr(outrider_onnxruntime.saved_forms, "cpu_fingerprint", lambda: "x86_64/0123456789abcdef")
             assert session_form(graph, cache) != form
     feeds = SentenceEmbeddingTask(manifest).preprocess({"text": np.array(SENTENCES, dtype=object)})
     options = onnxruntime.SessionOptions()

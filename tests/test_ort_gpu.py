@@ -25,8 +25,10 @@ from outrider.onnx.profiles import ProfileBounds, concat_rows, profile_bounds, p
 from outrider.plugins import create_registry
 
 import outrider_onnxruntime as ortp
-from outrider_onnxruntime import CPU, CUDA, TENSORRT, OrtOptions
+from outrider_onnxruntime.options import OrtOptions, build_provider_options
 from outrider_onnxruntime.profiles import onnx_input_dims, ort_profile_options
+from outrider_onnxruntime.providers import (CPU, CUDA, TENSORRT, fallback_report, node_fallback_report, node_placement,
+                                            providers_to_request)
 
 onnx = pytest.importorskip("onnx")
 onnxruntime = pytest.importorskip("onnxruntime")
@@ -85,10 +87,10 @@ def fixed_inventory():
 
 def test_providers_asked_for_by_device_and_backend() -> None:
     built = [CUDA, CPU]
-    assert ortp.providers_to_request("cpu", (TENSORRT, CUDA, CPU), built, True) == [CPU]
-    assert ortp.providers_to_request("cuda:1", (TENSORRT, CUDA, CPU), built, True) == [CUDA, CPU]
+    assert providers_to_request("cpu", (TENSORRT, CUDA, CPU), built, True) == [CPU]
+    assert providers_to_request("cuda:1", (TENSORRT, CUDA, CPU), built, True) == [CUDA, CPU]
     # A strict backend asks for exactly its providers, so a missing one shows up as a fall-back.
-    assert ortp.providers_to_request("cuda", (TENSORRT, CUDA, CPU), built, False) == [TENSORRT, CUDA, CPU]
+    assert providers_to_request("cuda", (TENSORRT, CUDA, CPU), built, False) == [TENSORRT, CUDA, CPU]
 
 
 def test_provider_options_take_placement_defaults_then_the_manifest(tmp_path: Path) -> None:
@@ -96,12 +98,12 @@ def test_provider_options_take_placement_defaults_then_the_manifest(tmp_path: Pa
         TENSORRT: {"trt_max_workspace_size": 1 << 30}, CUDA: {"cudnn_conv_algo_search": "HEURISTIC"},
         CPU: {"arena_extend_strategy": "kSameAsRequested"}})
     profile = {"trt_profile_min_shapes": "x:1x4", "trt_profile_opt_shapes": "x:8x4", "trt_profile_max_shapes": "x:32x4"}
-    trt = ortp.build_provider_options(TENSORRT, "cuda:1", opts, tmp_path, profile)
+    trt = build_provider_options(TENSORRT, "cuda:1", opts, tmp_path, profile)
     assert trt == {"device_id": 1, "trt_engine_cache_enable": True, "trt_engine_cache_path": str(tmp_path),
                    "trt_timing_cache_enable": True, "trt_timing_cache_path": str(tmp_path), "trt_fp16_enable": True,
                    **profile, "trt_max_workspace_size": 1 << 30}
-    assert ortp.build_provider_options(CUDA, "cuda:3", opts) == {"device_id": 3, "cudnn_conv_algo_search": "HEURISTIC"}
-    assert ortp.build_provider_options(CPU, "cpu", opts) == {"arena_extend_strategy": "kSameAsRequested"}
+    assert build_provider_options(CUDA, "cuda:3", opts) == {"device_id": 3, "cudnn_conv_algo_search": "HEURISTIC"}
+    assert build_provider_options(CPU, "cpu", opts) == {"arena_extend_strategy": "kSameAsRequested"}
 
 
 @pytest.mark.parametrize("options, field, expected", [
@@ -116,19 +118,19 @@ def test_bad_gpu_options_are_manifest_errors_naming_the_field(graph: Path, optio
 
 
 def test_fallback_is_what_was_asked_for_and_not_activated() -> None:
-    assert ortp.fallback_report([CUDA, CPU], [CUDA, CPU]) is None
-    assert ortp.fallback_report([TENSORRT, CUDA, CPU], [CUDA, CPU]) == (
+    assert fallback_report([CUDA, CPU], [CUDA, CPU]) is None
+    assert fallback_report([TENSORRT, CUDA, CPU], [CUDA, CPU]) == (
         f"asked for {TENSORRT}, {CUDA}, {CPU}; onnxruntime activated only {CUDA}, {CPU} "
         f"({TENSORRT} failed to load or is not in this build)")
 
 
 def test_compute_nodes_on_the_cpu_of_a_gpu_session_are_a_fallback_shape_nodes_are_not() -> None:
     shapes_only = {CUDA: Counter({"MatMul": 12}), CPU: Counter({"Shape": 3, "Gather": 3})}
-    assert ortp.node_fallback_report(shapes_only, [CUDA, CPU]) is None
+    assert node_fallback_report(shapes_only, [CUDA, CPU]) is None
     mixed = {CUDA: Counter({"MatMul": 10}), CPU: Counter({"MatMul": 2, "Shape": 1, "LayerNormalization": 1})}
-    assert ortp.node_fallback_report(mixed, [CUDA, CPU]) == (
+    assert node_fallback_report(mixed, [CUDA, CPU]) == (
         f"3 compute node(s) ran on {CPU}, not {CUDA}: LayerNormalization x1, MatMul x2")
-    assert ortp.node_fallback_report(mixed, [CPU]) is None  # a CPU session: where else would they run
+    assert node_fallback_report(mixed, [CPU]) is None  # a CPU session: where else would they run
 
 
 def test_node_placement_from_a_real_profile(graph: Path, tmp_path: Path) -> None:
@@ -138,7 +140,7 @@ def test_node_placement_from_a_real_profile(graph: Path, tmp_path: Path) -> None
     session = onnxruntime.InferenceSession(str(graph), options, providers=[CPU])
     session.run(None, {"x": np.ones((2, 4), np.float32)})
     with open(session.end_profiling()) as f:
-        placement = ortp.node_placement(json.load(f))
+        placement = node_placement(json.load(f))
     assert set(placement) == {CPU}
     assert placement[CPU]["MatMul"] == 1 and placement[CPU]["Softmax"] == 1
 
@@ -224,18 +226,19 @@ def test_io_binding_reuses_its_buffers_and_matches_a_plain_run(graph: Path) -> N
     x = np.random.default_rng(0).standard_normal((5, 4)).astype(np.float32)
     first = bound.execute({"x": x})
     assert np.array_equal(first["y"], plain.execute({"x": x})["y"]) and first["n"].tolist() == [5, 4]
-    (key, (inputs, outputs)), = bound._bound.items()
+    buffers = bound.io_binding.buffers
+    (key, (inputs, outputs)), = buffers.items()
     pointers = (inputs["x"].data_ptr(), outputs[0].data_ptr())
     x_was = x.copy()
     again = bound.execute({"x": x + 1})  # same shapes: the same buffers, updated in place
     bound.execute({"x": x})
     assert np.array_equal(x, x_was)  # the caller's arrays are copied in, never written to
     again = bound.execute({"x": x + 1})
-    assert (bound._bound[key][0]["x"].data_ptr(), bound._bound[key][1][0].data_ptr()) == pointers
+    assert (buffers[key][0]["x"].data_ptr(), buffers[key][1][0].data_ptr()) == pointers
     assert np.allclose(again["y"], plain.execute({"x": x + 1})["y"])
     assert not np.array_equal(again["y"], first["y"])  # the results are copies, not views of the buffers
     bound.execute({"x": x[:2]})
-    assert len(bound._bound) == 2
+    assert len(buffers) == 2
 
 
 def test_a_fallback_to_cpu_fails_the_load_when_the_manifest_says_error(graph: Path) -> None:

@@ -96,7 +96,7 @@ def _worker(kind: str, manifest: str, sets: list[str], out_dir: str) -> None:
     else:
         sys.path.insert(0, str(ROOT / "tools"))
         from bench_common import offline_backend as _offline_backend
-        from outrider_batching import _cut  # the batcher's own cuts, so this column is its plan
+        from outrider_batching.splitting import cut_pieces  # the batcher's own cuts, so this column is its plan
 
         _, backend = _offline_backend(manifest, sets)
         backend.execute({"text": np.array(mixed_sentences(64, seed=99), dtype=object)})
@@ -109,7 +109,7 @@ def _worker(kind: str, manifest: str, sets: list[str], out_dir: str) -> None:
             if mode == "sorted":  # what the batcher does with a request larger than a batch
                 costs = backend.row_costs({"text": text})
                 order = np.argsort(-costs, kind="stable")
-                stops = _cut(costs[order].tolist(), 32)
+                stops = cut_pieces(costs[order].tolist(), 32)
             out = np.empty((len(text), 384), np.float32)
             start = 0
             for stop in stops:

@@ -39,6 +39,7 @@ with the other requests that wait (a lone small request waits for at most one pi
 piece's outputs are written back to its rows' places in the request's one reply, so the caller
 gets them in its own order. A model whose outputs have no batch dimension to join along answers
 such a request `too_large`. Rows per request are bounded before that by `limits.max_rows`.
+The ordering, the cuts and the pieces are in `splitting.py`; forming and running batches here.
 """
 
 from __future__ import annotations
@@ -60,7 +61,6 @@ from outrider.errors import (
     ManifestError,
     OutriderError,
     RequestTimeoutError,
-    TooLargeError,
 )
 from outrider.accelerators import AcceleratorSpec
 from outrider.errors import InstanceCrashed
@@ -68,6 +68,8 @@ from outrider.manifest import Manifest
 from outrider.serving.queue import RequestQueue
 from outrider.serving.request import DEFERRED, PendingRequest
 from outrider.serving.scheduler import Scheduler
+
+from .splitting import Piece, SplitRequest, byte_length, row_plan
 
 __version__ = "0.1.0"
 
@@ -82,15 +84,6 @@ _ROW_COST = 8
 _MIN_SAVING = 0.15
 # Sorting and cutting are O(n^2) in the requests of one batch; beyond this, no bucketing.
 _MAX_BUCKETED = 256
-# Cutting a split request's rows, ordered longest first, into pieces (in tokens: the text task's
-# cost key; BYTES rows count 4 bytes a token): a piece stops taking rows once their padding would
-# pass 5% of its padded size, or one call's cost when that is more (all-MiniLM-L6-v2 on ORT CPU:
-# a call costs about as much as 20-25 more token-rows; padding cheaper than a call is worth it).
-# Cutting the sorted rows every 32 instead padded 256 mixed sentences (6,761 tokens) to 9,280
-# token-rows, as the 32 longest span 47-131 tokens; these cuts pad them to 7,187 in 19 calls,
-# and the ORT engine alone ran them 2x as fast (241 against 119 sentences/s, same run).
-_PIECE_WASTE = 0.05
-_PIECE_CALL_TOKENS = 24
 _IDLE_POLL_S = 0.25
 # A forming batch stops waiting once no request has arrived for this long: clients answering
 # their replies arrive about 0.1 ms apart here, so a longer silence means the burst is over and
@@ -165,7 +158,7 @@ class DynamicBatcher(Scheduler):
         self._warned_unsplittable = False
         # Requests with more rows than a batch, handing out pieces round-robin; and whose turn
         # it is: after a piece the next batch opens with waiting requests, after those a piece.
-        self._splits: deque[_Split] = deque()
+        self._splits: deque[SplitRequest] = deque()
         self._splits_lock = threading.Lock()
         self._piece_turn = True
 
@@ -181,7 +174,7 @@ class DynamicBatcher(Scheduler):
             first = self._take_piece()  # nothing else waits: the next piece goes now
         if first is None:
             return []
-        self._piece_turn = not isinstance(first, _Piece)
+        self._piece_turn = not isinstance(first, Piece)
         batch, rows = [first], self._rows(first)
         if rows >= self.max_batch_size:
             return batch
@@ -218,42 +211,9 @@ class DynamicBatcher(Scheduler):
     def _start_split(self, request: PendingRequest, rows: int,
                      plan: Optional[tuple[np.ndarray, list[int]]] = None) -> None:
         with self._splits_lock:
-            self._splits.append(_Split(request, rows, self.max_batch_size, *(plan or (None, None))))
+            self._splits.append(SplitRequest(request, rows, self.max_batch_size, *(plan or (None, None))))
 
-    def _row_plan(self, backend: Backend, request: PendingRequest, rows: int) -> Optional[tuple[np.ndarray, list[int]]]:
-        """How to cut a split request: its rows costliest first, and where each piece stops in that
-        order; None cuts it in its own order, `max_batch_size` rows a piece.
-
-        Raises the request's OutriderError when costing finds its input bad (not UTF-8).
-        """
-        costs, per_token = None, 1
-        row_costs = getattr(backend, "row_costs", None)  # in-process test doubles may lack it
-        if row_costs is not None:
-            try:
-                costs = row_costs(request.inputs)
-            except OutriderError:
-                raise
-            except Exception as exc:  # a broken cost key must not fail requests that would run
-                log.warning("model %s: row_costs failed (%s: %s); cutting the request in its own order",
-                            self.manifest.name, type(exc).__name__, exc)
-                return None
-        if costs is None:
-            costs, per_token = _byte_costs(request.inputs), 4  # about 4 bytes a token
-            if costs is None:
-                return None
-        costs = np.asarray(costs)
-        if costs.shape != (rows,) or not np.issubdtype(costs.dtype, np.number):
-            log.warning("model %s: row_costs gave %s for %d rows; cutting the request in its own order",
-                        self.manifest.name, costs.shape, rows)
-            return None
-        if costs.min() == costs.max():
-            return None  # nothing to group: pieces stay views of the request's own rows
-        # Costliest first (as sentence-transformers does): a backend's buffers reach their largest
-        # size once, on the first piece, instead of growing piece by piece.
-        order = np.argsort(-costs, kind="stable")
-        return order, _cut((costs[order] / per_token).tolist(), self.max_batch_size)
-
-    def _take_piece(self) -> Optional["_Piece"]:
+    def _take_piece(self) -> Optional[Piece]:
         """The next piece of the oldest split request (round-robin over several), or None."""
         if not self._splits:  # unlocked peek: the common case costs nothing
             return None
@@ -302,11 +262,11 @@ class DynamicBatcher(Scheduler):
                 )
             elif request.done:  # cancelled while the batch formed; its reply is already sent
                 results[index] = CancelledError(f"request {request.id!r} was cancelled")
-            elif not isinstance(request, _Piece) and (_shared_rows(request) or 0) > self.max_batch_size:
+            elif not isinstance(request, Piece) and (_shared_rows(request) or 0) > self.max_batch_size:
                 # Too many rows for one call: its pieces come back through next_batch, taking
                 # turns with other requests, and the last one to finish replies for all.
                 try:
-                    plan = self._row_plan(backend, request, _shared_rows(request))
+                    plan = row_plan(backend, request, _shared_rows(request), self.max_batch_size, self.manifest.name)
                 except OutriderError as exc:  # bad input found while costing it: fail it now
                     results[index] = exc
                     continue
@@ -318,7 +278,7 @@ class DynamicBatcher(Scheduler):
             for group in self.plan(batch, live):
                 for index, result in zip(group, self._run(backend, [batch[i] for i in group])):
                     request = batch[index]
-                    results[index] = request.finish(result) if isinstance(request, _Piece) else result
+                    results[index] = request.finish(result) if isinstance(request, Piece) else result
         except InstanceCrashed as exc:
             # The instance is gone: it must hear of it to be replaced, and it answers the rest of
             # the batch with the crash; what finished before keeps its result.
@@ -346,7 +306,7 @@ class DynamicBatcher(Scheduler):
         """Cut a group of text requests, sorted by length, where padding costs more than a call."""
         if len(group) > _MAX_BUCKETED:
             return [group]
-        length = {i: max((_byte_length(x) for n in texts for x in batch[i].inputs[n].ravel()), default=0)
+        length = {i: max((byte_length(x) for n in texts for x in batch[i].inputs[n].ravel()), default=0)
                   for i in group}
         rows = {i: self._rows(batch[i]) for i in group}
         order = sorted(group, key=length.__getitem__)
@@ -400,124 +360,6 @@ class DynamicBatcher(Scheduler):
         return split
 
 
-class _Split:
-    """A request with more rows than a batch: cut into pieces, their outputs joined in order."""
-
-    def __init__(self, request: PendingRequest, rows: int, size: int, order: Optional[np.ndarray] = None,
-                 stops: Optional[list[int]] = None) -> None:
-        self.request = request
-        self.rows = rows
-        self.size = size
-        #: the request's row indices in the order pieces are cut from (None: its own order)
-        self.order = order
-        #: where each piece stops in that order (None: every `size` rows)
-        self._stops = deque(stops) if stops is not None else None
-        self.offset = 0  # where the next piece starts, in that order
-        # The joined outputs, allocated when the first piece returns and filled in place: holding
-        # every piece's outputs and then concatenating them would need twice the memory.
-        self._out: Optional[dict[str, np.ndarray]] = None
-        self._finished_rows = 0
-        self._lock = threading.Lock()
-
-    @property
-    def exhausted(self) -> bool:
-        return self.offset >= self.rows
-
-    def next_piece(self) -> "_Piece":
-        start = self.offset
-        stop = self._stops.popleft() if self._stops else min(start + self.size, self.rows)
-        self.offset = stop
-        return _Piece(self, start, stop)
-
-    def add(self, piece: "_Piece", outputs: Any) -> Any:
-        """Keep a piece's outputs; the joined outputs once every piece is in, else DEFERRED."""
-        rows = piece.stop - piece.start
-        if not isinstance(outputs, dict) or any(
-            not isinstance(v, np.ndarray) or v.ndim == 0 or v.shape[0] != rows for v in outputs.values()
-        ):
-            return TooLargeError(
-                f"model {self.request.model!r}: a request of {self.rows} rows is more than "
-                f"batching.max_batch_size = {self.size}, and this model's outputs have no batch dimension "
-                f"to join its pieces along; send at most {self.size} rows"
-            )
-        with self._lock:
-            if self._out is None:
-                self._out = {n: np.empty((self.rows, *v.shape[1:]), v.dtype) for n, v in outputs.items()}
-            out = self._out
-            if set(outputs) != set(out) or any(
-                v.shape[1:] != out[n].shape[1:] or v.dtype != out[n].dtype for n, v in outputs.items()
-            ):
-                shapes = {n: (list(v.shape), str(v.dtype)) for n, v in outputs.items()}
-                return ExecutionError(
-                    f"model {self.request.model!r}: the pieces of a request of {self.rows} rows returned outputs "
-                    f"that do not join (this piece: {shapes}); send at most {self.size} rows"
-                )
-            where = piece.index if piece.index is not None else slice(piece.start, piece.stop)
-            for name, value in outputs.items():
-                out[name][where] = value  # back to the caller's order
-            self._finished_rows += rows
-            if self._finished_rows < self.rows:
-                return DEFERRED
-            self._out = None
-        return out
-
-
-class _Piece:
-    """Positions [start, stop) of a split request's row order, scheduled like a request of its own.
-
-    Answering a piece answers its request: a piece that fails (or times out, or is abandoned with
-    a hung instance) fails the whole request, and the last piece to finish replies with all rows.
-    """
-
-    tensors = None
-
-    def __init__(self, split: _Split, start: int, stop: int) -> None:
-        parent = split.request
-        self.split, self.start, self.stop = split, start, stop
-        self.parent = parent
-        #: the request's rows this piece holds, when the split reordered them (else rows start:stop)
-        self.index = None if split.order is None else split.order[start:stop]
-        where = slice(start, stop) if self.index is None else self.index
-        self.inputs = {name: array[where] for name, array in parent.inputs.items()}
-        self.route, self.id, self.kind, self.model = parent.route, parent.id, parent.kind, parent.model
-        self.parameters = parent.parameters
-        self.deadline = parent.deadline
-        self.received = time.monotonic()  # queue-wait stats count from when the piece was cut
-
-    @property
-    def done(self) -> bool:
-        return self.parent.done
-
-    def decode(self) -> None:
-        pass  # the parent was decoded before it was split
-
-    def shapes(self) -> dict[str, tuple[int, ...]]:
-        return {name: tuple(array.shape) for name, array in self.inputs.items()}
-
-    @property
-    def rows(self) -> int:
-        """The request's rows: a piece that is answered (not DEFERRED) answers its whole request."""
-        return self.parent.rows
-
-    def finish(self, result: Any) -> Any:
-        """This piece's result as the scheduler should report it: an error, DEFERRED, or all rows."""
-        if isinstance(result, OutriderError):
-            return result
-        return self.split.add(self, result)
-
-    def claim(self) -> bool:
-        return self.parent.claim()
-
-    def answer(self, result: Any, counts: Any = None, **fields: Any) -> bool:
-        return self.parent.answer(result, counts, **fields)
-
-    def reply(self, outputs: Optional[dict[str, np.ndarray]] = None, claimed: bool = False, **fields: Any) -> bool:
-        return self.parent.reply(outputs, claimed=claimed, **fields)
-
-    def fail(self, error: OutriderError, claimed: bool = False) -> bool:
-        return self.parent.fail(error, claimed=claimed)
-
-
 def _shared_rows(request: Any) -> Optional[int]:
     """The first dimension all of a request's inputs share, or None (a scalar, or dims differ)."""
     dims = {shape[0] if shape else -1 for shape in request.shapes().values()}
@@ -547,38 +389,3 @@ def _split(outputs: Any, sizes: list[int]) -> Optional[list[dict[str, np.ndarray
         return None
     offsets = np.cumsum([0, *sizes])
     return [{n: v[offsets[k]:offsets[k + 1]] for n, v in outputs.items()} for k in range(len(sizes))]
-
-
-def _cut(costs: list[float], size: int) -> list[int]:
-    """Where each piece stops, for rows whose costs (tokens) come longest first; at most `size` a piece."""
-    stops: list[int] = []
-    start, n = 0, len(costs)
-    while start < n:
-        top, stop, padding = costs[start], start + 1, 0
-        while stop < n and stop - start < size:
-            more = padding + top - costs[stop]
-            if more > max(_PIECE_WASTE * (stop - start + 1) * top, _PIECE_CALL_TOKENS):
-                break
-            padding, stop = more, stop + 1
-        stops.append(stop)
-        start = stop
-    return stops
-
-
-def _byte_costs(inputs: dict[str, np.ndarray]) -> Optional[np.ndarray]:
-    """Bytes per row over a request's BYTES inputs; None when it has none (numeric rows cost alike)."""
-    costs = None
-    for array in inputs.values():
-        if array.dtype != object or array.ndim == 0:
-            continue
-        lengths = np.fromiter(map(_byte_length, array.ravel()), dtype=np.int64, count=array.size)
-        per_row = lengths.reshape(len(array), -1).sum(axis=1) if len(array) else lengths
-        costs = per_row if costs is None else costs + per_row
-    return costs
-
-
-def _byte_length(item: Any) -> int:
-    try:
-        return len(item)
-    except TypeError:
-        return 0

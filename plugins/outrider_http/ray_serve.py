@@ -29,7 +29,8 @@ HTTP through Serve's proxy (port 8000 by default): Open Inference Protocol v2
 (`POST /v2/models/{name}/generate`, and `.../generate_stream` as server-sent events), the
 OpenAI-compatible routes when `sse-starlette` is installed (`outrider[http]`), `/metrics` (the
 routes of `outrider serve --http`, from app.py), and `GET /outrider/replica`. Every response
-names its replica in `x-outrider-replica`.
+names its replica in `x-outrider-replica` (those routes: ray_routes.py; the replica's identity and
+the node-side cleanup of killed replicas' directories: ray_node.py).
 
 docs/RAY.md: multi-node clusters (KubeRay), what stays per node, autoscaling, measured cost.
 """
@@ -61,6 +62,9 @@ from outrider.client import GenerateChunk, GenerateResult, generate_parameters, 
 from outrider.errors import OutriderError, UnavailableError, error_from_wire
 from outrider.front import AsyncCall
 from outrider.protocol import encode_tensors
+
+from .ray_node import replica_info, sweep_dead_replica_dirs
+from .ray_routes import replica_app
 
 log = logging.getLogger("outrider.ray")
 
@@ -113,7 +117,7 @@ class OutriderReplica:
         from outrider.server import Server, ServerConfig
 
         global _REPLICA
-        _sweep_dead_replica_dirs()
+        sweep_dead_replica_dirs()
         self._dir = tempfile.mkdtemp(prefix=f"outrider-ray-{os.getpid()}-")
         self.address = address or f"ipc://{self._dir}/outrider.sock"
         self.drain_timeout_s = drain_timeout_s
@@ -123,7 +127,7 @@ class OutriderReplica:
             self.server = Server(loaded, create_registry(modules=list(plugins)),
                                  ServerConfig(address=self.address, drain_timeout=drain_timeout_s))
             self.server.start()
-            self.info = _replica_info(self.address)
+            self.info = replica_info(self.address)
             self._wait_ready(ready_timeout_s)
         except BaseException:
             self._close(0.0)
@@ -249,23 +253,7 @@ class OutriderReplica:
 
     def asgi_app(self) -> Any:
         """The HTTP routes this replica answers behind Serve's proxy (starlette, from ray[serve])."""
-        from starlette.applications import Starlette
-        from starlette.requests import Request
-        from starlette.responses import JSONResponse, Response
-        from starlette.routing import Route
-
-        from .app import routes as app_routes
-        from .dispatch import Dispatcher
-
-        dispatch = Dispatcher(self.server, "ray")
-        server = self.server
-
-        async def replica(request: Request) -> Response:
-            return JSONResponse({**self.info, "ready": bool(server.ready)})
-
-        # The same routes as `outrider serve --http` (app.routes), plus which replica this is.
-        routes = [*app_routes(dispatch), Route("/outrider/replica", replica)]
-        return _ReplicaHeader(Starlette(routes=routes), str(self.info.get("replica_id", "")))
+        return replica_app(self.server, self.info)
 
 
 def _build_asgi_app() -> Any:
@@ -273,26 +261,6 @@ def _build_asgi_app() -> Any:
     if _REPLICA is None:
         raise RuntimeError("the Outrider replica of this actor did not start")
     return _REPLICA.asgi_app()
-
-
-class _ReplicaHeader:
-    """ASGI middleware: every HTTP response says which replica answered (`x-outrider-replica`)."""
-
-    def __init__(self, app: Any, replica: str) -> None:
-        self.app = app
-        self.value = replica.encode("latin-1", "replace")
-
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-
-        async def send_with_replica(message: dict) -> None:
-            if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", []), (b"x-outrider-replica", self.value)]}
-            await send(message)
-
-        await self.app(scope, receive, send_with_replica)
 
 
 #: The Serve deployment (one replica = one OutriderReplica); `deployment()` sets its options.
@@ -453,36 +421,6 @@ def _manifest_argument(manifest: Union[str, os.PathLike, dict]) -> Union[str, di
     # A relative path that exists here is made absolute (the replicas' working directory may differ
     # on this node); otherwise it is left for each replica's node to resolve.
     return str(path.resolve()) if not path.is_absolute() and path.exists() else str(path)
-
-
-def _replica_info(address: str) -> dict[str, Any]:
-    info: dict[str, Any] = {"pid": os.getpid(), "address": address}
-    try:
-        context = serve.get_replica_context()
-        info.update(replica_id=context.replica_id.unique_id, replica=str(context.replica_id),
-                    deployment=context.deployment, app=context.app_name)
-    except Exception:  # noqa: BLE001 - constructed outside a Serve replica (tests, notebooks)
-        info.update(replica_id=f"local-{os.getpid()}")
-    if ray.is_initialized():  # (asking the runtime context otherwise would start a local Ray)
-        runtime = ray.get_runtime_context()
-        info.update(actor_name=runtime.get_actor_name(), actor_id=runtime.get_actor_id(),
-                    node_id=runtime.get_node_id())
-    return info
-
-
-def _sweep_dead_replica_dirs() -> None:
-    """Remove this user's replica directories (`outrider-ray-PID-*`, a socket each) whose process is
-    gone: a replica that exits cleanly removes its own, one killed (ray.kill, the OOM killer) cannot."""
-    for path in Path(tempfile.gettempdir()).glob("outrider-ray-*-*"):
-        pid = path.name.split("-")[2]
-        try:
-            if not pid.isdigit() or path.stat().st_uid != os.getuid():
-                continue
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            shutil.rmtree(path, ignore_errors=True)
-        except OSError:  # alive under another user (EPERM), or gone meanwhile
-            continue
 
 
 def _reasons(health: dict) -> str:

@@ -25,6 +25,10 @@ provider), `max_batch` and `max_seq_length` (the TensorRT profile), `provider_op
 ({provider name: {option: value}}, passed to ORT; `device_id` comes from placement),
 `on_fallback` (`warn` or `error`), `io_binding` (default: on when a GPU provider runs), and the
 text task's `truncate`, `matryoshka`, `matryoshka_dimensions` (plugins/outrider_text).
+
+Here: the backends and their registration; beside it `providers` (which to ask for, what ORT did
+with them), `options` (the manifest's options, each provider's options), `saved_forms` (the graph
+as ORT opens it fastest), `io_binding` (device buffers reused per shape), `profiles` (TensorRT's).
 """
 
 from __future__ import annotations
@@ -35,15 +39,12 @@ import logging
 import os
 import shutil
 import tempfile
-import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Literal, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Optional
 
 import numpy as np
-
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
 from outrider import hookimpl
 from outrider.artifacts import PROVENANCE, Artifact, ArtifactCache
@@ -51,14 +52,17 @@ from outrider.backend import Availability, Backend, Task
 from outrider.bake import BakedFiles, BakesModel
 from outrider.devices import explain, inventory
 from outrider.errors import ArtifactError, BackendUnavailableError, ExecutionError, ManifestError
-from outrider.hardware import cpu_fingerprint
 from outrider.manifest import Manifest
 from outrider.onnx.artifact import onnx_model
-from outrider.onnx.export import DEFAULT_OPSET  # stdlib only at import: no torch
 from outrider.onnx.profiles import concat_rows, profile_bounds, profile_shapes, row_chunks
 
 from outrider.hardware import physical_cores
+from .io_binding import IoBinding
+from .options import OrtOptions, build_provider_options
 from .profiles import onnx_input_dims, ort_profile_options
+from .providers import (CPU, CUDA, GPU_PROVIDERS, INSTALL_HINT, TENSORRT, device_id, fallback_report,
+                        node_fallback_report, node_placement, providers_to_request)
+from .saved_forms import SESSION_DATA, SESSION_FORM_MIN_BYTES, mapped_form, session_form
 
 if TYPE_CHECKING:
     import onnxruntime
@@ -67,185 +71,9 @@ __version__ = "0.1.0"
 
 log = logging.getLogger("outrider.onnxruntime")
 
-TENSORRT = "TensorrtExecutionProvider"
-CUDA = "CUDAExecutionProvider"
-CPU = "CPUExecutionProvider"
-_GPU_PROVIDERS = (TENSORRT, CUDA)
-_INSTALL_HINT = {TENSORRT: "install onnxruntime-gpu and TensorRT", CUDA: "install onnxruntime-gpu"}
-#: ops whose place on the CPU, in a GPU session, costs real time (shape ops are put there on purpose)
-COMPUTE_OPS = frozenset({
-    "MatMul", "Gemm", "Conv", "ConvTranspose", "Attention", "MultiHeadAttention", "GroupQueryAttention",
-    "FusedMatMul", "MatMulInteger", "QLinearMatMul", "MatMulNBits", "LSTM", "GRU", "Softmax",
-    "LayerNormalization", "SkipLayerNormalization", "EmbedLayerNormalization", "BiasGelu", "FastGelu", "Gelu",
-})
-#: device buffer sets kept per instance, one per distinct set of input shapes (least recently used goes)
-BOUND_SHAPES_KEPT = 16
-#: part of the saved forms' keys ("onnx-session", "onnx-mapped"): bumped when what `_saved_form` writes changes
-SESSION_FORM = 2
-SESSION_DATA = "model.data"
-#: a graph file smaller than this opens fast as it is: its initializers are in a side file already
-#: (a baked or saved form), or there is little to copy
-SESSION_FORM_MIN_BYTES = 1 << 20
-
-
-def session_form(onnx_path: Path, cache: Optional[ArtifactCache] = None) -> Path:
-    """The graph as a CPU session opens it fastest, built once into the artifact cache ("onnx-session"):
-    optimized at ORT's EXTENDED level (the CPU provider's fusions; the layout passes of ENABLE_ALL
-    still run at each start) and saved with its initializers in a side file, which ORT maps instead
-    of copying out of the protobuf, and with the MatMul weights already packed for this CPU's
-    kernels (`session.save_external_prepacked_constant_initializers`), mapped too, so no start packs
-    them again. Packed layouts differ between CPU classes, so the entry is keyed by this CPU's
-    features (outrider.hardware.cpu_fingerprint). MiniLM's session start: 0.13 -> 0.045 s here
-    with mapped initializers, 0.052 -> 0.034 s (another machine) with packed ones; the packed
-    weights are shared page cache rather than each process's heap. The same graph, the same
-    fusions, the same packing: the outputs are the original file's, bit for bit."""
-    return _saved_form(onnx_path, "onnx-session", "extended", cache)
-
-
-def mapped_form(onnx_path: Path, cache: Optional[ArtifactCache] = None) -> Path:
-    """The graph unoptimized (any provider may open it), its initializers in a side file that ORT maps:
-    what `outrider bake` writes, so a baked model opens fast with nothing built at start."""
-    return _saved_form(onnx_path, "onnx-mapped", "none", cache)
-
-
-def _saved_form(onnx_path: Path, kind: str, level: str, cache: Optional[ArtifactCache]) -> Path:
-    import onnxruntime
-
-    levels = {"extended": onnxruntime.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
-              "none": onnxruntime.GraphOptimizationLevel.ORT_DISABLE_ALL}
-    # The CPU form carries this CPU's packed weights; the unoptimized one stays portable (any
-    # provider, any machine: what `outrider bake` ships).
-    prepacked = level != "none"
-    keyed = {"format": SESSION_FORM, "level": level, **({"cpu": cpu_fingerprint()} if prepacked else {})}
-
-    def build(directory: Path, progress: Any) -> dict:
-        options = onnxruntime.SessionOptions()
-        options.graph_optimization_level = levels[level]
-        options.optimized_model_filepath = str(directory / "model.onnx")
-        options.add_session_config_entry("session.optimized_model_external_initializers_file_name", SESSION_DATA)
-        options.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
-        if prepacked:
-            options.add_session_config_entry("session.save_external_prepacked_constant_initializers", "1")
-        options.intra_op_num_threads = 1
-        onnxruntime.InferenceSession(str(onnx_path), options, providers=[CPU])
-        data = directory / SESSION_DATA
-        if not data.exists():  # nothing was large enough to move: an empty side file keeps the layout whole
-            data.touch()
-        return {"graph_bytes": (directory / "model.onnx").stat().st_size, "initializer_bytes": data.stat().st_size}
-
-    artifact = (cache or ArtifactCache()).get_or_build(
-        kind, build, label=f"{onnx_path.name} -> {kind}", sources=[onnx_path], versions=["onnxruntime"],
-        device="cpu" if prepacked else "any", options=keyed)
-    return artifact.file("model.onnx")
-
-
-def providers_to_request(device: str, providers: Iterable[str], built: Iterable[str],
-                         take_what_is_built: bool) -> list[str]:
-    """The providers to ask ORT for: CPU on a CPU device; else the backend's, or those this build has."""
-    if not device.startswith("cuda"):
-        return [CPU]
-    if take_what_is_built:
-        built = set(built)
-        return [p for p in providers if p in built] or [CPU]
-    return list(providers)
-
-
-def device_id(device: str) -> int:
-    """'cuda:3' -> 3; 'cuda' and 'cpu' -> 0."""
-    return int(device.split(":")[1]) if ":" in device else 0
-
-
-def build_provider_options(provider: str, device: str, options: OrtOptions,
-                           engine_dir: Optional[Path] = None,
-                           profile: Optional[dict[str, str]] = None) -> dict[str, Any]:
-    """One provider's options: placement's device_id, Outrider's defaults, then the manifest's own."""
-    extra = dict(options.provider_options.get(provider, {}))
-    if provider == TENSORRT:
-        # Engines take minutes to build: keep them, and the timing cache, in the artifact cache.
-        cache = {} if engine_dir is None else {
-            "trt_engine_cache_enable": True, "trt_engine_cache_path": str(engine_dir),
-            "trt_timing_cache_enable": True, "trt_timing_cache_path": str(engine_dir)}
-        return {"device_id": device_id(device), **cache, "trt_fp16_enable": options.fp16,
-                **(profile or {}), **extra}
-    if provider == CUDA:
-        return {"device_id": device_id(device), **extra}
-    return extra
-
-
-def fallback_report(requested: list[str], active: list[str]) -> Optional[str]:
-    """What ORT left out of the providers asked for, in words, or None when it took them all."""
-    missing = [p for p in requested if p not in active]
-    if not missing:
-        return None
-    return (f"asked for {', '.join(requested)}; onnxruntime activated only {', '.join(active)} "
-            f"({', '.join(missing)} failed to load or is not in this build)")
-
-
-def node_placement(events: list[dict[str, Any]]) -> dict[str, Counter]:
-    """{provider: Counter(op type)} of the nodes ORT's profiler saw run (each node once)."""
-    seen: dict[str, tuple[str, str]] = {}
-    for event in events:
-        args = event.get("args") or {}
-        if event.get("cat") == "Node" and "provider" in args and "op_name" in args:
-            seen[event.get("name", "").removesuffix("_kernel_time")] = (args["provider"], args["op_name"])
-    placement: dict[str, Counter] = {}
-    for provider, op in seen.values():
-        placement.setdefault(provider, Counter())[op] += 1
-    return placement
-
-
-def node_fallback_report(placement: dict[str, Counter], active: list[str]) -> Optional[str]:
-    """Compute nodes (COMPUTE_OPS) that ran on the CPU in a session led by a GPU provider, or None."""
-    if not active or active[0] == CPU:
-        return None
-    on_cpu = {op: n for op, n in placement.get(CPU, Counter()).items() if op in COMPUTE_OPS}
-    if not on_cpu:
-        return None
-    listed = ", ".join(f"{op} x{n}" for op, n in sorted(on_cpu.items()))
-    return f"{sum(on_cpu.values())} compute node(s) ran on CPUExecutionProvider, not {active[0]}: {listed}"
-
-
-
-
 #: onnxruntime's exception types (onnxruntime.capi.onnxruntime_pybind11_state) that blame the
 #: model file, not the moment: opening the same file again fails the same way
 _BAD_FILE_ERRORS = frozenset({"InvalidProtobuf", "InvalidGraph", "NoSuchFile", "NoModel", "NotImplemented"})
-
-class OrtOptions(BaseModel):
-    """The `options` of an ONNX Runtime manifest, validated at start."""
-
-    model_config = ConfigDict(extra="forbid", defer_build=True)  # schema built on first use
-
-    onnx: Optional[str] = Field(None, description="an ONNX file (relative to the manifest); else exported")
-    opset: int = Field(DEFAULT_OPSET, ge=7, le=30)
-    export_timeout_s: float = Field(900, gt=0)
-    intra_op_threads: Optional[int] = Field(None, ge=1, le=1024)
-    fp16: bool = Field(False, description="TensorRT provider: allow fp16 kernels (trt_fp16_enable)")
-    max_batch: Optional[int] = Field(None, ge=1, le=65536, description="TensorRT provider: the profile's largest batch")
-    provider_options: dict[str, dict[str, Any]] = Field(default_factory=dict)
-    max_seq_length: Optional[int] = Field(None, ge=2, description="text task: longest input in tokens")
-    # The text task's own (plugins/outrider_text): what it does with a text past max_seq_length,
-    # and the shortened embeddings (`dimensions`) of a model trained for them (Matryoshka).
-    truncate: Optional[StrictBool] = Field(None, description="text task: cut a longer text (true, the default) or refuse it")
-    matryoshka: Optional[StrictBool] = Field(None, description="text task: the model gives shortened embeddings")
-    matryoshka_dimensions: Optional[list[int]] = Field(None, description="text task: the shortened widths allowed")
-    on_fallback: Literal["warn", "error"] = Field(
-        "warn", description="when ORT runs the session, or compute nodes, on a later provider than asked: "
-                            "'warn' (log it, show it in health) or 'error' (the model does not become ready)")
-    io_binding: Optional[bool] = Field(None, description="bind inputs and outputs to reused device buffers "
-                                                         "(default: on when a GPU provider runs the session)")
-
-    @field_validator("provider_options")
-    @classmethod
-    def _known_providers(cls, value: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-        unknown = sorted(set(value) - {TENSORRT, CUDA, CPU})
-        if unknown:
-            raise ValueError(f"expected provider names among {[TENSORRT, CUDA, CPU]} (got {unknown})")
-        placed = sorted(p for p, opts in value.items() if "device_id" in opts)
-        if placed:
-            raise ValueError(f"{placed}: 'device_id' comes from the manifest's device and instances "
-                             "(placement spreads instances over GPUs); set `device: cuda:N` instead")
-        return value
 
 
 @hookimpl
@@ -288,11 +116,7 @@ class OnnxRuntimeBackend(Backend, BakesModel):
         self.profile_bounds = None
         self._profile_dir: Optional[str] = None
         self._use_io_binding = False
-        self._bind_device = ("cpu", 0)
-        self._binding: Any = None
-        #: input shapes -> (input OrtValues, output OrtValues or None): device buffers kept for reuse
-        self._bound: OrderedDict[tuple, tuple[dict[str, Any], Optional[list[Any]]]] = OrderedDict()
-        self._bind_lock = threading.Lock()
+        self.io_binding: Optional[IoBinding] = None  # the session's bound run, when `_use_io_binding`
 
     @classmethod
     def bake_files(cls, manifest: Manifest, raw: Mapping[str, Any]) -> BakedFiles:
@@ -325,7 +149,7 @@ class OnnxRuntimeBackend(Backend, BakesModel):
             return Availability(
                 False,
                 f"{needed} is not in this onnxruntime build (installed: onnxruntime "
-                f"{onnxruntime.__version__} with {', '.join(built)}); {_INSTALL_HINT[needed]}",
+                f"{onnxruntime.__version__} with {', '.join(built)}); {INSTALL_HINT[needed]}",
             )
         if needed and device == "auto" and not inventory().gpus:
             # 'auto' asks for the best device that is here; an explicit 'cuda' is taken at its word.
@@ -360,7 +184,7 @@ class OnnxRuntimeBackend(Backend, BakesModel):
         if CUDA not in onnxruntime.get_available_providers():
             if found.gpus:
                 return "cpu", (f"cpu: {found.count} GPU(s) found, but this onnxruntime build has no "
-                               f"{CUDA} ({_INSTALL_HINT[CUDA]})")
+                               f"{CUDA} ({INSTALL_HINT[CUDA]})")
             return "cpu", explain(device, "cpu", found, cls.device_kinds)
         chosen = "cuda" if found.gpus else "cpu"
         return chosen, explain(device, chosen, found, cls.device_kinds)
@@ -400,7 +224,7 @@ class OnnxRuntimeBackend(Backend, BakesModel):
             except Exception as exc:  # a read-only cache, a graph ORT cannot save: the file as it is
                 log.warning("model %s: serving %s as it is (its CPU session form could not be built: %s: %s)",
                             self.manifest.name, self.onnx_path, type(exc).__name__, exc)
-        gpu_asked = any(p in self.requested_providers for p in _GPU_PROVIDERS)
+        gpu_asked = any(p in self.requested_providers for p in GPU_PROVIDERS)
         if gpu_asked:
             # The profiler names the provider that ran each node: warmup reads it, then stops it.
             self._profile_dir = tempfile.mkdtemp(prefix="outrider-ort-profile-")
@@ -432,10 +256,10 @@ class OnnxRuntimeBackend(Backend, BakesModel):
         self.active_providers = list(self.session.get_providers())
         self._input_names = [i.name for i in self.session.get_inputs()]
         self._output_names = [o.name for o in self.session.get_outputs()]
-        gpu_active = any(p in self.active_providers for p in _GPU_PROVIDERS)
+        gpu_active = any(p in self.active_providers for p in GPU_PROVIDERS)
         self._use_io_binding = opts.io_binding if opts.io_binding is not None else gpu_active
-        self._bind_device = ("cuda" if gpu_active else "cpu", device_id(self.device) if gpu_active else 0)
-        self._binding = self.session.io_binding() if self._use_io_binding else None
+        bind_device = ("cuda" if gpu_active else "cpu", device_id(self.device) if gpu_active else 0)
+        self.io_binding = IoBinding(self.session, self._output_names, bind_device) if self._use_io_binding else None
         if TENSORRT in self.active_providers and self.engine_dir is not None:
             self._note_engine_cache(profile)
 
@@ -534,7 +358,7 @@ class OnnxRuntimeBackend(Backend, BakesModel):
                 )
             # Only what the graph declares: exports often drop an input they never use.
             graph_feeds = {name: feeds[name] for name in self._input_names}
-            run = self._run_bound if self._use_io_binding else self._run
+            run = self.io_binding.run if self._use_io_binding else self._run
             if self.profile_bounds is not None and TENSORRT in self.active_providers:
                 # Past the profile's batch TensorRT would build another engine: run in pieces.
                 outputs = concat_rows([run(piece) for piece in row_chunks(graph_feeds, self.profile_bounds.max_batch)])
@@ -544,41 +368,6 @@ class OnnxRuntimeBackend(Backend, BakesModel):
 
     def _run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         return dict(zip(self._output_names, self.session.run(self._output_names, feeds)))
-
-    def _run_bound(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Run through I/O binding: inputs copied into device buffers kept per set of input shapes
-        (`update_inplace`, no new allocation), outputs written into buffers kept the same way."""
-        from onnxruntime import OrtValue
-
-        kind, index = self._bind_device
-        feeds = {name: np.ascontiguousarray(a) for name, a in feeds.items()}
-        shapes = tuple((name, a.shape, a.dtype.str) for name, a in feeds.items())
-        with self._bind_lock:
-            buffers = self._bound.pop(shapes, None)
-            if buffers is None:
-                # Buffers of their own: on the CPU, ortvalue_from_numpy would alias the caller's
-                # array, and the next call's update_inplace would overwrite it.
-                buffers = ({name: OrtValue.ortvalue_from_shape_and_type(a.shape, a.dtype, kind, index)
-                            for name, a in feeds.items()}, None)
-            for name, a in feeds.items():
-                buffers[0][name].update_inplace(a)
-            binding = self._binding
-            binding.clear_binding_inputs()
-            binding.clear_binding_outputs()
-            for name, value in buffers[0].items():
-                binding.bind_ortvalue_input(name, value)
-            for i, name in enumerate(self._output_names):
-                if buffers[1] is None:
-                    binding.bind_output(name, kind, index)  # ORT allocates it once, on this device
-                else:
-                    binding.bind_ortvalue_output(name, buffers[1][i])
-            self.session.run_with_iobinding(binding)
-            if buffers[1] is None:
-                buffers = (buffers[0], binding.get_outputs())
-            self._bound[shapes] = buffers
-            while len(self._bound) > BOUND_SHAPES_KEPT:
-                self._bound.popitem(last=False)
-            return dict(zip(self._output_names, binding.copy_outputs_to_cpu()))
 
     # -- health -------------------------------------------------------------------------------
 
@@ -608,9 +397,8 @@ class OnnxRuntimeBackend(Backend, BakesModel):
 
     def unload(self) -> None:
         """Drop the session and its device buffers; ORT frees their memory with them."""
-        with self._bind_lock:
-            self._bound.clear()
-            self._binding = None
+        if self.io_binding is not None:
+            self.io_binding.close()
         self.session = None
         if self._profile_dir is not None:  # load or warmup failed before warmup read the profile
             shutil.rmtree(self._profile_dir, ignore_errors=True)

@@ -10,11 +10,12 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..errors import ManifestError
-from ..manifest import Manifest
+from ..manifest import Manifest, SectionCheck, load_manifest
 from .request import ModelState
 from .served_model import ServedModel
 
 AVAILABLE, LOADING, READY, UNLOADING, FAILED = "available", "loading", "ready", "unloading", "failed"
+_MANIFEST_SUFFIXES = (".yaml", ".yml")
 
 
 @dataclass(eq=False)
@@ -37,7 +38,7 @@ class ModelEntry:
     #: whether the load's backend had loaded a model in this process before it (its libraries
     #: imported, its arenas made): such a load costs only what the model itself holds
     warm_load: bool = False
-    #: (fingerprint and warmth, estimate) of `ModelRepository._estimate`: health asks for it on
+    #: (fingerprint and warmth, estimate) of `MemoryBudget.estimate`: health asks for it on
     #: every call, and finding it reads the cost file and walks the model's directory
     estimate_memo: Optional[tuple[str, Optional[tuple[int, str]]]] = None
     #: a load under way before its ServedModel exists (making room, building)
@@ -55,6 +56,21 @@ class ModelEntry:
         if state in (ModelState.READY, ModelState.DEGRADED):
             return READY if self.served.ready else FAILED
         return {ModelState.LOADING: LOADING, ModelState.FAILED: FAILED}.get(state, AVAILABLE)
+
+
+def manifest_files(directory: Path) -> list[Path]:
+    """The manifest files of a `--models` directory, in name order."""
+    return sorted(p for p in directory.iterdir() if p.suffix in _MANIFEST_SUFFIXES and p.is_file())
+
+
+def read_entry(path: Path, overrides: list[str], check_section: Optional[SectionCheck]) -> ModelEntry:
+    """The entry of one manifest file; a file that does not validate becomes a failed entry
+    named after the file, so the index says why it is not served."""
+    try:
+        manifest = load_manifest(path, overrides, check_section)
+    except ManifestError as exc:
+        return ModelEntry(path.stem, path, None, entry_fingerprint(path, None), reason=exc.message)
+    return ModelEntry(manifest.name, path, manifest, entry_fingerprint(path, manifest))
 
 
 def raw_part(fingerprint: str) -> str:

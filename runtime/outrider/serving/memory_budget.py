@@ -132,3 +132,42 @@ def record_measured_cost(entry: ModelEntry) -> None:
 def mib(n: float) -> str:
     """Bytes as whole MiB, for messages."""
     return f"{n / (1 << 20):.0f} MiB"
+
+
+class MemoryBudget:
+    """The budget a repository loads under (`limit` bytes; None: no budget), each load's estimated
+    cost, and which backends are warm in this process."""
+
+    def __init__(self, limit: Optional[int]) -> None:
+        self.limit = limit
+        #: backends that have loaded a model in this process: a first load of a backend also pays
+        #: for its libraries, which stay after an unload, so its costs are kept apart (`estimate`)
+        self.warm_backends: set[str] = set()
+
+    def backend_is_warm(self, entry: ModelEntry) -> bool:
+        """Whether the backend `entry` loads on has loaded a model in this process: the backend that
+        serves it, else (not built yet) its manifest's first candidate."""
+        if entry.served is not None:
+            name = entry.served.choice.backend.name
+        elif entry.manifest is not None:
+            backend = entry.manifest.backend
+            name = backend if isinstance(backend, str) else next(iter(backend), "")
+        else:
+            return False
+        return name in self.warm_backends
+
+    def estimate(self, entry: ModelEntry) -> Optional[tuple[int, str]]:
+        """The resident cost of loading `entry` (`estimate_cost`), for its backend's warmth."""
+        return estimate_cost(entry, self.backend_is_warm(entry))
+
+    def measure(self, entry: ModelEntry) -> None:
+        """Once a load is ready: its backend is warm from now on and, under a budget (only a budget
+        reads it; a plain start writes nothing), what the load cost is stored (`record_measured_cost`)."""
+        with entry.lock:
+            served = entry.served
+            if entry.measured or served is None or not served.ready:
+                return
+            entry.measured = True
+        self.warm_backends.add(served.choice.backend.name)
+        if self.limit is not None:
+            record_measured_cost(entry)

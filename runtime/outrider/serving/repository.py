@@ -31,21 +31,21 @@ from ..errors import (
     OutriderError,
     UnavailableError,
 )
-from ..manifest import Manifest, load_manifest
+from ..manifest import Manifest
 from ..plugins import PluginRegistry
-from ..hardware import release_memory, resident_bytes
+from ..hardware import resident_bytes
 from .assembly import build_model
-from .entries import READY, ModelEntry, artifact_changed, entry_fingerprint, raw_part
-from .memory_budget import estimate_cost, mib as _mib, record_measured_cost
+from .entries import READY, ModelEntry, artifact_changed, entry_fingerprint, manifest_files, raw_part, read_entry
+from .memory_budget import MemoryBudget, mib as _mib
 from .pending_load import PendingLoad
 from .request import ModelState
 from .served_model import ServedModel
+from .unloading import Unloader
 
 log = logging.getLogger("outrider.repository")
 
 #: seconds between two scans of a watched directory
 WATCH_INTERVAL_S = float(os.environ.get("OUTRIDER_WATCH_INTERVAL_S", "1.0"))
-_MANIFEST_SUFFIXES = (".yaml", ".yml")
 
 
 class ModelRepository:
@@ -66,21 +66,18 @@ class ModelRepository:
         self.directory = Path(directory) if directory is not None else None
         self.overrides = list(overrides or [])
         self.watch = watch
-        self.memory_budget = memory_budget
+        self.budget = MemoryBudget(memory_budget)
         self.entries: dict[str, ModelEntry] = {}
         self._lock = threading.RLock()  # the entries dict and the budget decision
         self._next_scan = 0.0
-        self._retiring: list[threading.Thread] = []
-        #: backends that have loaded a model in this process: a first load of a backend also pays
-        #: for its libraries, which stay after an unload, so its costs are kept apart (`_estimate`)
-        self._warm_backends: set[str] = set()
+        self.unloader = Unloader(server)
         for manifest in manifests:
             path = Path(manifest.source_file) if manifest.source_file else None
             self._add(ModelEntry(manifest.name, path, manifest, entry_fingerprint(path, manifest)))
         if self.directory is not None:
             if not self.directory.is_dir():
                 raise ManifestError(f"--models {self.directory}: not a directory")
-            for path in self._manifest_files():
+            for path in manifest_files(self.directory):
                 entry = self._read(path)
                 if entry.name in self.entries:
                     raise ManifestError(f"{path}: model {entry.name!r} is already defined by "
@@ -89,18 +86,8 @@ class ModelRepository:
 
     # -- reading the directory --------------------------------------------------------------
 
-    def _manifest_files(self) -> list[Path]:
-        assert self.directory is not None
-        return sorted(p for p in self.directory.iterdir() if p.suffix in _MANIFEST_SUFFIXES and p.is_file())
-
     def _read(self, path: Path) -> ModelEntry:
-        """The entry of one manifest file; a file that does not validate becomes a failed entry
-        named after the file, so the index says why it is not served."""
-        try:
-            manifest = load_manifest(path, self.overrides, self.registry.check_section)
-        except ManifestError as exc:
-            return ModelEntry(path.stem, path, None, entry_fingerprint(path, None), reason=exc.message)
-        return ModelEntry(manifest.name, path, manifest, entry_fingerprint(path, manifest))
+        return read_entry(path, self.overrides, self.registry.check_section)
 
     def _add(self, entry: ModelEntry) -> None:
         self.entries[entry.name] = entry
@@ -129,7 +116,7 @@ class ModelRepository:
                 item["idle_unload_s"] = manifest.idle_unload_s
             if entry.served is not None:
                 item["idle_s"] = round(time.monotonic() - entry.served.last_used, 3)
-            estimate = self._estimate(entry)
+            estimate = self.budget.estimate(entry)
             if estimate:
                 item["resident_bytes_estimate"] = estimate[0]
             out.append(item)
@@ -160,7 +147,7 @@ class ModelRepository:
         entry = self.entries[name]
         entry.served, entry.version, entry.reason = served, served.version, ""
         entry.rss_before_load, entry.measured = resident_bytes(), False
-        entry.warm_load = self._backend_is_warm(entry)
+        entry.warm_load = self.budget.backend_is_warm(entry)
 
     def load(self, name: str, wait_s: Optional[float] = None) -> Optional[ServedModel]:
         """Load `name` (nothing to do when it is loaded or loading) and, with `wait_s`, wait until
@@ -183,7 +170,7 @@ class ModelRepository:
         else:
             served = started
         self._wait_ready(served, max(0.0, end - time.monotonic()))
-        self._measure(entry)  # before the reply, so the next decision (and a test) sees it
+        self.budget.measure(entry)  # before the reply, so the next decision (and a test) sees it
         return served
 
     def _start_load(self, entry: ModelEntry, on_demand: bool) -> Any:
@@ -199,7 +186,7 @@ class ModelRepository:
                 entry.served = None
                 if self.server.models.get(entry.name) is served:
                     del self.server.models[entry.name]
-                threading.Thread(target=self._stop_quietly, args=(served,), daemon=True).start()
+                threading.Thread(target=self.unloader.stop_quietly, args=(served,), daemon=True).start()
             entry.loader = PendingLoad(self, entry, on_demand)
             entry.loader.start()
             return entry.loader
@@ -218,8 +205,8 @@ class ModelRepository:
         served.required = False
         served.accept_while_loading = entry.manifest.load_on_demand
         # Judged on the backend the build chose (a manifest may name several): a backend turns warm
-        # only once a load of it is ready (`_measure`), so this load has not made it warm yet.
-        warm = served.choice.backend.name in self._warm_backends
+        # only once a load of it is ready (`MemoryBudget.measure`), so this load has not made it warm yet.
+        warm = served.choice.backend.name in self.budget.warm_backends
         with entry.lock:
             entry.rss_before_load, entry.measured, entry.warm_load = rss, False, warm
             entry.served, entry.version, entry.reason = served, served.version, ""
@@ -239,29 +226,13 @@ class ModelRepository:
 
     # -- the memory budget ------------------------------------------------------------------
 
-    def _backend_is_warm(self, entry: ModelEntry) -> bool:
-        """Whether the backend `entry` loads on has loaded a model in this process: the backend that
-        serves it, else (not built yet) its manifest's first candidate."""
-        if entry.served is not None:
-            name = entry.served.choice.backend.name
-        elif entry.manifest is not None:
-            backend = entry.manifest.backend
-            name = backend if isinstance(backend, str) else next(iter(backend), "")
-        else:
-            return False
-        return name in self._warm_backends
-
-    def _estimate(self, entry: ModelEntry) -> Optional[tuple[int, str]]:
-        """The resident cost of loading `entry` (memory_budget.estimate_cost), for its backend's warmth."""
-        return estimate_cost(entry, self._backend_is_warm(entry))
-
     def _make_room(self, entry: ModelEntry) -> None:
         """Under a budget: unload idle models, least recently used first, until `entry` fits;
         raise InsufficientMemoryError with the numbers when it cannot."""
-        budget = self.memory_budget
+        budget = self.budget.limit
         if budget is None:
             return
-        estimate = self._estimate(entry)
+        estimate = self.budget.estimate(entry)
         need, how = estimate if estimate else (0, "unknown")
         with self._lock:
             while True:
@@ -286,7 +257,7 @@ class ModelRepository:
 
     def unload(self, name: str, cancel_streams: bool = False, wait: bool = True,
                why: str = "unloaded") -> None:
-        """Take `name` out of service and drain it (see `_retire`). Raises ModelNotFoundError."""
+        """Take `name` out of service and drain it (see `Unloader.retire`). Raises ModelNotFoundError."""
         entry = self.entries.get(name)
         if entry is None:
             raise ModelNotFoundError(f"no model named {name[:128]!r} in the repository; known: {sorted(self.entries)}")
@@ -296,69 +267,7 @@ class ModelRepository:
                 loader.wait(600.0)
             except OutriderError:
                 pass
-        with entry.lock:
-            served, pending = entry.served, entry.pending
-            if served is None and pending is None:
-                return  # not loaded: nothing to do (Triton answers success too)
-            entry.unloading = True
-            entry.pending = None
-            if self.server.models.get(name) is served:
-                del self.server.models[name]
-            log.info("model %s: unloading version %d (%s)", name, entry.version, why)
-        def retire() -> None:
-            try:
-                if pending is not None:
-                    self._stop_quietly(pending)
-                if served is not None:
-                    self._retire(served, cancel_streams, why)
-            finally:
-                with entry.lock:
-                    if entry.served is served:
-                        entry.served = None
-                    entry.unloading = False
-                release_memory()
-                log.info("model %s: unloaded; resident %s", name, _mib(resident_bytes()))
-
-        if wait:
-            retire()
-        else:
-            thread = threading.Thread(target=retire, name=f"outrider-unload-{name}", daemon=True)
-            self._retiring.append(thread)
-            thread.start()
-
-    def _retire(self, served: ServedModel, cancel_streams: bool, why: str) -> None:
-        """Answer what `served` took, then stop it: queued and running requests finish (a stream
-        is cancelled with the reason when `cancel_streams`), bounded by the drain timeout; what is
-        left goes to the version now serving the name, else is answered `unavailable`."""
-        name = served.name
-        if cancel_streams:
-            for request in list(served.outstanding):
-                if request.kind == "generate":
-                    self.server.cancel(request, f"model {name!r} was {why} (unload with cancel)")
-        end = time.monotonic() + self.server.drain_timeout
-        while served.outstanding and time.monotonic() < end:
-            time.sleep(0.005)
-        successor = self.server.models.get(name)
-        for request in served.stop():  # still queued: taken by nobody yet
-            if request.done:
-                continue
-            if successor is not None and successor is not served:
-                try:
-                    successor.submit(request)
-                    continue
-                except OutriderError as exc:
-                    request.answer(exc)
-                    continue
-            request.answer(UnavailableError(f"model {name!r} was {why} before this request ran"))
-        for request in list(served.outstanding):
-            request.answer(UnavailableError(f"model {name!r} was {why} before this request finished "
-                                          f"(drain timeout {self.server.drain_timeout:g}s)"))
-        served.join(timeout=30.0)
-
-    def _stop_quietly(self, served: ServedModel) -> None:
-        for request in served.stop():
-            request.answer(UnavailableError(f"model {served.name!r} version {served.version} was stopped"))
-        served.join(timeout=30.0)
+        self.unloader.unload(entry, cancel_streams, wait, why)
 
     def stop_all(self) -> list[ServedModel]:
         """At shutdown: the reloads still loading, stopped; the unloads under way, joined."""
@@ -366,10 +275,9 @@ class ModelRepository:
         for entry in self.entries.values():
             if entry.pending is not None:
                 pending, entry.pending = entry.pending, None
-                self._stop_quietly(pending)
+                self.unloader.stop_quietly(pending)
                 stopped.append(pending)
-        for thread in self._retiring:
-            thread.join(timeout=self.server.drain_timeout + 30.0)
+        self.unloader.join()
         return stopped
 
     # -- reload -------------------------------------------------------------------------------
@@ -380,7 +288,7 @@ class ModelRepository:
         with entry.lock:
             previous, entry.pending = entry.pending, None
         if previous is not None:  # a reload overtaken by a newer change
-            self._stop_quietly(previous)
+            self.unloader.stop_quietly(previous)
         try:
             served = self.build(entry, manifest)
         except OutriderError as exc:
@@ -408,7 +316,7 @@ class ModelRepository:
                 entry.pending = None
                 entry.reason = f"reload to version {pending.version} failed, version {entry.version} still serving: {pending.reason}"
             log.error("model %s: %s", entry.name, entry.reason)
-            threading.Thread(target=self._stop_quietly, args=(pending,), daemon=True).start()
+            threading.Thread(target=self.unloader.stop_quietly, args=(pending,), daemon=True).start()
             return
         if not pending.ready:
             return
@@ -423,23 +331,21 @@ class ModelRepository:
         log.info("model %s: version %d serving; version %s draining", entry.name, pending.version,
                  old.version if old else "-")
         if old is not None:
-            thread = threading.Thread(target=self._retire, args=(old, False, "replaced by a new version"),
-                                      name=f"outrider-drain-{entry.name}", daemon=True)
-            self._retiring.append(thread)
-            thread.start()
+            self.unloader.in_background(self.unloader.retire, f"outrider-drain-{entry.name}",
+                                        old, False, "replaced by a new version")
 
     # -- the supervisor's tick -----------------------------------------------------------------
 
     def tick(self, now: float) -> None:
         """Reload switches, measured load costs, idle unloads, and the watch scan (every
         WATCH_INTERVAL_S). Runs on the server's supervisor thread."""
-        self._retiring = [t for t in self._retiring if t.is_alive()]
+        self.unloader.forget_finished()
         for entry in list(self.entries.values()):
             self._advance_reload(entry)
             served = entry.served
             if served is None or entry.unloading:
                 continue
-            self._measure(entry)
+            self.budget.measure(entry)
             idle_s = entry.manifest.idle_unload_s if entry.manifest is not None else 0
             if (idle_s and served.ready and not served.outstanding and entry.pending is None
                     and now - served.last_used >= idle_s):
@@ -449,24 +355,12 @@ class ModelRepository:
             self._next_scan = now + WATCH_INTERVAL_S
             self.scan()
 
-    def _measure(self, entry: ModelEntry) -> None:
-        """Once a load is ready: its backend is warm from now on and, under a budget (only a budget
-        reads it; a plain start writes nothing), what the load cost is stored (`_record_cost`)."""
-        with entry.lock:
-            served = entry.served
-            if entry.measured or served is None or not served.ready:
-                return
-            entry.measured = True
-        self._warm_backends.add(served.choice.backend.name)
-        if self.memory_budget is not None:
-            record_measured_cost(entry)
-
     def scan(self) -> None:
         """Compare the directory with the entries: a new file adds a model (available), a changed
         one reloads a loaded model (or replaces an unloaded entry), a removed one unloads."""
         assert self.directory is not None
         try:
-            files = {p: entry_fingerprint(p, None) for p in self._manifest_files()}
+            files = {p: entry_fingerprint(p, None) for p in manifest_files(self.directory)}
         except OSError as exc:
             log.error("--models %s: cannot be read: %s", self.directory, exc)
             return
