@@ -58,7 +58,7 @@ except ImportError as exc:  # pragma: no cover - the message is the point
         f"outrider_http.ray_serve needs Ray Serve ({exc}): pip install 'outrider[ray]'"
     ) from exc
 
-from outrider.client import GenerateChunk, GenerateResult, generate_parameters, result_of
+from outrider.client import GenerateChunk, GenerateResult, chunk_of, generate_parameters, result_of
 from outrider.errors import OutriderError, UnavailableError, error_from_wire
 from outrider.front import AsyncCall
 from outrider.protocol import encode_tensors
@@ -183,7 +183,7 @@ class OutriderReplica:
             while True:
                 kind, header, _ = await call.next()
                 if kind == "chunk":
-                    yield GenerateChunk(header.get("text", ""), list(header.get("token_ids", [])))
+                    yield chunk_of(header)
                     continue
                 if not header.get("ok", True):
                     raise error_from_wire(header.get("error") or {})
