@@ -9,6 +9,8 @@ template (enable_thinking: false closes the thinking in the prompt)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -172,12 +174,16 @@ def test_every_route_returns_the_thinking_apart(tmp_path):
     from conftest import free_port, start_server, write_manifest
     from gguf_models import tokenizer_fields, write_tiny_gguf
 
-    path, _ = write_tiny_gguf(tmp_path, "qwen3", seed=7, thinking="r1")
+    for family in ("r1", "qwen3"):
+        (tmp_path / family).mkdir()
+    path, _ = write_tiny_gguf(tmp_path / "r1", "qwen3", seed=7, thinking="r1")
     close = tokenizer_fields(thinking=True)[0].index("</think>")
     manifest = write_manifest(tmp_path, f"name: thinker\nbackend: llm\nmodel: {{path: {path}}}\n"
                                         f"speculative: {{drafters: [ngram]}}\n", "thinker.yaml")
+    path, _ = write_tiny_gguf(tmp_path / "qwen3", "qwen3", seed=7, thinking="qwen3")
+    qwen3 = write_manifest(tmp_path, f"name: qwen3\nbackend: llm\nmodel: {{path: {path}}}\n", "qwen3.yaml")
     port = free_port()
-    server = start_server(tmp_path, [manifest], ["outrider_llm", "outrider_speculative", "outrider_http"],
+    server = start_server(tmp_path, [manifest, qwen3], ["outrider_llm", "outrider_speculative", "outrider_http"],
                           args=["--http", f"127.0.0.1:{port}"])
     try:
         server.wait_ready(timeout=300)
@@ -215,5 +221,25 @@ def test_every_route_returns_the_thinking_apart(tmp_path):
         assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == thought.reasoning
         assert [item.type for item in events[-1].response.output] == ["reasoning", "message"]
         assert [e.sequence_number for e in events] == list(range(len(events)))
+        # A tool call round trip on the tiny Qwen3 with its thinking off (the grammar holds from the first token)
+        tool = {"name": "get_weather", "input_schema": {"type": "object", "properties": {
+            "city": {"type": "string", "maxLength": 12}}, "required": ["city"], "additionalProperties": False}}
+        called = claude.messages.create(model="qwen3", messages=ASK, max_tokens=128, tools=[tool],
+                                        tool_choice={"type": "any"}, thinking={"type": "disabled"})
+        use = called.content[-1]
+        assert called.stop_reason == "tool_use" and use.type == "tool_use" and isinstance(use.input["city"], str)
+        history = [*ASK, {"role": "assistant", "content": [use.model_dump()]},
+                   {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "sunny"}]}]
+        assert claude.messages.create(model="qwen3", messages=history, max_tokens=8,
+                                      thinking={"type": "disabled"}).content
+        function = {"type": "function", "name": "get_weather", "parameters": tool["input_schema"]}
+        asked = gpt.responses.create(model="qwen3", input=ASK[0]["content"], tools=[function], tool_choice="required",
+                                     max_output_tokens=128, reasoning={"effort": "none"})
+        call = asked.output[-1]
+        assert call.type == "function_call" and isinstance(json.loads(call.arguments)["city"], str)
+        answered = gpt.responses.create(model="qwen3", previous_response_id=asked.id, max_output_tokens=8,
+                                        input=[{"type": "function_call_output", "call_id": call.call_id,
+                                                "output": "sunny"}], reasoning={"effort": "none"})
+        assert answered.output
     finally:
         server.stop()
