@@ -10,6 +10,8 @@ Use from pytest:
         sample_inputs = {"x": np.ones((2, 4), np.float32)}
 
 or call `check_backend(...)` directly; every failure is an AssertionError that says what is wrong.
+A generating backend has `check_generating_backend`, a front `check_front`, a drafter
+`check_drafter`, a tokenizer `outrider.generation.contract.check_tokenizer`.
 
 Running a real server (`ServerProcess`, `free_port`, `rss_mb`, `tree_rss_mb`) is `outrider.harness`'s,
 re-exported here.
@@ -18,7 +20,7 @@ re-exported here.
 from __future__ import annotations
 
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -132,6 +134,175 @@ class BackendConformance:
         result = check_backend(registry.backends[self.backend], self.manifest, self.sample_inputs, registry)
         if not result["available"]:
             pytest.skip(f"backend {self.backend!r} unavailable here: {result['reason']}")
+
+
+def _run_generations(engine: Any, parameter_sets: list[dict]) -> tuple[list[dict], list[list[dict]]]:
+    """(final reply, stream chunks) of each request, run together through `engine` to the end."""
+    from .serving.request import PendingRequest
+
+    finals: dict[int, dict] = {}
+    chunks: dict[int, list[dict]] = {i: [] for i in range(len(parameter_sets))}
+
+    def send(request: Any, kind: str, header: dict, outputs: Any) -> None:
+        if kind == "chunk":
+            chunks[request.id].append(header)
+        else:
+            assert request.id not in finals, f"request {request.id} was answered twice"
+            finals[request.id] = header
+
+    engine.admit([PendingRequest(b"c", i, "generate", "conformance", {}, dict(params), send)
+                  for i, params in enumerate(parameter_sets)])
+    for _ in range(100_000):
+        if not engine.busy():
+            break
+        engine.step()
+    assert not engine.busy(), "the engine did not finish its requests"
+    assert sorted(finals) == list(range(len(parameter_sets))), "a request got no final reply"
+    return [finals[i] for i in range(len(parameter_sets))], [chunks[i] for i in range(len(parameter_sets))]
+
+
+def check_generating_backend(backend_class: type[Backend], manifest: Manifest | dict, prompt: str = "Hello, world",
+                             registry: Optional[PluginRegistry] = None) -> dict[str, Any]:
+    """Run a generating backend (outrider.backend.GeneratingBackend) through its life and the
+    generate contract: load and warm up; `tokenizer` follows the Tokenizer protocol; its engine
+    answers each request once, with `text`, `token_ids`, `finish_reason` and `stats`; greedy output
+    is deterministic and the same alone or batched with others; a seed reproduces a sampled
+    output; streamed chunks add up to the final reply; `max_tokens` holds; and a bad parameter
+    fails its own request alone. Returns timings and counts."""
+    from .backend import GeneratingBackend
+    from .generation.contract import check_tokenizer
+
+    assert issubclass(backend_class, GeneratingBackend), "a generating backend subclasses GeneratingBackend"
+    if isinstance(manifest, dict):
+        manifest = validate_manifest(manifest, "<conformance manifest>")
+    avail = backend_class.availability(manifest, manifest.device)
+    if not avail.available:
+        assert avail.reason, "an unavailable backend must say why"
+        return {"available": False, "reason": avail.reason}
+    registry = registry or create_registry(load_entry_points=False)
+    backend = backend_class(manifest, backend_class.resolve_device(manifest.device), registry.make_task(manifest))
+    scheduler = backend_class.make_scheduler(manifest)
+    for member in ("next_batch", "execute"):
+        assert callable(getattr(scheduler, member, None)), f"make_scheduler's object has no {member}()"
+    t0 = time.perf_counter()
+    backend.prepare_artifact()
+    backend.load()
+    backend.warmup()
+    timings: dict[str, Any] = {"available": True, "load_and_warmup_seconds": time.perf_counter() - t0}
+    engine, tokenizer = backend.engine, backend.tokenizer
+    assert engine is not None and tokenizer is not None, "after load(), `engine` and `tokenizer` are set"
+    check_tokenizer(tokenizer, f"backend {backend_class.name!r}'s tokenizer")
+
+    greedy = {"prompt": prompt, "max_tokens": 6, "temperature": 0.0}
+    sampled = {"prompt": prompt, "max_tokens": 6, "temperature": 1.0, "seed": 11}
+    sets = [greedy, {**greedy, "temperature": -1.0}, {**greedy, "stream": True}, sampled, sampled,
+            {**greedy, "max_tokens": 2}]
+    finals, chunks = _run_generations(engine, sets)
+    alone, _ = _run_generations(engine, [greedy])
+    for index, final in enumerate(finals):
+        if index == 1:
+            continue
+        assert final.get("ok", True), f"request {index} failed: {final}"
+        assert isinstance(final.get("text"), str) and all(isinstance(t, int) for t in final.get("token_ids", [None]))
+        assert final.get("finish_reason") in ("stop", "length"), f"finish_reason {final.get('finish_reason')!r}"
+        assert {"prompt_tokens", "new_tokens"} <= set(final.get("stats", {})), "stats lack prompt_tokens/new_tokens"
+        assert len(final["token_ids"]) <= sets[index]["max_tokens"], f"request {index} ran past max_tokens"
+    failed = finals[1]
+    assert not failed.get("ok", True) and failed["error"]["code"] == "bad_request" and \
+        "temperature" in failed["error"]["message"], f"a bad temperature was not refused by name: {failed}"
+    assert finals[0]["token_ids"] == alone[0]["token_ids"] == finals[2]["token_ids"], \
+        "greedy output changed with its batch neighbours or with streaming"
+    assert finals[3]["token_ids"] == finals[4]["token_ids"], "the same seed sampled different tokens"
+    streamed = chunks[2]
+    assert "".join(c.get("text", "") for c in streamed) == finals[2]["text"], "streamed texts do not add up"
+    assert [t for c in streamed for t in c.get("token_ids", [])] == finals[2]["token_ids"], \
+        "streamed token ids do not add up"
+    health = backend.health()
+    assert isinstance(health, dict) and health.get("healthy") is True, f"a loaded backend reports {health!r}"
+    backend.unload()
+    timings["generated_tokens"] = sum(len(f.get("token_ids", [])) for f in finals)
+    return timings
+
+
+SUBMITTER_MEMBERS = ("limits", "started", "models", "ready", "health", "submit", "cancel", "find_model", "repository")
+
+
+class SubmitterView:
+    """The server as a front may see it: the `Submitter` members and nothing else (any other
+    attribute is an AttributeError naming it), with each submit and its replies counted."""
+
+    def __init__(self, server: Any) -> None:
+        self._server = server
+        self.submitted = 0
+        self.replied = 0
+
+    def __getattr__(self, name: str) -> Any:
+        if name not in SUBMITTER_MEMBERS:
+            raise AttributeError(f"a front used server.{name}, which is not part of outrider.front.Submitter "
+                                 f"({', '.join(SUBMITTER_MEMBERS)})")
+        return getattr(self._server, name)
+
+    def submit(self, *args: Any, on_reply: Any, **kwargs: Any) -> Any:
+        assert isinstance(kwargs.get("client"), bytes), "submit(client=...) must be the connection's key (bytes)"
+        self.submitted += 1
+
+        def counted(header: dict, outputs: Any) -> None:
+            self.replied += 1
+            on_reply(header, outputs)
+
+        return self._server.submit(*args, on_reply=counted, **kwargs)
+
+
+def check_front(front_class: type, roundtrip: Callable[[str], Any], address: str,
+                manifests: Optional[list[Manifest | dict]] = None, registry: Optional[PluginRegistry] = None,
+                options: Optional[dict] = None, stop_timeout: float = 5.0) -> dict[str, Any]:
+    """Run a front plugin (outrider.front.Front) beside a real server: it is built on the server
+    seen only through `Submitter` (SubmitterView), listens once `start()` returns, takes the
+    request `roundtrip(address)` sends in its own protocol (an echo model is served unless
+    `manifests` say otherwise) through `submit` with its client key, hands each reply back, and
+    `stop()` returns within `stop_timeout` with the address released. Returns counts."""
+    import socket
+    import tempfile
+
+    from .front import Front
+    from .server import Server, ServerConfig
+
+    assert isinstance(front_class, type) and issubclass(front_class, Front) and front_class.name, \
+        "a front subclasses outrider.front.Front and has a name"
+    available, why = front_class.availability()
+    if not available:
+        assert why, "an unavailable front must say why"
+        return {"available": False, "reason": why}
+    registry = registry or create_registry(load_entry_points=False)
+    models = [validate_manifest(m, "<conformance manifest>") if isinstance(m, dict) else m
+              for m in (manifests or [{"name": "echo", "backend": "echo"}])]
+    with tempfile.TemporaryDirectory() as directory:
+        server = Server(models, registry, ServerConfig(address=f"ipc://{directory}/conformance.sock"))
+        server.start()
+        try:
+            deadline = time.monotonic() + 120
+            while not server.ready:
+                assert time.monotonic() < deadline, "the conformance server's models did not get ready"
+                time.sleep(0.05)
+            view = SubmitterView(server)
+            front = front_class(view, address, options or {})
+            front.start()
+            try:
+                roundtrip(address)
+                assert view.submitted >= 1, "the request did not reach server.submit"
+                assert view.replied == view.submitted, f"{view.submitted} submitted, {view.replied} answered"
+            finally:
+                t0 = time.perf_counter()
+                front.stop(stop_timeout)
+                stopped = time.perf_counter() - t0
+            assert stopped < stop_timeout + 1.0, f"stop() took {stopped:.1f} s; the limit was {stop_timeout} s"
+        finally:
+            server.shutdown(1.0)
+    host, _, port = address.rpartition(":")
+    if port.isdigit():  # a TCP address must be free again
+        with socket.socket(socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET) as probe:
+            probe.bind((host.strip("[]"), int(port)))
+    return {"available": True, "submitted": view.submitted, "stop_seconds": stopped}
 
 
 class _View:

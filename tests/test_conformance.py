@@ -1,0 +1,93 @@
+"""The conformance kits of outrider.testing run on the built-in generating backend and on the test
+plugin's second one (transformers' Llama): what a third-party generating backend must pass."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from conftest import TEST_PLUGINS  # noqa: E402
+from outrider.plugins import create_registry  # noqa: E402
+from outrider.testing import check_generating_backend  # noqa: E402
+
+
+def test_the_llm_backend_passes_on_a_tiny_gguf(tmp_path):
+    pytest.importorskip("gguf")
+    from gguf_models import write_tiny_gguf
+
+    path, _ = write_tiny_gguf(tmp_path, "qwen2", seed=2)
+    registry = create_registry(["outrider_llm"], load_entry_points=False)
+    manifest = {"name": "tiny", "backend": "llm", "model": {"path": str(path)}}
+    result = check_generating_backend(registry.backends["llm"], manifest, registry=registry)
+    assert result["available"] and result["generated_tokens"] > 0
+
+
+def test_the_second_generating_backend_passes():
+    sys.path.insert(0, str(TEST_PLUGINS))
+    registry = create_registry(["outrider_test_hf_llama"], load_entry_points=False)
+    manifest = {"name": "hf", "backend": "hf-llama", "options": {"seed": 3}}
+    result = check_generating_backend(registry.backends["hf-llama"], manifest, prompt="abc abc", registry=registry)
+    assert result["available"] and result["generated_tokens"] > 0
+
+
+def test_the_kit_catches_a_backend_that_breaks_the_contract():
+    # A generating backend whose tokenizer lacks part of the Tokenizer protocol: the kit names it.
+    sys.path.insert(0, str(TEST_PLUGINS))
+    from outrider_test_hf_llama import HFLlamaBackend
+
+    class Partial:
+        def __init__(self, tokenizer) -> None:
+            self.encode, self.decode, self.eos_token_ids = tokenizer.encode, tokenizer.decode, tokenizer.eos_token_ids
+
+    class PartialTokenizer(HFLlamaBackend):
+        name = "partial-tokenizer"
+
+        def load(self) -> None:
+            super().load()
+            self.tokenizer = Partial(self.tokenizer)
+
+    registry = create_registry(["outrider_test_hf_llama"], load_entry_points=False)
+    with pytest.raises(TypeError, match="lacks vocab_size, chat_template, apply_chat_template, token_text, to_json"):
+        check_generating_backend(PartialTokenizer, {"name": "p", "backend": "hf-llama", "options": {"seed": 3}},
+                                 prompt="abc abc", registry=registry)
+
+
+def test_the_http_front_passes_and_uses_only_the_submitter():
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("starlette")
+    from conftest import free_port
+    from outrider.testing import check_front
+
+    registry = create_registry(["outrider_echo", "outrider_http"], load_entry_points=False)
+    front = registry.fronts["http"]
+    body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 2], "data": [1.0, 2.0]}]}
+
+    def roundtrip(address: str) -> None:
+        answer = httpx.post(f"http://{address}/v2/models/echo/infer", json=body, timeout=30)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["outputs"][0]["data"] == [1.0, 2.0]
+
+    result = check_front(front, roundtrip, f"127.0.0.1:{free_port()}", registry=registry)
+    assert result["available"] and result["submitted"] == 1
+
+
+def test_the_front_kit_catches_a_reach_past_the_submitter():
+    from outrider.front import Front
+    from outrider.testing import check_front
+
+    class Nosy(Front):
+        name = "nosy"
+
+        def start(self) -> None:
+            self.server.config  # noqa: B018 - what the kit must refuse
+
+        def stop(self, timeout: float = 5.0) -> None:
+            pass
+
+    registry = create_registry(["outrider_echo"], load_entry_points=False)
+    with pytest.raises(AttributeError, match="server.config, which is not part of outrider.front.Submitter"):
+        check_front(Nosy, lambda address: None, "unused", registry=registry)
