@@ -32,6 +32,10 @@ import torch
 
 from outrider.hardware import cpu_flags
 
+# The weight layouts are packed once, in numpy (native_c_weights: the torch-free binding's packer);
+# the torch binding hands its tensors' memory over and takes the packed arrays back without a copy.
+from . import native_c_weights as packing
+
 log = logging.getLogger("outrider.llm")
 
 PACKAGE = Path(__file__).parent
@@ -154,15 +158,23 @@ def _tile_scales(scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor,
 
 
 def per_tile(*values: torch.Tensor, dtype: torch.dtype = torch.float16) -> tuple[torch.Tensor, ...]:
-    """[out, groups] -> `dtype` (fp16, or fp32 for scales fp16 would round) [out/16, groups, 16], each."""
-    out, groups = values[0].shape
-    return tuple(v.to(dtype).view(out // TILE, TILE, groups).transpose(1, 2).contiguous() for v in values)
+    """[out, groups] -> `dtype` (fp16, or fp32 for scales fp16 would round) [out/16, groups, 16], each
+    (native_c_weights.per_tile, the one packer, on the tensors' memory)."""
+    return tuple(torch.from_numpy(t) for t in packing.per_tile(*(_host(v.float()) for v in values),
+                                                                dtype=_NUMPY[dtype]))
 
 
 def table_dtype(*values: torch.Tensor) -> torch.dtype:
     """fp16 when every value of the scale/minimum tables is exact in it, else fp32 (kF32Scales)."""
-    fits = all(torch.equal(v.float().half().float(), v.float()) for v in values)
-    return torch.float16 if fits else torch.float32
+    return _TORCH[packing.table_dtype(*(_host(v.float()) for v in values))]
+
+
+def _host(t: torch.Tensor) -> np.ndarray:
+    return t.detach().cpu().numpy()
+
+
+_NUMPY = {torch.float16: np.float16, torch.float32: np.float32}
+_TORCH = {np.float16: torch.float16, np.float32: torch.float32}
 
 
 def dequantize_tiles(w: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
@@ -204,21 +216,12 @@ def pack_w4a8(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple
 
 def nibble_tiles(q: torch.Tensor) -> torch.Tensor:
     """uint8 [out, in] values 0..15 -> the w4a8 layout uint8 [out/16, in/8, 64] (csrc/kernels.h)."""
-    out, inp = q.shape
-    if out % TILE or inp % 8:
-        raise ValueError(f"w4a8 tiles need out % {TILE} == 0 and in % 8 == 0, got {tuple(q.shape)}")
-    tiles = q.to(torch.uint8).view(out // TILE, TILE, inp // 8, 2, 4)  # [t, i, oct, half, p]: k = 8j + 4h + p
-    packed = (tiles[:, :, :, 0, :] | (tiles[:, :, :, 1, :] << 4)).permute(0, 2, 1, 3).contiguous()  # [t, oct, i, p]
-    return packed.view(out // TILE, inp // 8, 64)
+    return torch.from_numpy(packing.nibble_tiles(_host(q.to(torch.uint8))))
 
 
 def byte_tiles(q: torch.Tensor) -> torch.Tensor:
     """uint8 [out, in] values 0..255 -> the w8a8 layout uint8 [out/16, in/4, 64] (csrc/kernels.h)."""
-    out, inp = q.shape
-    if out % TILE or inp % 4:
-        raise ValueError(f"w8a8 tiles need out % {TILE} == 0 and in % 4 == 0, got {tuple(q.shape)}")
-    tiles = q.to(torch.uint8).view(out // TILE, TILE, inp // 4, 4)  # [t, i, quad, p]
-    return tiles.permute(0, 2, 1, 3).contiguous().view(out // TILE, inp // 4, 64)  # [t, quad, i, p]
+    return torch.from_numpy(packing.byte_tiles(_host(q.to(torch.uint8))))
 
 
 def dequantize_w4a8(w: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
@@ -244,13 +247,7 @@ def pack_affine(groups: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     `groups.bits` bits, d and m fp16 [out, in / group]): `nibble_tiles`, `pack_w5` or `byte_tiles`.
     d and m go over unchanged (fp16, or fp32 where fp16 would round them), so the kernel computes
     with the file's weights."""
-    q = torch.from_numpy(np.ascontiguousarray(groups.q))
-    d = torch.from_numpy(np.ascontiguousarray(groups.d)).float()
-    m = torch.from_numpy(np.ascontiguousarray(groups.m)).float()
-    pack = {4: nibble_tiles, 5: pack_w5, 8: byte_tiles}.get(groups.bits)
-    if pack is None:
-        raise ValueError(f"affine groups of {groups.bits} bits: the kernels take 4, 5 or 8")
-    return pack(q), *per_tile(d, m, dtype=table_dtype(d, m))
+    return tuple(torch.from_numpy(t) for t in packing.pack_affine(groups))
 
 
 def five_bit_tiles() -> bool:
@@ -270,16 +267,7 @@ def five_bit_tiles() -> bool:
 def pack_w5(q: torch.Tensor) -> torch.Tensor:
     """5-bit values q uint8 [out, in] (0..31) -> the w5a8 layout uint8 [out/16, in/8, 80] (csrc/kernels.h):
     per tile and 8 inputs, the w4a8 layout's 64 bytes of low nibbles, then 16 bytes of fifth bits."""
-    out, inp = q.shape
-    if out % TILE or inp % 8:
-        raise ValueError(f"w5a8 tiles need out % {TILE} == 0 and in % 8 == 0, got {tuple(q.shape)}")
-    q = q.to(torch.uint8)
-    nibbles = nibble_tiles(q & 15)  # [t, oct, 64]
-    high = (q >> 4).view(out // TILE, TILE, inp // 8, 2, 4).permute(0, 2, 3, 1, 4)  # [t, oct, half, i, p]
-    lanes = high.reshape(out // TILE, inp // 8, 2, 8, 8).to(torch.int32)  # lane 4i+p, in bytes of 8 bits
-    weights = torch.tensor([1 << k for k in range(8)], dtype=torch.int32)
-    plane = (lanes * weights).sum(dim=-1).to(torch.uint8).view(out // TILE, inp // 8, 16)
-    return torch.cat([nibbles, plane], dim=2).contiguous()
+    return torch.from_numpy(packing.pack_w5(_host(q.to(torch.uint8))))
 
 
 def unpack_w5_rows(w: torch.Tensor, t: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
