@@ -42,12 +42,11 @@ def think_tags(tokenizer: Any) -> Optional[ThinkTags]:
     if "<think>" not in (tokenizer.chat_template or ""):
         return None
     try:
-        opening, closing = tokenizer.encode("<think>"), tokenizer.encode("</think>")
+        # What encode adds to every text (a BOS) is what it gives for "": not part of a tag.
+        lead = len(tokenizer.encode(""))
+        opening, closing = tokenizer.encode("<think>")[lead:], tokenizer.encode("</think>")[lead:]
     except Exception:  # noqa: BLE001 - a tokenizer that cannot encode them has no such tags
         return None
-    bos = getattr(tokenizer, "bos_token_id", None)
-    opening = [t for t in opening if t != bos]  # a tokenizer that prepends BOS to every text
-    closing = [t for t in closing if t != bos]
     if len(opening) != 1 or len(closing) != 1 or opening == closing:
         return None
     return ThinkTags(opening[0], closing[0])
