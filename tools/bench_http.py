@@ -14,8 +14,10 @@ included:
   OIP v2 infer with JSON tensors (httpx, keep-alive), OIP v2 with binary tensor data
   (tritonclient.http), and OpenAI `/v1/embeddings` (openai client). Requests/s, p50, p99.
 - SmolLM2, greedy chat, streamed: `Client.generate(stream=True)` against the openai client's
-  streaming chat completion. Time to first token (first non-empty text), tokens/s over the whole
-  request; the same tokens either way (greedy), so the figures compare the paths, not the text.
+  streaming chat completion, the anthropic client's `messages.stream` (/v1/messages) and the
+  openai client's streamed `responses.create` (/v1/responses). Time to first token (first
+  non-empty text), tokens/s over the whole request; the same tokens on every path (greedy), so
+  the figures compare the paths, not the text.
 
 Absolute numbers differ between machines; read the ratios.
 """
@@ -166,7 +168,38 @@ def bench_smollm2(address: str, url: str, max_tokens: int, rounds: int) -> list[
                 tokens = chunk.usage.completion_tokens
         return first or 0.0, tokens, "".join(text)
 
+    def messages_stream(prompt: str) -> tuple[float, int, str]:
+        start, first, text = time.perf_counter(), None, []
+        with claude.messages.stream(model="smollm2", messages=[{"role": "user", "content": prompt}],
+                                    max_tokens=max_tokens) as stream:
+            for piece in stream.text_stream:
+                if piece and first is None:
+                    first = time.perf_counter() - start
+                text.append(piece)
+            tokens = stream.get_final_message().usage.output_tokens
+        return first or 0.0, tokens, "".join(text)
+
+    def responses_stream(prompt: str) -> tuple[float, int, str]:
+        start, first, text, tokens = time.perf_counter(), None, [], 0
+        for event in oa.responses.create(model="smollm2", input=prompt, max_output_tokens=max_tokens, temperature=0,
+                                         stream=True):
+            if event.type == "response.output_text.delta" and event.delta:
+                if first is None:
+                    first = time.perf_counter() - start
+                text.append(event.delta)
+            elif event.type in ("response.completed", "response.incomplete"):
+                tokens = event.response.usage.output_tokens
+        return first or 0.0, tokens, "".join(text)
+
     paths = {"ZeroMQ generate(stream)": zmq_stream, "HTTP chat SSE (openai)": http_stream}
+    try:
+        import anthropic
+
+        claude = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0, timeout=300)
+        paths["HTTP Messages SSE (anthropic)"] = messages_stream
+    except ImportError:  # the anthropic SDK is a dev dependency
+        pass
+    paths["HTTP Responses SSE (openai)"] = responses_stream
     for run in paths.values():
         run(PROMPTS[0])  # warm up
     ttft: dict[str, list[float]] = {name: [] for name in paths}
@@ -176,7 +209,8 @@ def bench_smollm2(address: str, url: str, max_tokens: int, rounds: int) -> list[
     texts: dict[str, list[str]] = {name: [] for name in paths}
     for round_index in range(rounds):
         for prompt_index, prompt in enumerate(PROMPTS):
-            order = list(paths) if (round_index + prompt_index) % 2 == 0 else list(reversed(paths))
+            shift = (round_index + prompt_index) % len(paths)  # each path goes first as often as the others
+            order = list(paths)[shift:] + list(paths)[:shift]
             for name in order:
                 start = time.perf_counter()
                 first, n, text = paths[name](prompt)
@@ -188,7 +222,7 @@ def bench_smollm2(address: str, url: str, max_tokens: int, rounds: int) -> list[
                 texts[name].append(text)
     zmq_client.close()
     oa.close()
-    same = texts["ZeroMQ generate(stream)"] == texts["HTTP chat SSE (openai)"]
+    same = all(texts[name] == texts["ZeroMQ generate(stream)"] for name in paths)
     rows = []
     base = float(np.median(rates["ZeroMQ generate(stream)"]))
     for name in paths:
@@ -232,7 +266,7 @@ def main() -> None:
                       f"{'median ratio':>13} {'tokens':>7}")
                 for name, rate, median, p50, p90, ratio, n, same in rows:
                     print(f"{name:32} {rate:6.1f} {median:7.1f} {p50:12.1f} {p90:12.1f} {ratio:12.2f}x {n:7d}")
-                print(f"same text on both paths: {rows[0][-1]}")
+                print(f"same text on every path: {rows[0][-1]}")
             print(f"\nload after: {Path('/proc/loadavg').read_text().strip()}")
         finally:
             proc.terminate()
