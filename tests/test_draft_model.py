@@ -108,10 +108,11 @@ def test_sampled_draft_trees_keep_the_targets_distribution(target, files, draft,
     params = SamplingParams(temperature=1.0, top_k=8)
 
     class View:
+        seq_id = "fixed"
         token_ids = ids
         prompt_length = len(ids)
         last_hidden = None
-        seq_id = "fixed"
+        new_features = None
 
         def __init__(self, generator):
             self.params, self.generator = params, generator

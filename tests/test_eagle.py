@@ -6,6 +6,7 @@ seconds) for the tiny random Llama; the last test runs the shipped head on SmolL
 
 from __future__ import annotations
 
+import itertools
 import time
 from pathlib import Path
 
@@ -35,15 +36,20 @@ from test_generate import CharTokenizer  # noqa: E402
 VOCAB = 16
 
 
+_view_ids = itertools.count()
+
+
 class View:
-    """A SequenceView: what a drafter reads."""
+    """A SequenceView: what a drafter reads (a greedy request unless `params` says otherwise)."""
 
     def __init__(self, token_ids: list[int], last_hidden, params=None, generator=None) -> None:
+        self.seq_id = next(_view_ids)
         self.token_ids = token_ids
         self.prompt_length = len(token_ids)
         self.last_hidden = last_hidden
-        self.params = params  # the engine's Sequence has the request's SamplingParams and generator
-        self.generator = generator
+        self.params = SamplingParams() if params is None else params
+        self.generator = new_generator(0) if generator is None else generator
+        self.new_features = None
 
 
 @pytest.fixture(scope="module")

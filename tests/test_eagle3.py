@@ -24,6 +24,7 @@ pytestmark = pytest.mark.skipif(
 
 from outrider.errors import ManifestError  # noqa: E402
 from outrider.generation.contract import Chunk  # noqa: E402
+from outrider.generation.sampling import SamplingParams, new_generator  # noqa: E402
 
 from conftest import write_manifest  # noqa: E402
 from gguf_models import write_tiny_gguf  # noqa: E402
@@ -192,9 +193,13 @@ def test_the_heads_layer_computes_what_the_published_module_computes(target, tmp
     committed = len(tokens) - 1
 
     class View:
-        token_ids = tokens
-        new_features = features
         seq_id = "v"
+        token_ids = tokens
+        prompt_length = len(tokens)
+        params = SamplingParams()  # greedy
+        generator = new_generator(0)
+        last_hidden = None
+        new_features = features
 
     drafter.observe(View())
     tree = drafter.propose(View(), 8)

@@ -61,13 +61,20 @@ def _markov_sample(length: int, seed: int) -> list[int]:
 PROMPT = _markov_sample(24, seed=3)
 
 
+_seq_ids = itertools.count()
+
+
 class Seq:
-    """A SequenceView, hashable by identity like the engine's Sequence."""
+    """A SequenceView of a greedy request, with its own seq_id like the engine's Sequence."""
 
     def __init__(self, token_ids: list[int], prompt_length: int | None = None) -> None:
+        self.seq_id = next(_seq_ids)
         self.token_ids = list(token_ids)
         self.prompt_length = len(token_ids) if prompt_length is None else prompt_length
+        self.params = SamplingParams()
+        self.generator = new_generator(0)
         self.last_hidden = None
+        self.new_features = None
 
 
 def _check_topological(tree: DraftTree) -> None:
@@ -476,14 +483,14 @@ def test_ngram_index_kept_incrementally_equals_one_built_at_once():
         drafter.observe(seq, StepOutcome("decode", 0, 0, new))  # idempotent: it syncs with seq.token_ids
     once = NgramIndex(1, 4)
     once.extend(ids)
-    assert drafter._indexes[seq].after == once.after
+    assert drafter._indexes[seq.seq_id].after == once.after
     # A list that got shorter, or changed at the last indexed token, is re-indexed, not trusted.
     for changed in (ids[:120], ids[:199] + [(ids[199] + 1) % V] + ids[:30]):
         seq.token_ids = list(changed)
         drafter.propose(seq, 8)
         fresh = NgramIndex(1, 4)
         fresh.extend(changed)
-        assert drafter._indexes[seq].after == fresh.after
+        assert drafter._indexes[seq.seq_id].after == fresh.after
     drafter.finish(seq)
     assert seq not in drafter._indexes
 

@@ -310,6 +310,7 @@ def eagle3_cost(model: Any, name: str, repeats: int) -> None:
     from safetensors.numpy import save_file
 
     from outrider.generation.contract import Chunk, DrafterContext
+    from outrider.generation.sampling import SamplingParams, new_generator
     from outrider_speculative.eagle3 import make_eagle3_drafter
 
     cfg = model.config
@@ -370,8 +371,9 @@ def eagle3_cost(model: Any, name: str, repeats: int) -> None:
         tokens = [int(t) for t in rng.integers(0, 30000, 514)]
         features = rng.standard_normal((512, 3 * hidden), dtype=np.float32)
 
-        class View:
-            seq_id, token_ids, new_features = "bench", tokens, features
+        class View:  # a greedy SequenceView
+            seq_id, token_ids, prompt_length, new_features = "bench", tokens, len(tokens), features
+            params, generator, last_hidden = SamplingParams(), new_generator(0), None
 
         start = time.perf_counter()
         drafter.observe(View())

@@ -54,6 +54,8 @@ ROPE_ROWS_AT_START = 2048  # positions the RoPE tables hold before a longer sequ
 class LlamaModel(torch.nn.Module):
     """Llama decoder implementing `CausalLM` (see contract.py) for CPU inference."""
 
+    array_api = "torch"  # its drafters' interface takes and returns torch tensors on `device`
+
     def __init__(
         self,
         config: LlamaConfig,

@@ -92,7 +92,7 @@ def make_draft_model_drafter(model: Any, options: Optional[Mapping[str, Any]] = 
 def make_eagle_drafter(model: Any, options: Optional[Mapping[str, Any]] = None, context: Any = None):
     """Drafter factory: an EagleDrafter over `model` (option `weights`: default the shipped head); for
     a model without torch (`array_api = "numpy"`), the same head drafting on numpy (draft_head.py)."""
-    if getattr(model, "array_api", "torch") == "numpy":
+    if model is not None and model.array_api == "numpy":  # no model: the torch factory says what is missing
         from .draft_head import make_host_eagle_drafter as make
     else:
         from .eagle import make_eagle_drafter as make

@@ -136,7 +136,7 @@ class HeadDrafter:
 
     def propose(self, view: Any, budget: int) -> SpecTree:
         """A best-first tree of at most `budget` nodes after the pending token (sampled children at T > 0)."""
-        hidden = getattr(view, "last_hidden", None)
+        hidden = view.last_hidden
         if budget <= 0 or hidden is None or not view.token_ids:
             return SpecTree()
         with self._lock:
@@ -145,10 +145,9 @@ class HeadDrafter:
     def _grow(self, view: Any, budget: int, root_state: Any) -> SpecTree:
         """The tree from `root_state` (the root's state for `_run`), the drafter's lock held."""
         k = self.max_children
-        params = getattr(view, "params", None)
-        temperature, top_k, top_p = sampling_knobs(params if params is not None else {})
+        temperature, top_k, top_p = sampling_knobs(view.params)
         sampled = self.sample and not is_greedy(temperature)
-        generator = getattr(view, "generator", None)
+        generator = view.generator
         pending = int(view.token_ids[-1])
 
         def expand_fn(nodes: list) -> list:

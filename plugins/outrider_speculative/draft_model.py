@@ -47,7 +47,7 @@ from typing import Any, Hashable, Mapping, Optional
 import numpy as np
 
 from outrider.generation.contract import Chunk, DrafterContext
-from outrider.generation.sampling import host_array, is_greedy, target_distribution
+from outrider.generation.sampling import SamplingParams, host_array, is_greedy, new_generator, target_distribution
 from outrider.generation.verify import sampling_knobs
 
 from .config import OptionError, path_drafter_options, read_bool, read_float, read_int
@@ -270,10 +270,9 @@ class DraftModelDrafter:
         n = len(tokens)
         if budget <= 0 or n == 0 or n + self.max_depth > self.cache.max_length:
             return SpecTree()
-        params = getattr(view, "params", None)
-        temperature, top_k, top_p = sampling_knobs(params if params is not None else {})
+        temperature, top_k, top_p = sampling_knobs(view.params)
         sampled = self.sample and not is_greedy(temperature)
-        generator = getattr(view, "generator", None)
+        generator = view.generator
         key = sequence_key(view)
         with self._lock:
             slot = self._slot(key)
@@ -297,22 +296,23 @@ class DraftModelDrafter:
 
     def warmup(self) -> None:
         """One sync and one tree forward, so the first request pays no set-up."""
-        class _View:
+        class _View:  # greedy, and with no seq_id: propose releases its slot when done
+            seq_id = None
             token_ids = [0, 0, 0]
-            params = None
-            generator = None
+            prompt_length = 3
+            params = SamplingParams()
+            generator = new_generator(0)
+            last_hidden = None
+            new_features = None
         self.propose(_View(), min(4, self.max_depth))
         with self._lock:
-            for key in list(self._slots):
-                self._release(self._slots.pop(key))
             self.calls, self.seconds = 0, 0.0
 
 
 def check_vocabulary(target: Any, draft: Any, path: str) -> None:
     """ValueError unless `draft` (a tokenizer) has `target`'s vocabulary (see the module docstring)."""
-    if target is None or not hasattr(target, "token_text"):
-        raise ValueError("the draft model's vocabulary cannot be checked: the target has no tokenizer with "
-                         "token_text(id)")
+    if target is None:
+        raise ValueError("the draft model's vocabulary cannot be checked: the target's tokenizer was not given")
     a, b = int(target.vocab_size), int(draft.vocab_size)
     if abs(a - b) > VOCAB_SLACK:
         raise ValueError(f"draft model {path!r} has {b} token ids, the target {a}: not the same vocabulary "
@@ -338,7 +338,7 @@ def make_draft_model_drafter(model: Any, options: Optional[Mapping[str, Any]] = 
     options, path = path_drafter_options(options, OPTIONS, "model-drafter",
                                          "the path of the draft model's file (a GGUF)")
     context = context or DrafterContext()
-    load = getattr(model, "load_draft_model", None)
+    load = getattr(model, "load_draft_model", None)  # optional in CausalLM: probing is how it is told
     if load is None:
         raise OptionError("path", f"this target ({type(model).__name__}) cannot load a draft model: the draft-model "
                                   f"drafter runs on the llm backend's native CPU runtime")

@@ -14,13 +14,13 @@ n-token match (longer contexts copy more reliably). Shares and priors only shrin
 so a node never scores above its parent.
 
 State: one incremental index per sequence, `{n-gram tuple: [positions after it]}`, keyed by
-`sequence_key(seq)` (the engine's Sequence object itself, or its `seq_id`). Every entry point
+`sequence_key(seq)` (its `seq_id`). Every entry point
 syncs it with `seq.token_ids`, which only ever grows: it indexes the tokens appended since the
 last call (and starts over when the list got shorter or its token at the last indexed position
 changed: committed tokens never change, so that check is enough). So `start(seq)` at
 admission and `observe(seq, outcome)` after each step are optional and idempotent (they move the
-indexing cost off the propose path); `finish(seq)` frees the index. A view that cannot be
-hashed gets a throwaway index, which is correct but costs O(length) a call.
+indexing cost off the propose path); `finish(seq)` frees the index. A view whose seq_id is None
+or cannot be hashed gets a throwaway index, which is correct but costs O(length) a call.
 """
 
 from __future__ import annotations
@@ -46,14 +46,13 @@ _CONTINUE_PROB = {1: 0.5, 2: 0.7, 3: 0.8, 4: 0.85}
 
 
 def sequence_key(seq: Any) -> Optional[Hashable]:
-    """What per-sequence state is keyed by: `seq.seq_id` when it has one, else the object itself."""
-    key = getattr(seq, "seq_id", None)
-    if key is None:
-        key = seq
+    """What per-sequence state is keyed by: `seq.seq_id`; None (state rebuilt on every call) for a
+    view whose seq_id is None or cannot be hashed."""
+    key = seq.seq_id
     try:
         hash(key)
     except TypeError:
-        return None  # unhashable view: state is rebuilt on every call
+        return None
     return key
 
 

@@ -200,7 +200,7 @@ class CompiledHead:
         self.eps, self.shape, self.inter = cfg.rms_norm_eps, (cfg.hidden_size,), cfg.intermediate_size
         self.dtype = dtype
         self.low = dtype if dtype != torch.float32 else None
-        device = torch.device(getattr(model, "device", "cpu"))
+        device = torch.device(model.device)
         own = lambda p: p.detach().to(device, torch.float32).clone()  # noqa: E731
         self.norm_hidden = own(head.norm_hidden)
         self.norm_embed = own(head.norm_embed)
@@ -245,11 +245,11 @@ class EagleDrafter(HeadDrafter):
                          sample)
         # `loaded` is not kept: its fp32 module (32 MB for SmolLM2's head) would stay resident,
         # and the compiled head below holds what drafting reads.
-        self.device = torch.device(getattr(model, "device", "cpu"))
+        self.device = torch.device(model.device)
         # Indexed by top-k results, which come back on the model's device.
         self.draft_vocab = loaded.draft_vocab.to(self.device)
         if dtype is None:
-            dtype = getattr(model, "dtype", torch.float32)
+            dtype = model.dtype
         self.compiled = CompiledHead(loaded.head, lm_rows_for(model, loaded.draft_vocab), model, dtype, quantize)
 
     def warmup(self) -> None:
@@ -280,7 +280,7 @@ class EagleDrafter(HeadDrafter):
 def make_eagle_drafter(model: Any, options: Optional[Mapping[str, Any]] = None) -> EagleDrafter:
     """Drafter factory for `outrider_register_drafters`: loads and checks the head, warms it up."""
     options = known_options(options, OPTIONS, "eagle")
-    if model is None or not hasattr(model, "embed"):
+    if model is None:
         raise ValueError("the eagle drafter needs the loaded target model (its embeddings and LM head)")
     weights = options.get("weights") or DEFAULT_WEIGHTS
     if not isinstance(weights, (str, os.PathLike)):

@@ -240,7 +240,7 @@ class Eagle3Drafter(HeadDrafter):
 
     def observe(self, seq: Any, outcome: Any = None) -> None:
         """Take the target's features of the rows the step committed; feed them once enough wait."""
-        features = getattr(seq, "new_features", None)
+        features = seq.new_features
         if features is None or len(features) == 0:
             return
         features = host_array(features)
@@ -343,9 +343,10 @@ def make_eagle3_drafter(model: Any, options: Optional[Mapping[str, Any]] = None,
     options, path = path_drafter_options(options, OPTIONS, "eagle3",
                                          "the folder of an EAGLE-3 head (config.json + .safetensors)")
     context = context or DrafterContext()
+    # capture_hidden and num_layers are optional in CausalLM: probing is how a model without them is told.
     capture = getattr(model, "capture_hidden", None)
     layers_total = int(getattr(model, "num_layers", 0) or 0)
-    if capture is None or not layers_total or getattr(model, "array_api", None) != "numpy":
+    if capture is None or not layers_total or model.array_api != "numpy":
         raise OptionError("path", f"this target ({type(model).__name__}) cannot give the hidden states of its layers "
                                   f"that an EAGLE-3 head reads: it runs on the llm backend's native CPU runtime")
     resolved = context.resolve(path)

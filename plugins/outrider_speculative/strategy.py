@@ -108,9 +108,7 @@ class BudgetController:
 def _seeded(seq: Any) -> bool:
     """A sampling request with a seed: its output must not depend on timing, so the gate decides for
     it once, at its start (at T = 0 the output never depends on the drafts)."""
-    params = getattr(seq, "params", None)
-    seed = getattr(params, "seed", None)
-    return seed is not None and not is_greedy(float(getattr(params, "temperature", 0.0) or 0.0))
+    return seq.params.seed is not None and not is_greedy(seq.params.temperature)
 
 
 class SpeculativeStrategy:
@@ -177,9 +175,12 @@ class SpeculativeStrategy:
         for name in self.config.drafters:
             try:
                 drafter = self.factories[name](model, self.config.options_for(name), context)
-                if not callable(getattr(drafter, "propose", None)):
+                # The registration-time check of the Drafter contract: later calls read its members plainly.
+                missing = [] if callable(getattr(drafter, "propose", None)) else ["propose(seq, budget)"]
+                missing += [] if hasattr(drafter, "name") else ["name"]
+                if missing:
                     raise TypeError(f"the factory registered as drafter {name!r} returned a {type(drafter).__name__} "
-                                    f"without propose(seq, budget) (outrider.generation.contract.Drafter)")
+                                    f"without {' or '.join(missing)} (outrider.generation.contract.Drafter)")
                 drafters.append(drafter)
             except OptionError as exc:
                 raise ManifestError(f"{self.where}: field 'speculative.{name}.{exc.field}': {exc.message}") from None
@@ -221,7 +222,7 @@ class SpeculativeStrategy:
         if not self.attached:
             self.attach()
         for drafter in self.drafters:
-            hook = getattr(drafter, method, None)
+            hook = getattr(drafter, method, None)  # start/observe/finish: optional Drafter hooks
             if hook is not None:
                 hook(*args)
 
@@ -229,8 +230,7 @@ class SpeculativeStrategy:
         """The cost gate of `seq`'s kind (greedy or sampling), None when the gate is off."""
         if self.gates is None:
             return None
-        params = getattr(seq, "params", None)
-        return self.gates["greedy" if is_greedy(float(getattr(params, "temperature", 0.0) or 0.0)) else "sampling"]
+        return self.gates["greedy" if is_greedy(seq.params.temperature) else "sampling"]
 
     def _instance_drafts(self) -> bool:
         """Whether the instance's sampling gate has found drafting paying (unseeded sampling requests
@@ -297,7 +297,7 @@ class SpeculativeStrategy:
                     trees.append(drafter.propose(seq, budget))
                 except Exception:  # a drafter bug costs speed, never a request: an empty draft is valid
                     self.stats["drafter_errors"] += 1
-                    log.exception("drafter %r failed; drafting without it", getattr(drafter, "name", drafter))
+                    log.exception("drafter %r failed; drafting without it", drafter.name)
             trees = [t for t in trees if len(t)]
             if trees:
                 merged = trees[0] if len(trees) == 1 else merge_trees(*trees)

@@ -102,6 +102,9 @@ class RecomputeCache:
 class HFLlama:
     """`CausalLM` over transformers' LlamaForCausalLM (fp32, CPU)."""
 
+    device = "cpu"
+    array_api = "torch"
+
     def __init__(self, seed: int = 0, vocab_size: int = len(ALPHABET)) -> None:
         from transformers import LlamaConfig, LlamaForCausalLM
 

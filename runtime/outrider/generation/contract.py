@@ -104,11 +104,13 @@ class CausalLM(Protocol):
     vocab_size: int
     hidden_size: int
     dtype: Any  # the compute dtype of its matmuls (float32, bfloat16, ...)
+    device: Any  # where its tensors live ("cpu", "cuda:0", a torch.device): where a drafter puts its own
+    array_api: str  # "torch" or "numpy": the arrays the drafters' interface below takes and returns
 
     def new_cache(self, num_slots: int, max_length: int) -> KVCache: ...
     def forward(self, cache: KVCache, chunks: list[Chunk],
                 logit_rows: Optional[np.ndarray] = None) -> ForwardOutput: ...
-    # The drafters' interface (a torch model takes and returns torch tensors here):
+    # The drafters' interface (torch tensors or numpy arrays, as `array_api` says):
     def embed(self, tokens: Any) -> Any: ...  # int64 [n] -> float32 [n, hidden]
     def lm_head(self, hidden: Any) -> Any: ...  # [n, hidden] -> float32 [n, vocab]
     def lm_head_rows(self, tokens: Any) -> Any: ...  # the head's rows for `tokens`, fp32 [k, hidden]
