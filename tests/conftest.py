@@ -82,3 +82,22 @@ def write_manifest(tmp_path: Path, text: str, name: str = "m.yaml") -> Path:
     path = tmp_path / name
     path.write_text(text)
     return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_http(tmp_path_factory) -> Iterator[ServerProcess]:
+    """smollm2-int8 (the native int4 path, speculation on) over ZeroMQ and HTTP (`.base`), shared by
+    the test files that drive the HTTP routes with real SDKs: one server start for all of them."""
+    pytest.importorskip("gguf")
+    pytest.importorskip("starlette")
+    port = free_port()
+    server = start_server(tmp_path_factory.mktemp("smollm2-http"), [MANIFESTS / "smollm2-int8.yaml"],
+                          ["outrider_llm", "outrider_speculative", "outrider_quantize", "outrider_http"],
+                          args=["--http", f"127.0.0.1:{port}", "--set", "options.max_sequences=4",
+                                "--set", "options.max_length=1024"])
+    try:
+        server.wait_ready(timeout=600)
+        server.base = f"http://127.0.0.1:{port}"
+        yield server
+    finally:
+        server.stop()

@@ -17,7 +17,6 @@ pytest.importorskip("llguidance")
 pytest.importorskip("gguf")
 jsonschema = pytest.importorskip("jsonschema")
 
-from conftest import MANIFESTS, free_port  # noqa: E402
 
 MODEL = "smollm2-int8"
 WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
@@ -31,20 +30,8 @@ QUESTION = [{"role": "user", "content": "What is the weather in Paris, in celsiu
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    from conftest import start_server
-
-    port = free_port()
-    served = start_server(tmp_path_factory.mktemp("http-agents"), [MANIFESTS / "smollm2-int8.yaml"],
-                          ["outrider_llm", "outrider_speculative", "outrider_quantize", "outrider_http"],
-                          args=["--http", f"127.0.0.1:{port}", "--set", "options.max_sequences=4",
-                                "--set", "options.max_length=1024"])
-    try:
-        served.wait_ready(timeout=600)
-        served.base = f"http://127.0.0.1:{port}"
-        yield served
-    finally:
-        served.stop()
+def server(smollm2_http):
+    return smollm2_http
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ pytest.importorskip("llguidance")
 pytest.importorskip("gguf")
 jsonschema = pytest.importorskip("jsonschema")
 
-from conftest import MANIFESTS, free_port  # noqa: E402
 
 MODEL = "smollm2-int8"
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 30},
@@ -31,21 +30,10 @@ TIME = {"type": "function", "function": {
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory):
-    from conftest import start_server
-
-    port = free_port()
-    server = start_server(tmp_path_factory.mktemp("http-structured"), [MANIFESTS / "smollm2-int8.yaml"],
-                          ["outrider_llm", "outrider_speculative", "outrider_quantize", "outrider_http"],
-                          args=["--http", f"127.0.0.1:{port}", "--set", "options.max_sequences=4",
-                                "--set", "options.max_length=1024"])
-    try:
-        server.wait_ready(timeout=600)
-        api = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=300)
-        api.zmq = server.client  # the same engine over ZeroMQ, for token ids
-        yield api
-    finally:
-        server.stop()
+def client(smollm2_http):
+    api = openai.OpenAI(base_url=smollm2_http.base + "/v1", api_key="unused", max_retries=0, timeout=300)
+    api.zmq = smollm2_http.client  # the same engine over ZeroMQ, for token ids
+    return api
 
 
 def _ask(content: str) -> list[dict]:
