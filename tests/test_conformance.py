@@ -91,3 +91,42 @@ def test_the_front_kit_catches_a_reach_past_the_submitter():
     registry = create_registry(["outrider_echo"], load_entry_points=False)
     with pytest.raises(AttributeError, match="server.config, which is not part of outrider.front.Submitter"):
         check_front(Nosy, lambda address: None, "unused", registry=registry)
+
+
+def test_every_causal_lm_passes_the_model_kit(tmp_path):
+    """The torch model, the torch-free native model (a GGUF's own blocks) and the test plugin's
+    transformers model: tree attention, partial commits and shapes as the engine relies on."""
+    pytest.importorskip("gguf")
+    from gguf_models import write_tiny_gguf
+    from outrider.artifacts import ArtifactCache
+    from outrider.testing import check_causal_lm
+    from outrider_llm.conversion import load_native_artifact
+    from outrider_llm.loading import tiny_random_llama
+    from outrider_llm.native_model import NativeLlama
+
+    torch_model, _ = tiny_random_llama(vocab_size=16, hidden_size=32, num_layers=2, seed=3), None
+    path, _ = write_tiny_gguf(tmp_path, "llama", seed=4, matrix_type="Q8_0")
+    native, tokenizer = NativeLlama.from_artifact(load_native_artifact(path, ArtifactCache(tmp_path / "cache")))
+    sys.path.insert(0, str(TEST_PLUGINS))
+    from outrider_test_hf_llama import HFLlama
+
+    for model, prompt in ((torch_model, [3, 1, 4, 1, 5, 9]), (native, tokenizer.encode("the cat sat on the")),
+                          (HFLlama(seed=1), [3, 1, 4, 1, 5])):
+        assert check_causal_lm(model, prompt)["max_relative_difference"] <= 1e-3
+
+
+def test_the_model_kit_catches_attention_past_the_tree():
+    """A model whose tree rows see their siblings (the mask ignored) is refused, row named."""
+    from outrider.generation.contract import Chunk
+    from outrider.testing import check_causal_lm
+    from outrider_llm.loading import tiny_random_llama
+
+    model = tiny_random_llama(vocab_size=16, hidden_size=32, num_layers=2, seed=3)
+    forward = model.forward
+
+    def causal_only(cache, chunks, logit_rows=None):  # drops the tree mask: every row sees the rows before it
+        return forward(cache, [Chunk(c.slot, c.tokens, c.positions) for c in chunks], logit_rows)
+
+    model.forward = causal_only
+    with pytest.raises(AssertionError, match="tree row 2"):
+        check_causal_lm(model, [3, 1, 4, 1, 5, 9])

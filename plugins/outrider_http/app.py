@@ -26,8 +26,7 @@ def routes(dispatch: Dispatcher) -> list[Route]:
     server = dispatch.server
 
     async def metrics(request: Request) -> Response:
-        repository = getattr(server, "repository", None)
-        body, content_type = metrics_text(lambda: server.models, repository.index if repository is not None else None)
+        body, content_type = metrics_text(lambda: server.models, server.repository.index)
         return Response(body, media_type=content_type)
 
     async def openapi(request: Request) -> Response:
@@ -35,9 +34,8 @@ def routes(dispatch: Dispatcher) -> list[Route]:
 
         return JSONResponse(document())
 
-    found = [*kserve.routes(dispatch), *triton_generate.routes(dispatch), Route("/metrics", metrics)]
-    if getattr(server, "repository", None) is not None:
-        found += repository_api.routes(dispatch)
+    found = [*kserve.routes(dispatch), *triton_generate.routes(dispatch), Route("/metrics", metrics),
+             *repository_api.routes(dispatch)]
     try:
         from . import anthropic_messages, embeddings_api, openai_api, openai_responses, tokenize_api
     except ImportError as exc:  # sse-starlette is in outrider[http], not in ray[serve] (a Ray replica)

@@ -10,8 +10,8 @@ Use from pytest:
         sample_inputs = {"x": np.ones((2, 4), np.float32)}
 
 or call `check_backend(...)` directly; every failure is an AssertionError that says what is wrong.
-A generating backend has `check_generating_backend`, a front `check_front`, a drafter
-`check_drafter`, a tokenizer `outrider.generation.contract.check_tokenizer`.
+A generating backend has `check_generating_backend` (and its model `check_causal_lm`), a front
+`check_front`, a drafter `check_drafter`, a tokenizer `outrider.generation.contract.check_tokenizer`.
 
 Running a real server (`ServerProcess`, `free_port`, `rss_mb`, `tree_rss_mb`) is `outrider.harness`'s,
 re-exported here.
@@ -222,6 +222,62 @@ def check_generating_backend(backend_class: type[Backend], manifest: Manifest | 
     backend.unload()
     timings["generated_tokens"] = sum(len(f.get("token_ids", [])) for f in finals)
     return timings
+
+
+def check_causal_lm(model: Any, prompt_ids: list[int], atol: float = 1e-3) -> dict[str, Any]:
+    """Check a model against the CausalLM contract the engine and drafters rely on: a prompt's
+    logits and hidden rows have the declared shapes; a draft tree fed after the pending token gives
+    each node the logits a one-token step on its path alone would (tree attention sees ancestors
+    only); committing a subset of the fed rows (`cache.commit(slot, keep)`) leaves the cache as if
+    only those tokens had been fed; and `fingerprint()` is a stable string. Inputs are numpy, as
+    the engine passes them; outputs may be numpy or torch. Returns the largest difference seen."""
+    from .generation.contract import Chunk, DraftTree
+    from .generation.sampling import host_array
+
+    vocab, hidden_size = int(model.vocab_size), int(model.hidden_size)
+    assert model.array_api in ("torch", "numpy"), f"array_api must be 'torch' or 'numpy', got {model.array_api!r}"
+    prompt = np.array(prompt_ids, dtype=np.int64)
+    n = len(prompt)
+    assert n >= 2 and all(0 <= t < vocab for t in prompt_ids), "give a prompt of 2+ ids inside the vocabulary"
+
+    def fresh(ids: list[int]) -> np.ndarray:
+        """The last row's logits of `ids` fed at once to a new cache."""
+        cache = model.new_cache(1, n + 16)
+        out = model.forward(cache, [Chunk(0, np.array(ids, dtype=np.int64), np.arange(len(ids), dtype=np.int64))])
+        return host_array(out.logits)[-1]
+
+    cache = model.new_cache(2, n + 16)
+    assert cache.num_slots == 2 and cache.max_length >= n + 16 and cache.length(0) == 0
+    out = model.forward(cache, [Chunk(0, prompt[:-1], np.arange(n - 1, dtype=np.int64))])
+    logits, hidden = host_array(out.logits), host_array(out.hidden)
+    assert logits.shape == (n - 1, vocab), f"logits are {logits.shape}, expected {(n - 1, vocab)}"
+    assert hidden.shape == (n - 1, hidden_size), f"hidden rows are {hidden.shape}, expected {(n - 1, hidden_size)}"
+    cache.commit(0, list(range(n - 1)))
+    assert cache.length(0) == n - 1, f"after committing {n - 1} rows the slot holds {cache.length(0)}"
+    a = int(np.argmax(fresh(prompt_ids)))  # the likely next token, and another
+    b = (a + 1) % vocab
+    tree = DraftTree(tokens=[a, b, a], parents=[-1, -1, 1], probs=[1.0] * 3)  # two branches, one deeper
+    fed = np.array([prompt_ids[-1], *tree.tokens], dtype=np.int64)
+    positions = n - 1 + np.array([0, *tree.depths()], dtype=np.int64)
+    rows = host_array(model.forward(cache, [Chunk(0, fed, positions, tree.mask())]).logits)
+    worst = 0.0
+    for row, path in ((0, []), (1, [a]), (2, [b]), (3, [b, a])):
+        reference = fresh([*prompt_ids, *path])
+        scale = max(1.0, float(np.abs(reference).max()))
+        worst = max(worst, float(np.abs(rows[row] - reference).max()) / scale)
+        assert worst <= atol, f"tree row {row} (path {path}) differs from its path fed alone by {worst:.2e} (relative)"
+    cache.commit(0, [0, 2])  # keep the pending token and the branch b only
+    assert cache.length(0) == n + 1, f"after keeping 2 of 4 fed rows the slot holds {cache.length(0)}, not {n + 1}"
+    after = host_array(model.forward(cache, [Chunk(0, np.array([a], dtype=np.int64),
+                                                   np.array([n + 1], dtype=np.int64))]).logits)[-1]
+    reference = fresh([*prompt_ids, b, a])
+    drift = float(np.abs(after - reference).max()) / max(1.0, float(np.abs(reference).max()))
+    assert drift <= atol, f"after a partial commit the next step differs from a fresh feed by {drift:.2e} (relative)"
+    cache.reset(0)
+    assert cache.length(0) == 0, "reset(slot) must empty the slot"
+    assert isinstance(model.fingerprint(), str) and model.fingerprint() == model.fingerprint(), \
+        "fingerprint() must be a stable string"
+    return {"max_relative_difference": max(worst, drift)}
 
 
 SUBMITTER_MEMBERS = ("limits", "started", "models", "ready", "health", "submit", "cancel", "find_model", "repository")
