@@ -130,3 +130,52 @@ def test_the_model_kit_catches_attention_past_the_tree():
     model.forward = causal_only
     with pytest.raises(AssertionError, match="tree row 2"):
         check_causal_lm(model, [3, 1, 4, 1, 5, 9])
+
+
+def test_batch_policies_pass_the_policy_kit():
+    """The batching accelerator and the core's one-request default, over MiniLM (ONNX Runtime):
+    every request answered once, each as it is alone."""
+    import numpy as np
+
+    pytest.importorskip("onnxruntime")
+    from conftest import MANIFESTS
+    from outrider.manifest import load_manifest
+    from outrider.testing import check_batch_policy
+
+    registry = create_registry(["outrider_text", "outrider_onnxruntime", "outrider_batching"], load_entry_points=False)
+    manifest = load_manifest(MANIFESTS / "minilm.yaml")
+    choice = registry.choose_backend(manifest)
+    backend = choice.backend(manifest, choice.device, registry.make_task(manifest))
+    backend.prepare_artifact()
+    backend.load()
+    sentences = ["a short one", "a somewhat longer sentence about the weather today", "x", "the cat sat on the mat"]
+    requests = [{"text": np.array([s], dtype=object)} for s in sentences * 3]
+    batched = check_batch_policy(registry, manifest, backend, requests)
+    assert max(batched["batch_sizes"]) > 1  # the policy did batch: the kit checked rows against neighbours
+    backend.unload()
+    echo_registry = create_registry(["outrider_echo"], load_entry_points=False)
+    echo = echo_registry.backends["echo"](_manifest({"name": "echo", "backend": "echo"}), "cpu", None)
+    echo.load()
+    single = check_batch_policy(echo_registry, {"name": "echo", "backend": "echo"}, echo,
+                                [{"x": np.full((1, 2), float(i), np.float32)} for i in range(3)])
+    assert single["batch_sizes"] == [1, 1, 1]  # the core's default policy: one request per execute
+
+
+def _manifest(data: dict):
+    from outrider.manifest import validate_manifest
+
+    return validate_manifest(data, "<test>")
+
+
+def test_speculative_decoding_passes_the_strategy_kit():
+    from outrider.testing import check_decode_strategy
+    from outrider_llm.loading import tiny_random_llama
+
+    from test_generate import CharTokenizer
+
+    registry = create_registry(["outrider_llm", "outrider_speculative"], load_entry_points=False)
+    model = tiny_random_llama(vocab_size=16, hidden_size=32, num_layers=2, seed=3)
+    manifest = {"name": "t", "backend": "llm", "speculative": {"drafters": ["ngram"], "cost_gate": False}}
+    counts = check_decode_strategy(registry, manifest, model, CharTokenizer(16),
+                                   ["abcabcabcabc", "hellohellohello", "ababcdcdababcd"])
+    assert counts["draft_tokens"] > 0

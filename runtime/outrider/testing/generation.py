@@ -1,144 +1,21 @@
-"""Conformance checks for backend plugins, for third-party authors and the built-ins alike.
-
-Use from pytest:
-
-    from outrider.testing import BackendConformance
-
-    class TestMyBackend(BackendConformance):
-        plugins = ["my_plugin"]                     # modules to register
-        manifest = {"name": "m", "backend": "mine", "inputs": [...], "outputs": [...]}
-        sample_inputs = {"x": np.ones((2, 4), np.float32)}
-
-or call `check_backend(...)` directly; every failure is an AssertionError that says what is wrong.
-A generating backend has `check_generating_backend` (and its model `check_causal_lm`), a front
-`check_front`, a drafter `check_drafter`, a tokenizer `outrider.generation.contract.check_tokenizer`.
-
-Running a real server (`ServerProcess`, `free_port`, `rss_mb`, `tree_rss_mb`) is `outrider.harness`'s,
-re-exported here.
-"""
+"""Conformance checks for what generates: a generating backend, its model (CausalLM), a decode
+strategy and a drafter."""
 
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import numpy as np
 
-from .backend import Availability, Backend, warmup_inputs
-from .harness import ServerProcess, free_port, process_tree, rss_mb, tree_rss_mb  # noqa: F401  (re-exported)
-from .manifest import Manifest, TensorSpec, validate_manifest
-from .plugins import PluginRegistry, create_registry
-from .protocol import datatype_of
-
-
-def _check_outputs(manifest: Manifest, inputs: dict[str, np.ndarray], outputs: Any) -> None:
-    assert isinstance(outputs, dict), f"execute must return a dict of arrays, got {type(outputs).__name__}"
-    for name, value in outputs.items():
-        assert isinstance(value, np.ndarray), f"output {name!r} is {type(value).__name__}, expected numpy.ndarray"
-    batch = next((v.shape[0] for v in inputs.values() if v.ndim), None)
-    for spec in manifest.outputs:
-        assert spec.name in outputs, f"output {spec.name!r} declared in the manifest is missing; got {sorted(outputs)}"
-        _check_spec(spec, outputs[spec.name], batch)
-
-
-def _check_spec(spec: TensorSpec, value: np.ndarray, batch: Optional[int]) -> None:
-    got = datatype_of(value)
-    assert got == spec.datatype, f"output {spec.name!r} is {got}, manifest says {spec.datatype}"
-    assert value.ndim == len(spec.shape), f"output {spec.name!r} has shape {value.shape}, manifest says {spec.shape}"
-    for i, (dim, want) in enumerate(zip(value.shape, spec.shape)):
-        assert want in (-1, dim), f"output {spec.name!r} dim {i} is {dim}, manifest says {want}"
-    if batch is not None and spec.shape and spec.shape[0] == -1:
-        assert value.shape[0] == batch, f"output {spec.name!r} has batch {value.shape[0]}, inputs had {batch}"
-
-
-def _close(a: np.ndarray, b: np.ndarray, what: str) -> None:
-    if a.dtype == object or b.dtype == object:
-        assert a.tolist() == b.tolist(), f"{what}: outputs differ"
-    else:
-        np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-4, err_msg=what)
-
-
-def check_backend(
-    backend_class: type[Backend],
-    manifest: Manifest | dict,
-    sample_inputs: Optional[dict[str, np.ndarray]] = None,
-    registry: Optional[PluginRegistry] = None,
-    device: Optional[str] = None,
-) -> dict[str, Any]:
-    """Run a backend through its whole lifecycle and check each step; returns timings."""
-    assert isinstance(backend_class, type) and issubclass(backend_class, Backend), "backend must subclass Backend"
-    assert backend_class.name, "backend class needs a non-empty `name`"
-    if isinstance(manifest, dict):
-        manifest = validate_manifest(manifest, "<conformance manifest>")
-    t0 = time.perf_counter()
-    avail = backend_class.availability(manifest, manifest.device)
-    assert isinstance(avail, Availability), "availability() must return an Availability"
-    assert time.perf_counter() - t0 < 5.0, "availability() must be cheap (it runs on every start)"
-    if not avail.available:
-        assert avail.reason, "an unavailable backend must say why"
-        return {"available": False, "reason": avail.reason}
-    registry = registry or create_registry(load_entry_points=False)
-    task = registry.make_task(manifest)
-    backend = backend_class(manifest, device or backend_class.resolve_device(manifest.device), task)
-    timings: dict[str, Any] = {"available": True}
-    t0 = time.perf_counter()
-    backend.prepare_artifact()  # as the core does: the manifest's artifact transforms, then load
-    backend.load()
-    timings["load_seconds"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    backend.warmup()
-    timings["warmup_seconds"] = time.perf_counter() - t0
-
-    inputs = sample_inputs or warmup_inputs(manifest)
-    first = backend.execute(inputs)
-    _check_outputs(manifest, inputs, first)
-    again = backend.execute(inputs)
-    for name in first:
-        _close(first[name], again[name], f"output {name!r} differs between two identical calls")
-
-    # Batch consistency: the batcher concatenates requests, so rows must not depend on each other.
-    batchable = manifest.inputs and all(s.shape and s.shape[0] == -1 for s in manifest.inputs)
-    if batchable and all(v.shape[0] >= 2 for v in inputs.values()):
-        one = backend.execute({k: v[:1] for k, v in inputs.items()})
-        for name in one:
-            _close(one[name], first[name][:1], f"output {name!r} of row 0 depends on the other rows of the batch")
-
-    health = backend.health()
-    assert isinstance(health, dict) and isinstance(health.get("healthy"), bool), \
-        f"health() must return a dict with a boolean 'healthy', got {health!r}"
-    assert health["healthy"], f"a loaded backend reports unhealthy: {health}"
-    assert isinstance(backend.metadata(), dict), "metadata() must return a dict"
-    backend.unload()
-    return timings
-
-
-class BackendConformance:
-    """pytest mixin: set `plugins`, `backend` (name), `manifest` and optionally `sample_inputs`."""
-
-    plugins: list[str] = []
-    backend: str = ""
-    manifest: dict = {}
-    sample_inputs: Optional[dict[str, np.ndarray]] = None
-
-    def _registry(self) -> PluginRegistry:
-        return create_registry(modules=self.plugins, load_entry_points=False)
-
-    def test_registers_backend(self) -> None:
-        registry = self._registry()
-        assert self.backend in registry.backends, f"no plugin in {self.plugins} registers backend {self.backend!r}"
-
-    def test_lifecycle(self) -> None:
-        import pytest
-
-        registry = self._registry()
-        result = check_backend(registry.backends[self.backend], self.manifest, self.sample_inputs, registry)
-        if not result["available"]:
-            pytest.skip(f"backend {self.backend!r} unavailable here: {result['reason']}")
+from ..backend import Backend
+from ..manifest import Manifest, validate_manifest
+from ..plugins import PluginRegistry, create_registry
 
 
 def _run_generations(engine: Any, parameter_sets: list[dict]) -> tuple[list[dict], list[list[dict]]]:
     """(final reply, stream chunks) of each request, run together through `engine` to the end."""
-    from .serving.request import PendingRequest
+    from ..serving.request import PendingRequest
 
     finals: dict[int, dict] = {}
     chunks: dict[int, list[dict]] = {i: [] for i in range(len(parameter_sets))}
@@ -169,8 +46,8 @@ def check_generating_backend(backend_class: type[Backend], manifest: Manifest | 
     is deterministic and the same alone or batched with others; a seed reproduces a sampled
     output; streamed chunks add up to the final reply; `max_tokens` holds; and a bad parameter
     fails its own request alone. Returns timings and counts."""
-    from .backend import GeneratingBackend
-    from .generation.contract import check_tokenizer
+    from ..backend import GeneratingBackend
+    from ..generation.contract import check_tokenizer
 
     assert issubclass(backend_class, GeneratingBackend), "a generating backend subclasses GeneratingBackend"
     if isinstance(manifest, dict):
@@ -231,8 +108,8 @@ def check_causal_lm(model: Any, prompt_ids: list[int], atol: float = 1e-3) -> di
     only); committing a subset of the fed rows (`cache.commit(slot, keep)`) leaves the cache as if
     only those tokens had been fed; and `fingerprint()` is a stable string. Inputs are numpy, as
     the engine passes them; outputs may be numpy or torch. Returns the largest difference seen."""
-    from .generation.contract import Chunk, DraftTree
-    from .generation.sampling import host_array
+    from ..generation.contract import Chunk, DraftTree
+    from ..generation.sampling import host_array
 
     vocab, hidden_size = int(model.vocab_size), int(model.hidden_size)
     assert model.array_api in ("torch", "numpy"), f"array_api must be 'torch' or 'numpy', got {model.array_api!r}"
@@ -280,85 +157,33 @@ def check_causal_lm(model: Any, prompt_ids: list[int], atol: float = 1e-3) -> di
     return {"max_relative_difference": max(worst, drift)}
 
 
-SUBMITTER_MEMBERS = ("limits", "started", "models", "ready", "health", "submit", "cancel", "find_model", "repository")
+def check_decode_strategy(registry: PluginRegistry, manifest: Manifest | dict, model: Any, tokenizer: Any,
+                          prompts: list[str], max_tokens: int = 24) -> dict[str, Any]:
+    """Run the decode strategy `manifest` turns on through the engine: greedy output with it is the
+    model's own, token for token, for prompts served together, and it leaves nothing behind (every
+    slot free, a second run the same). Returns the draft and accepted token counts."""
+    from ..generation.engine import GenerationEngine
 
-
-class SubmitterView:
-    """The server as a front may see it: the `Submitter` members and nothing else (any other
-    attribute is an AttributeError naming it), with each submit and its replies counted."""
-
-    def __init__(self, server: Any) -> None:
-        self._server = server
-        self.submitted = 0
-        self.replied = 0
-
-    def __getattr__(self, name: str) -> Any:
-        if name not in SUBMITTER_MEMBERS:
-            raise AttributeError(f"a front used server.{name}, which is not part of outrider.front.Submitter "
-                                 f"({', '.join(SUBMITTER_MEMBERS)})")
-        return getattr(self._server, name)
-
-    def submit(self, *args: Any, on_reply: Any, **kwargs: Any) -> Any:
-        assert isinstance(kwargs.get("client"), bytes), "submit(client=...) must be the connection's key (bytes)"
-        self.submitted += 1
-
-        def counted(header: dict, outputs: Any) -> None:
-            self.replied += 1
-            on_reply(header, outputs)
-
-        return self._server.submit(*args, on_reply=counted, **kwargs)
-
-
-def check_front(front_class: type, roundtrip: Callable[[str], Any], address: str,
-                manifests: Optional[list[Manifest | dict]] = None, registry: Optional[PluginRegistry] = None,
-                options: Optional[dict] = None, stop_timeout: float = 5.0) -> dict[str, Any]:
-    """Run a front plugin (outrider.front.Front) beside a real server: it is built on the server
-    seen only through `Submitter` (SubmitterView), listens once `start()` returns, takes the
-    request `roundtrip(address)` sends in its own protocol (an echo model is served unless
-    `manifests` say otherwise) through `submit` with its client key, hands each reply back, and
-    `stop()` returns within `stop_timeout` with the address released. Returns counts."""
-    import socket
-    import tempfile
-
-    from .front import Front
-    from .server import Server, ServerConfig
-
-    assert isinstance(front_class, type) and issubclass(front_class, Front) and front_class.name, \
-        "a front subclasses outrider.front.Front and has a name"
-    available, why = front_class.availability()
-    if not available:
-        assert why, "an unavailable front must say why"
-        return {"available": False, "reason": why}
-    registry = registry or create_registry(load_entry_points=False)
-    models = [validate_manifest(m, "<conformance manifest>") if isinstance(m, dict) else m
-              for m in (manifests or [{"name": "echo", "backend": "echo"}])]
-    with tempfile.TemporaryDirectory() as directory:
-        server = Server(models, registry, ServerConfig(address=f"ipc://{directory}/conformance.sock"))
-        server.start()
-        try:
-            deadline = time.monotonic() + 120
-            while not server.ready:
-                assert time.monotonic() < deadline, "the conformance server's models did not get ready"
-                time.sleep(0.05)
-            view = SubmitterView(server)
-            front = front_class(view, address, options or {})
-            front.start()
-            try:
-                roundtrip(address)
-                assert view.submitted >= 1, "the request did not reach server.submit"
-                assert view.replied == view.submitted, f"{view.submitted} submitted, {view.replied} answered"
-            finally:
-                t0 = time.perf_counter()
-                front.stop(stop_timeout)
-                stopped = time.perf_counter() - t0
-            assert stopped < stop_timeout + 1.0, f"stop() took {stopped:.1f} s; the limit was {stop_timeout} s"
-        finally:
-            server.shutdown(1.0)
-    host, _, port = address.rpartition(":")
-    if port.isdigit():  # a TCP address must be free again
-        with socket.socket(socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET) as probe:
-            probe.bind((host.strip("[]"), int(port)))
-    return {"available": True, "submitted": view.submitted, "stop_seconds": stopped}
+    if isinstance(manifest, dict):
+        manifest = validate_manifest(manifest, "<conformance manifest>")
+    strategy = registry.accelerators_for(manifest, registry.choose_backend(manifest).backend).decode_strategy
+    assert strategy is not None, f"manifest {manifest.name!r} turns on no decode strategy"
+    strategy = strategy.for_instance()
+    strategy.attach(model, tokenizer)
+    sets = [{"prompt": p, "max_tokens": max_tokens, "temperature": 0.0} for p in prompts]
+    length = max(len(tokenizer.encode(p)) for p in prompts) + max_tokens + 16
+    runs = []
+    for strat in (None, strategy, strategy):
+        engine = GenerationEngine(model, tokenizer, strat, max_sequences=len(prompts), max_length=length)
+        finals, _ = _run_generations(engine, sets)
+        assert len(engine.free_slots) == len(prompts), "a finished sequence kept its slot"
+        runs.append(finals)
+    for index, prompt in enumerate(prompts):
+        plain, drafted, again = (run[index] for run in runs)
+        assert drafted["token_ids"] == plain["token_ids"] == again["token_ids"], \
+            f"greedy output with the strategy differs from the model's own for prompt {prompt!r}"
+    return {"draft_tokens": sum(f["stats"]["draft_tokens"] for f in runs[1]),
+            "accepted_tokens": sum(f["stats"]["accepted_tokens"] for f in runs[1])}
 
 
 class _View:
@@ -381,10 +206,10 @@ def check_drafter(registry: PluginRegistry, name: str, model: Any, tokenizer: An
     engine's greedy output with the drafter must be the target's own, token for token. The kit's own
     sequences carry no hidden states (`last_hidden`, `new_features` are None): a drafter that reads
     them proposes empty trees there, which is valid, and drafts in the engine part."""
-    from .generation.contract import DrafterContext, StepOutcome, sampled_groups
-    from .generation.engine import GenerationEngine
-    from .generation.sampling import SamplingParams, new_generator
-    from .serving.request import PendingRequest
+    from ..generation.contract import DrafterContext, StepOutcome, sampled_groups
+    from ..generation.engine import GenerationEngine
+    from ..generation.sampling import SamplingParams, new_generator
+    from ..serving.request import PendingRequest
 
     assert name in registry.drafters, f"no plugin registers drafter {name!r} (known: {sorted(registry.drafters)})"
     drafter = registry.drafters[name](model, dict(options or {}), DrafterContext(tokenizer=tokenizer))
@@ -452,4 +277,3 @@ def check_drafter(registry: PluginRegistry, name: str, model: Any, tokenizer: An
         f"{outputs[0]['token_ids']}"
     counts["engine_draft_tokens"] = outputs[1]["stats"]["draft_tokens"]
     return counts
-
