@@ -24,7 +24,6 @@ content_block_delta (text_delta, input_json_delta) / content_block_stop, then me
 from __future__ import annotations
 
 import json
-import logging
 import uuid
 from typing import Any, AsyncIterator, Literal, Optional, Union
 
@@ -34,15 +33,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from outrider.errors import OutriderError
-
-from .dispatch import Call, ClientGone, Dispatcher
-from .openai_api import ApiError, bad_request, failure_error, parse_body, served_model
+from .dispatch import Call, Dispatcher
+from .json_api import (ApiError, bad_request, failed, failure_error, generate_stream, generate_whole,
+                       generating_model, parse_body)
 from .openai_structured import FieldError, Tools
 from .tokenize_api import model_text, off_loop
 from .tool_stream import StreamEvent, ToolCallStream
-
-log = logging.getLogger("outrider.http")
 
 MAX_BLOCKS = 1024  # content blocks of one message
 
@@ -357,17 +353,10 @@ def routes(dispatch: Dispatcher) -> list[Route]:
     server = dispatch.server
     limit = server.limits.max_message_bytes
 
-    def generating_model(name: str) -> Any:
-        model = served_model(server, name)
-        if not model.generates:
-            raise bad_request(f"model '{name}' does not generate text", "model")
-        return model
-
     async def messages(request: Request) -> Response:
-        call: Optional[Call] = None
         try:
             body = await parse_body(request, MessagesRequest, limit)
-            model = generating_model(body.model)
+            model = generating_model(server, body.model)
             try:
                 tools = tools_of(body)
                 parameters = generate_parameters(body, tools)
@@ -375,29 +364,16 @@ def routes(dispatch: Dispatcher) -> list[Route]:
                 raise bad_request(str(exc), exc.param) from None
             reply = Reply(body.model, tools, body.stop_sequences)
             if not body.stream:
-                call = dispatch.submit(request.scope, "generate", model.name, parameters)
-                header, _ = await dispatch.final(call, request.receive)
-                if not header.get("ok"):
-                    raise failure_error(header)
-                return JSONResponse(reply.whole(header))
-            call = dispatch.submit(request.scope, "generate", model.name, parameters, stream=True)
-            first = await dispatch.next(call, request.receive)  # a refused request gets its 4xx, not a stream
-            if first[0] == "reply" and not first[1].get("ok"):
-                raise failure_error(first[1])
+                return JSONResponse(reply.whole(await generate_whole(dispatch, request, model.name, parameters)))
+            call, first = await generate_stream(dispatch, request, model.name, parameters)
             return EventSourceResponse(_events(dispatch, call, reply, first), sep="\n", ping=15)
-        except ClientGone:
-            return Response(status_code=499)
         except Exception as exc:
-            if call is not None:
-                dispatch.cancel(call, "the HTTP request failed")
-            if not isinstance(exc, (ApiError, OutriderError)):
-                log.exception("HTTP %s failed", request.url.path)
-            return error_response(exc)
+            return failed(request, exc, error_response)
 
     async def count_tokens(request: Request) -> Response:
         try:
             body = await parse_body(request, CountRequest, limit)
-            model = generating_model(body.model)
+            model = generating_model(server, body.model)
             try:
                 chat = chat_messages(body, tools_of(body))
             except FieldError as exc:
@@ -406,12 +382,8 @@ def routes(dispatch: Dispatcher) -> list[Route]:
             text = await model_text(model)
             tokens = await off_loop(lambda: text.tokenize(None, chat, None), characters)
             return JSONResponse({"input_tokens": len(tokens)})
-        except ClientGone:
-            return Response(status_code=499)
         except Exception as exc:
-            if not isinstance(exc, (ApiError, OutriderError)):
-                log.exception("HTTP %s failed", request.url.path)
-            return error_response(exc)
+            return failed(request, exc, error_response)
 
     return [Route("/v1/messages", messages, methods=["POST"]),
             Route("/v1/messages/count_tokens", count_tokens, methods=["POST"])]

@@ -33,7 +33,7 @@ from outrider.errors import OutriderError
 from outrider.protocol import encode_bytes_tensor
 
 from .dispatch import ClientGone, Dispatcher
-from .openai_api import ApiError, bad_request, failure_error, parse_body, Schema, served_model
+from .json_api import ApiError, bad_request, failure_error, parse_body, Schema, served_model
 from .tokenize_api import EmbeddingTokenizer, embedding_tokenizer_async, off_loop
 
 log = logging.getLogger("outrider.http")

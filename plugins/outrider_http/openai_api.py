@@ -14,31 +14,22 @@ engine refuses never starts a 200 stream). Speculative decoding's figures are in
 from __future__ import annotations
 
 import json
-import logging
 import time
 import uuid
 from typing import Any, AsyncIterator, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, ValidationError
 from sse_starlette.sse import EventSourceResponse
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from outrider.errors import ModelNotFoundError, OutriderError
-
-from .dispatch import Call, ClientGone, Dispatcher, error_code, off_loop, read_body, status_of
+from .dispatch import Call, Dispatcher
+from .json_api import (ApiError, Schema, bad_request, failed, failure_error, generate_stream, parse_body,
+                       served_model)
 from .openai_structured import (FieldError, Tools, chat_logprobs, completion_logprobs, constraint_of,
                                 history_as_text)
 from .tool_stream import StreamEvent, ToolCallStream
 
-log = logging.getLogger("outrider.http")
-
-
-class Schema(BaseModel):
-    # Clients send fields this server has no use for (user, metadata, store...): they are kept
-    # aside and ignored, except those in UNSUPPORTED, refused when set to anything but the default.
-    model_config = ConfigDict(extra="allow")
 
 
 class StreamOptions(Schema):
@@ -94,79 +85,6 @@ class ChatRequest(_Generation):
     chat_template_kwargs: Optional[dict[str, Any]] = None  # vLLM's: e.g. {"enable_thinking": false}
 
 
-# Fields refused unless absent or at their default (value that means "off").
-UNSUPPORTED = {
-    "echo": (None, False), "best_of": (None, 1), "suffix": (None, ""), "repetition_penalty": (None, 1, 1.0),
-    "functions": (None, []), "audio": (None,), "prediction": (None,), "modalities": (None, ["text"]),
-}
-
-
-class ApiError(Exception):
-    """An error answered in OpenAI's shape."""
-
-    def __init__(self, status: int, message: str, code: str, param: Optional[str] = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.code, self.param = status, message, code, param
-
-    @classmethod
-    def of(cls, exc: BaseException, param: Optional[str] = None) -> "ApiError":
-        if isinstance(exc, ApiError):
-            return exc
-        code, message = error_code(exc)
-        return cls(status_of(code), message, code, param or _param_named(message))
-
-    def body(self) -> dict:
-        kind = "invalid_request_error" if self.status < 500 else "server_error"
-        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
-
-    def response(self) -> JSONResponse:
-        headers = {"Retry-After": "1"} if self.code in ("overloaded", "unavailable") else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
-
-
-def _param_named(message: str) -> Optional[str]:
-    # The engine's messages name the parameter: "parameter 'top_p' must be ..."
-    if message.startswith("parameter '"):
-        return message.split("'", 2)[1]
-    return None
-
-
-def bad_request(message: str, param: Optional[str] = None) -> ApiError:
-    return ApiError(400, message, "bad_request", param)
-
-
-def served_model(server: Any, name: str, load: bool = True) -> Any:
-    """The model `name` serves (with `load`, an on-demand model starts loading: its PendingLoad),
-    or the OpenAI-shaped error: a 404 naming the models served, a 503 for one not loaded."""
-    try:
-        return server.find_model(name, load)
-    except ModelNotFoundError:
-        raise ApiError(404, f"The model '{name[:128]}' does not exist; served here: {sorted(server.models)}",
-                       "model_not_found", "model") from None
-    except OutriderError as exc:
-        raise ApiError.of(exc, "model") from None
-
-
-async def parse_body(request: Request, schema: type[BaseModel], limit: int) -> Any:
-    body = await read_body(request, limit)
-    try:
-        data = await off_loop(lambda: json.loads(body), len(body))
-    except (ValueError, RecursionError) as exc:
-        raise bad_request(f"the request body is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise bad_request("the request body must be a JSON object")
-    try:
-        parsed = schema.model_validate(data)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise bad_request(f"{where}: {first['msg']}", str(first["loc"][0]) if first["loc"] else None) from None
-    for name, value in (parsed.model_extra or {}).items():
-        if name in UNSUPPORTED and value not in UNSUPPORTED[name]:
-            raise bad_request(f"'{name}' is not supported by this server", name)
-    return parsed
-
-
 def routes(dispatch: Dispatcher) -> list[Route]:
     server = dispatch.server
     limit = server.limits.max_message_bytes
@@ -202,7 +120,6 @@ def routes(dispatch: Dispatcher) -> list[Route]:
         return await _generate(request, chat=True)
 
     async def _generate(request: Request, chat: bool) -> Response:
-        call: Optional[Call] = None
         try:
             body = await parse_body(request, ChatRequest if chat else CompletionRequest, limit)
             model = model_named(body.model, generates=True)
@@ -228,21 +145,10 @@ def routes(dispatch: Dispatcher) -> list[Route]:
                     for each in calls:  # a no-op for those answered
                         dispatch.cancel(each, "another choice of the same HTTP request failed")
                 return JSONResponse(reply.whole(headers, body.n or 1))
-            call = dispatch.submit(request.scope, "generate", model.name, choices[0], stream=stream)
-            # Wait for the first event before answering, so a request the engine refuses gets
-            # its 4xx instead of a 200 stream that ends in an error.
-            first = await dispatch.next(call, request.receive)
-            if first[0] == "reply" and not first[1].get("ok"):
-                raise failure_error(first[1])
+            call, first = await generate_stream(dispatch, request, model.name, choices[0])
             return EventSourceResponse(_events(dispatch, call, reply, first), sep="\n", ping=15)
-        except ClientGone:
-            return Response(status_code=499)
         except Exception as exc:
-            if call is not None:
-                dispatch.cancel(call, "the HTTP request failed")
-            if not isinstance(exc, (ApiError, OutriderError)):
-                log.exception("HTTP %s failed", request.url.path)
-            return ApiError.of(exc).response()
+            return failed(request, exc)
 
     return [
         Route("/v1/models", list_models),
@@ -250,12 +156,6 @@ def routes(dispatch: Dispatcher) -> list[Route]:
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     ]
-
-
-def failure_error(header: dict) -> ApiError:
-    failure = header.get("error") or {}
-    code, message = failure.get("code", "internal"), failure.get("message", "")
-    return ApiError(status_of(code), message, code, _param_named(message))
 
 
 def _generation_parameters(body: Any, chat: bool, tools: Optional[Tools] = None) -> list[dict[str, Any]]:

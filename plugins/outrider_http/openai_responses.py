@@ -28,7 +28,6 @@ event. Every event carries its sequence_number.
 from __future__ import annotations
 
 import json
-import logging
 import threading
 import time
 import uuid
@@ -41,14 +40,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from outrider.errors import OutriderError
-
-from .dispatch import Call, ClientGone, Dispatcher
-from .openai_api import ApiError, bad_request, failure_error, parse_body, served_model
+from .dispatch import Call, Dispatcher
+from .json_api import (ApiError, bad_request, failed, failure_error, generate_stream, generate_whole,
+                       generating_model, parse_body)
 from .openai_structured import FieldError, Tools
 from .tool_stream import StreamEvent, ToolCallStream
-
-log = logging.getLogger("outrider.http")
 
 MAX_STORED = 1024
 MAX_STORED_CHARACTERS = 64 << 20
@@ -431,12 +427,9 @@ def routes(dispatch: Dispatcher) -> list[Route]:
         return parameters
 
     async def create(request: Request) -> Response:
-        call: Optional[Call] = None
         try:
             body = await parse_body(request, ResponsesRequest, limit)
-            model = served_model(server, body.model)
-            if not model.generates:
-                raise bad_request(f"model '{body.model}' does not generate text", "model")
+            model = generating_model(server, body.model)
             try:
                 tools = tools_of(body)
                 messages, turns, calls = conversation(body, tools)
@@ -453,26 +446,13 @@ def routes(dispatch: Dispatcher) -> list[Route]:
                     store.put(response["id"], Stored(response, turns + [output_turn(response)], calls))
 
             if not body.stream:
-                call = dispatch.submit(request.scope, "generate", model.name, parameters)
-                header, _ = await dispatch.final(call, request.receive)
-                if not header.get("ok"):
-                    raise failure_error(header)
-                response = reply.whole(header)
+                response = reply.whole(await generate_whole(dispatch, request, model.name, parameters))
                 keep(response)
                 return JSONResponse(response)
-            call = dispatch.submit(request.scope, "generate", model.name, parameters, stream=True)
-            first = await dispatch.next(call, request.receive)  # a refused request gets its 4xx, not a stream
-            if first[0] == "reply" and not first[1].get("ok"):
-                raise failure_error(first[1])
+            call, first = await generate_stream(dispatch, request, model.name, parameters)
             return EventSourceResponse(_events(dispatch, call, reply, first, keep), sep="\n", ping=15)
-        except ClientGone:
-            return Response(status_code=499)
         except Exception as exc:
-            if call is not None:
-                dispatch.cancel(call, "the HTTP request failed")
-            if not isinstance(exc, (ApiError, OutriderError)):
-                log.exception("HTTP %s failed", request.url.path)
-            return ApiError.of(exc).response()
+            return failed(request, exc)
 
     def not_stored(key: str) -> Response:
         return ApiError(404, f"no response '{key[:64]}' is stored here", "not_found", "response_id").response()

@@ -28,7 +28,7 @@ from starlette.routing import Route
 from outrider.errors import BadRequestError, OutriderError, TooLargeError
 
 from .dispatch import ClientGone, Dispatcher, off_loop as _off_loop
-from .openai_api import ApiError, bad_request, parse_body, Schema, served_model
+from .json_api import ApiError, bad_request, parse_body, Schema, served_model
 
 log = logging.getLogger("outrider.http")
 T = TypeVar("T")
