@@ -341,7 +341,11 @@ LONG_GENERATION = {"max_tokens": 240, "temperature": 0, "speculative": False}
 @pytest.mark.parametrize("route, body", [
     ("/v1/completions", {"model": "tiny", "prompt": "abc abc abc", "stream": True, **LONG_GENERATION}),
     ("/v2/models/tiny/generate_stream", {"text_input": "abc abc abc", "parameters": LONG_GENERATION}),
-], ids=["openai", "triton"])
+    ("/v1/messages", {"model": "tiny", "messages": [{"role": "user", "content": "abc abc abc"}], "stream": True,
+                      **LONG_GENERATION}),
+    ("/v1/responses", {"model": "tiny", "input": "abc abc abc", "stream": True, "max_output_tokens": 240,
+                       "temperature": 0, "speculative": False}),
+], ids=["openai", "triton", "messages", "responses"])
 def test_a_client_that_leaves_mid_stream_frees_its_slot(http_server, route, body):
     def slots() -> tuple[int, int]:
         [instance] = http_server.stats("tiny")["instances"]
@@ -477,6 +481,15 @@ def test_hostile_requests_get_4xx_never_5xx(http_server):
         ("/v1/embeddings", '{"model": "minilm", "input": "\\ud800"}', 400, "not valid text"),
         ("/v2/models/echo/infer", json.dumps({"inputs": [ok], "outputs": [{"name": ["a"]}]}), 400, "string 'name'"),
         ("/v2/models/echo/infer", json.dumps({"inputs": [ok], "outputs": [{"name": {"a": 1}}]}), 400, "string 'name'"),
+        ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}]}', 400,
+         "not valid text"),
+        ("/v1/messages", '{"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "\\ud800"}]}',
+         400, "not valid text"),
+        ("/v1/responses", '{"model": "tiny", "input": "\\ud800"}', 400, "not valid text"),
+        ("/v1/messages", '{"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": '
+                         + "[" * 5000 + "]" * 5000 + '}]}', 400, "not valid JSON"),
+        ("/v1/responses", json.dumps({"model": "tiny", "input": [{"type": "message", "role": "user",
+                                                                  "content": "x"}] * 2000}), 400, "at most 1024"),
     ]
     for path, body, status, words in cases:
         answer = httpx.post(base + path, content=body, headers={"content-type": "application/json"}, timeout=30)

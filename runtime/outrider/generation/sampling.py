@@ -170,6 +170,7 @@ def parse_prompt(params: dict) -> tuple[Optional[str], Optional[list[dict]]]:
     if prompt is not None:
         if not isinstance(prompt, str) or len(prompt) > MAX_PROMPT_CHARS:
             raise BadRequestError(f"parameter 'prompt' must be a string of at most {MAX_PROMPT_CHARS} characters")
+        _check_text(prompt, "parameter 'prompt'")
         return prompt, None
     if not isinstance(messages, list) or not 0 < len(messages) <= MAX_MESSAGES:
         raise BadRequestError(f"parameter 'messages' must be a list of 1 to {MAX_MESSAGES} messages")
@@ -180,6 +181,7 @@ def parse_prompt(params: dict) -> tuple[Optional[str], Optional[list[dict]]]:
         if m["role"] not in ("system", "user", "assistant"):
             raise BadRequestError(f"messages[{i}].role must be system, user or assistant, got {m['role']!r}")
         total += len(m["content"])
+        _check_text(m["content"], f"messages[{i}].content")
     if total > MAX_PROMPT_CHARS:
         raise BadRequestError(f"messages hold {total} characters; the limit is {MAX_PROMPT_CHARS}")
     return None, [{"role": m["role"], "content": m["content"]} for m in messages]
@@ -202,6 +204,14 @@ def parse_template_kwargs(params: dict) -> dict[str, Any]:
             raise BadRequestError(f"parameter 'chat_template_kwargs': {name!r} must be a bool, a number, a string "
                                   f"of at most 4096 characters, or null")
     return dict(value)
+
+
+def _check_text(text: str, where: str) -> None:
+    """A 400 for text no tokenizer can take: a lone surrogate (JSON's "\\ud800") is not Unicode text."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise BadRequestError(f"{where} is not valid text: {exc.reason} at character {exc.start}") from None
 
 
 def new_generator(seed: Optional[int] = None) -> np.random.Generator:
