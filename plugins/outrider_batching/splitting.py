@@ -36,17 +36,15 @@ def row_plan(backend: Backend, request: PendingRequest, rows: int, size: int,
 
     Raises the request's OutriderError when costing finds its input bad (not UTF-8).
     """
-    costs, per_token = None, 1
-    row_costs = getattr(backend, "row_costs", None)  # in-process test doubles may lack it
-    if row_costs is not None:
-        try:
-            costs = row_costs(request.inputs)
-        except OutriderError:
-            raise
-        except Exception as exc:  # a broken cost key must not fail requests that would run
-            log.warning("model %s: row_costs failed (%s: %s); cutting the request in its own order",
-                        model, type(exc).__name__, exc)
-            return None
+    per_token = 1
+    try:
+        costs = backend.row_costs(request.inputs)  # Backend.row_costs: None when rows cost alike
+    except OutriderError:
+        raise
+    except Exception as exc:  # a broken cost key must not fail requests that would run
+        log.warning("model %s: row_costs failed (%s: %s); cutting the request in its own order",
+                    model, type(exc).__name__, exc)
+        return None
     if costs is None:
         costs, per_token = byte_costs(request.inputs), 4  # about 4 bytes a token
         if costs is None:
