@@ -95,7 +95,10 @@ def test_stop_token_ids_end_the_output_and_are_named(model):
     sets = [{"prompt": PROMPTS[0], "max_tokens": 12, "stop_token_ids": [stop]},
             {"prompt": PROMPTS[0], "max_tokens": 12, "stop_token_ids": [stop], "min_tokens": first + 2},
             {"prompt": PROMPTS[0], "max_tokens": 12, "stop": [tokenizer.decode([stop])]}]
-    for finals in both(model, tokenizer, sets):
+    runs = both(model, tokenizer, sets)
+    for plain, drafted in zip(*runs):
+        assert plain["token_ids"] == drafted["token_ids"] and plain["text"] == drafted["text"]
+    for finals in runs:
         by_id, held, by_text = finals
         assert by_id["token_ids"] == free[:first] and by_id["finish_reason"] == "stop"
         assert by_id["stop_reason"] == stop
@@ -112,7 +115,10 @@ def test_min_tokens_defers_stop_strings(model):
     sets = [{"prompt": PROMPTS[1], "max_tokens": 12, "stop": [stop]},
             {"prompt": PROMPTS[1], "max_tokens": 12, "stop": [stop], "min_tokens": 6}]
     hit = next((j for j in range(5, 12) if free[j] == free[0]), None)
-    for at_once, deferred in both(model, tokenizer, sets):
+    runs = both(model, tokenizer, sets)
+    for plain, drafted in zip(*runs):  # a step past the stop string keeps only plain decoding's tokens
+        assert plain["token_ids"] == drafted["token_ids"] and plain["text"] == drafted["text"]
+    for at_once, deferred in runs:
         assert at_once["text"] == "" and at_once["finish_reason"] == "stop"
         if hit is None:
             assert deferred["token_ids"] == free and deferred["finish_reason"] == "length"

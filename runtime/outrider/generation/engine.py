@@ -281,6 +281,14 @@ class GenerationEngine:
         delta = seq.text.update(seq.generated, final=seq.finish_reason is not None)
         if seq.text.stopped:
             seq.finish_reason, seq.stop_reason = "stop", seq.text.matched
+            before = len(seq.generated) - len(new)
+            keep = seq.text.tokens_to_stop(seq.generated, before) - before  # of this step's tokens
+            extra = len(new) - keep
+            if extra > 0:  # a step that went past the stop string keeps plain decoding's tokens
+                del seq.generated[-extra:], seq.token_ids[-extra:]
+                if logprobs:
+                    del seq.logprobs[-extra:]
+                new, logprobs = new[:keep], logprobs[:keep]
         if seq.request is not None and new and self.stats is not None:
             now = time.monotonic()
             if seq.last_emitted is None:

@@ -125,3 +125,8 @@ class ReasoningText:
             delta = delta.lstrip()
             self._lead[part] = not delta
         return delta
+
+    def tokens_to_stop(self, token_ids: list[int], before: int) -> int:
+        """IncrementalText.tokens_to_stop over the answer's tokens (a stop string ends only the answer)."""
+        start = self._answer_from
+        return start + self._answer.tokens_to_stop(token_ids[start:], max(0, before - start))

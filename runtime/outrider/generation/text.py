@@ -14,6 +14,7 @@ class IncrementalText:
         self.stop = stop
         self.min_tokens = min_tokens  # stop strings end nothing before this many tokens (vLLM's rule)
         self.matched: Optional[str] = None  # the stop string that ended the text
+        self.matched_at = -1  # the character where it starts
         self._floor: Optional[int] = None  # characters a stop string must end past (min_tokens)
         self._holdback = max((len(s) for s in stop), default=1) - 1
         self.text = ""  # stable text so far (stop string removed once found)
@@ -36,6 +37,7 @@ class IncrementalText:
                     if i >= 0]
             if hits:
                 at, self.matched = min(hits)
+                self.matched_at = at
                 text = text[:at]
                 self.stopped = True
                 final = True
@@ -44,3 +46,13 @@ class IncrementalText:
         delta = text[self.emitted : safe]
         self.emitted = safe
         return delta
+
+    def tokens_to_stop(self, token_ids: list[int], before: int) -> int:
+        """After `update` found a stop string: how many of `token_ids` one-token steps would have
+        emitted, the fewest (more than `before`) whose text already holds it. A step that added
+        several tokens (speculation) keeps the same tokens as plain decoding so."""
+        end = self.matched_at + len(self.matched or "")
+        for count in range(before + 1, len(token_ids)):
+            if self._decode(token_ids[:count])[self.matched_at:end] == self.matched:
+                return count
+        return len(token_ids)
