@@ -15,7 +15,7 @@ NATIVE_SOURCES := setup.py $(wildcard plugins/outrider_llm/csrc/*)
 NATIVE_STATUS := $(PY) -c "from outrider_llm import native, native_c; print('native kernels (torch ops):', \
 	native.library()[1]); print('native kernels (C library, the torch-free runtime):', native_c.library()[1])"
 
-.PHONY: serve test cross-tools test-ray install install-dev bench gpu-bundle gpu-check clean
+.PHONY: serve test cross-tools test-ray image-check install install-dev bench gpu-bundle gpu-check clean
 
 $(VENV)/.outrider-serve: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -70,6 +70,11 @@ test: install-dev cross-tools
 test-ray: install-dev
 	$(EDITABLE) '.[onnx,torch,llm,http,dev,ray]'
 	$(VENV)/bin/python -m pytest -q tests/test_ray.py
+
+## Both container images built (podman; a local Debian base made with debootstrap when
+## PYTHON_IMAGE is not given) and smoke-tested against the source tree: tools/image_check.sh.
+image-check: install-dev
+	tools/image_check.sh all
 
 bench: install-dev
 	$(EDITABLE) '.[onnx,torch,llm,dev,bench]'
