@@ -66,6 +66,10 @@ base="$(base_image)"
 for kind in cpu full; do
   if [[ "$WHAT" == all || "$WHAT" == "$kind" ]]; then
     build "$kind" "$base"
-    "$PYTHON" tools/image_smoke.py --image "localhost/outrider:$kind" --kind "$kind"
+    extra=()
+    if [[ "$kind" == full ]]; then  # a user's GGUF from a volume: the packaged SmolLM2 file will do
+      extra=(--gguf "$("$PYTHON" -c 'from outrider_llm.artifact import smollm2_gguf_path; print(smollm2_gguf_path())')")
+    fi
+    "$PYTHON" tools/image_smoke.py --image "localhost/outrider:$kind" --kind "$kind" "${extra[@]}"
   fi
 done

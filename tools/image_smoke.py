@@ -52,13 +52,17 @@ def podman(*args: str, check: bool = True) -> str:
 class Container:
     """The image's entrypoint running with fresh cache and socket volumes; `podman run` or chroot."""
 
-    def __init__(self, image: str, cache: Path, run: Path, port: int) -> None:
+    def __init__(self, image: str, cache: Path, run: Path, port: int,
+                 volumes: Optional[dict[str, str]] = None, command: Optional[list[str]] = None) -> None:
+        """`volumes`: host directory -> an existing directory of the image (mounted read-only);
+        `command`: arguments instead of the image's CMD."""
         self.image, self.cache, self.run, self.port = image, cache, run, port
+        self.volumes = dict(volumes or {})
         config = json.loads(podman("image", "inspect", image))[0]["Config"]
         self.env = dict(item.split("=", 1) for item in config.get("Env") or [])
         self.user = config.get("User") or "0:0"
         self.workdir = config.get("WorkingDir") or "/"
-        command = list(config.get("Entrypoint") or []) + list(config.get("Cmd") or [])
+        command = list(config.get("Entrypoint") or []) + list(command or config.get("Cmd") or [])
         if "--http" in command:  # loopback only: a smoke test listens on nothing else
             command[command.index("--http") + 1] = f"127.0.0.1:{port}"
         self.command = command
@@ -73,7 +77,8 @@ class Container:
             os.chown(path, int(uid), int(gid))
         if podman_run_works(self.image):
             self.how = "podman run (read-only root, volumes for the cache and socket)"
-            argv = ["podman", "run", "--rm", "--read-only", "--network", "host",
+            extra = [arg for host, inside in self.volumes.items() for arg in ("-v", f"{host}:{inside}:ro")]
+            argv = ["podman", "run", "--rm", "--read-only", "--network", "host", *extra,
                     "-v", f"{self.cache}:/var/cache/outrider", "-v", f"{self.run}:/run/outrider", self.image,
                     *self.command[1:]]
         else:
@@ -84,6 +89,8 @@ class Container:
             self._bind("/dev", "dev")
             self._bind(str(self.cache), "var/cache/outrider")
             self._bind(str(self.run), "run/outrider")
+            for host, inside in self.volumes.items():
+                self._bind(host, inside.lstrip("/"), read_only=True)
             scratch = Path(tempfile.mkdtemp(prefix="image-tmp-"))
             scratch.chmod(0o1777)
             self._bind(str(scratch), "tmp")
@@ -94,8 +101,9 @@ class Container:
         self.process = subprocess.Popen(argv, stdout=log.open("w"), stderr=subprocess.STDOUT)
         return started
 
-    def _bind(self, source: str, target: str) -> None:
-        subprocess.run(["mount", "--bind", source, f"{self.root}/{target}"], check=True)
+    def _bind(self, source: str, target: str, read_only: bool = False) -> None:
+        subprocess.run(["mount", "--bind", *(["-o", "ro"] if read_only else []), source, f"{self.root}/{target}"],
+                       check=True)
         self._mounts = getattr(self, "_mounts", []) + [f"{self.root}/{target}"]
 
     def stop(self) -> None:
@@ -111,6 +119,12 @@ class Container:
         if self.root is not None:
             podman("image", "umount", self.image, check=False)
             self.root = None
+
+    def maps_torch(self) -> Optional[bool]:
+        """Whether the server process has libtorch mapped (None under podman run: not our child)."""
+        if self.root is None:
+            return None
+        return "libtorch" in Path(f"/proc/{self.process.pid}/maps").read_text()
 
     def rss_mb(self) -> float:
         if self.root is None:  # podman run: the process here is podman's client, not the server
@@ -185,11 +199,56 @@ def source_tree(kind: str, work: Path) -> dict:
         server.stop()
 
 
+def gguf_check(args: argparse.Namespace, work: Path) -> None:
+    """A user's GGUF from a read-only volume (/media) with a plain manifest (/mnt), on the image's
+    torch-free native runtime: ready, the same greedy tokens as the source tree, torch not loaded."""
+    manifests = work / "gguf-manifest"
+    manifests.mkdir()
+    (manifests / "user.yaml").write_text(f"name: user\nbackend: llm\nmodel: {{path: /media/{args.gguf.name}}}\n")
+    (work / "user.yaml").write_text(f"name: user\nbackend: llm\nmodel: {{path: {args.gguf.resolve()}}}\n")
+    port, address = free_port(), f"ipc://{work}/gguf-source.sock"
+    source = ServerProcess.start([work / "user.yaml"], address, plugins=["outrider_llm", "outrider_http"],
+                                 log_path=work / "gguf-source.log", cwd=ROOT)
+    try:
+        source.wait_ready(timeout=900)
+        with Client(address, timeout=300) as client:
+            expected = client.generate("user", messages=PROMPT, max_tokens=32, temperature=0)
+    finally:
+        source.stop()
+    cache, run = work / "gguf-cache", Path(tempfile.mkdtemp(prefix="image-run-"))
+    cache.mkdir()
+    for label in ("empty cache volume", "cache from the first start"):
+        port = free_port()
+        container = Container(args.image, cache, run, port, {str(args.gguf.resolve().parent): "/media",
+                                                             str(manifests): "/mnt"},
+                              ["serve", "/mnt/user.yaml", "--http", f"127.0.0.1:{port}", "--http-insecure"])
+        try:
+            log = work / "gguf-image.log"
+            started = container.start(log)
+            wait_ready(port, container.process, args.timeout)
+            ready = time.monotonic() - started
+            with Client(f"ipc://{run}/outrider.sock", timeout=300) as client:
+                got = client.generate("user", messages=PROMPT, max_tokens=32, temperature=0)
+            assert got.token_ids == expected.token_ids, "the GGUF's greedy output in the image differs from the source tree's"
+            native = "torch-free native runtime" in log.read_text()
+            torch = container.maps_torch()
+            print(f"GGUF {args.gguf.name} from a volume, {label}: ready {ready:.2f} s; greedy output equal to the "
+                  f"source tree's; {'torch-free native runtime' if native else 'torch runtime'}; libtorch "
+                  f"{'mapped' if torch else 'not mapped' if torch is False else 'unknown (podman run)'}; idle RSS "
+                  f"{container.rss_mb():.0f} MB")
+            assert native, "the image served the GGUF on the torch runtime: " + log.read_text()[-400:]
+        finally:
+            container.stop()
+    shutil.rmtree(run, ignore_errors=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--image", required=True)
     parser.add_argument("--kind", choices=["cpu", "full"], required=True)
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds a start may take to get ready")
+    parser.add_argument("--gguf", type=Path, help="full image: also serve this GGUF from a mounted volume with a "
+                                                  "plain manifest, and compare with the source tree")
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix=f"image-{args.kind}-"))
@@ -231,6 +290,8 @@ def main() -> None:
         finally:
             container.stop()
             shutil.rmtree(run, ignore_errors=True)
+    if args.gguf:
+        gguf_check(args, work)
     print(f"ran as: {container.how}")
     shutil.rmtree(work, ignore_errors=True)
 
