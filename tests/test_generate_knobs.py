@@ -158,3 +158,12 @@ def test_every_parameter_a_front_sends_is_known():
     assert parsed.ignore_eos and parsed.min_tokens == 2 and parsed.stop_token_ids == [1]
     with pytest.raises(BadRequestError, match="unknown parameter 'foo_bar'"):
         check_parameter_names({**params, "foo_bar": 1})
+
+
+def test_warm_up_sequences_end_at_eos(model):
+    # A warm-up generation has no request, so no knobs: EOS ends it, as it ends a plain request.
+    eos = common_eos(model, CharTokenizer(VOCAB))
+    tokenizer = EosTokenizer(VOCAB, eos)
+    ids = tokenizer.encode(PROMPTS[0])
+    warm = _engine(model, tokenizer, speculative=False).warm_up(ids, max_tokens=12)
+    assert warm == reference(model, ids, 12, {eos}) and len(warm) < 12

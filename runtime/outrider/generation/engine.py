@@ -89,10 +89,8 @@ class GenerationEngine:
         slot = self.free_slots.pop()
         seq: Optional[Sequence] = None
         try:
-            seq = Sequence(request, slot, read.prompt_ids, params, read.text, speculate)
+            seq = Sequence(request, slot, read.prompt_ids, params, read.text, speculate, read.ending)
             seq.rules = read.rules
-            if not params.ignore_eos:
-                seq.ending |= self.eos
             if self.stats is not None:
                 self.stats.sequences(+1)  # given back in _release, whatever happens next
             self.cache.reset(slot)
@@ -115,7 +113,7 @@ class GenerationEngine:
         try:
             params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=0)
             seq = Sequence(None, self.free_slots.pop(), prompt_ids, params,
-                           IncrementalText(self.tokenizer.decode, []), self.strategy is not None)
+                           IncrementalText(self.tokenizer.decode, []), self.strategy is not None, frozenset(self.eos))
             self.cache.reset(seq.slot)
             if seq.speculate:
                 self.strategy.start(seq)

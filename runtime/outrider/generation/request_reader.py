@@ -25,6 +25,7 @@ class ReadRequest:
     prompt_ids: list[int]
     rules: Optional[TokenRules]
     text: Union[IncrementalText, ReasoningText]
+    ending: frozenset[int]  # the tokens that end it: EOS unless ignored, and stop_token_ids
 
 
 class RequestReader:
@@ -76,15 +77,17 @@ class RequestReader:
             )
         params.max_tokens = min(params.max_tokens, room)
         params.min_tokens = min(params.min_tokens, params.max_tokens)
+        ending = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(self.eos))
         if self.tags is not None and messages is not None:
             phase = first_phase(prompt_ids, self.tags)
             output: Union[IncrementalText, ReasoningText] = ReasoningText(
                 self.tokenizer.decode, params.stop, params.min_tokens, self.tags, phase)
-            return ReadRequest(params, prompt_ids, self.rules(params, (self.tags, phase)), output)
-        return ReadRequest(params, prompt_ids, self.rules(params),
-                           IncrementalText(self.tokenizer.decode, params.stop, params.min_tokens))
+            return ReadRequest(params, prompt_ids, self.rules(params, ending, (self.tags, phase)), output, ending)
+        return ReadRequest(params, prompt_ids, self.rules(params, ending),
+                           IncrementalText(self.tokenizer.decode, params.stop, params.min_tokens), ending)
 
-    def rules(self, params: SamplingParams, thinking: Optional[tuple[ThinkTags, str]] = None) -> Optional[TokenRules]:
+    def rules(self, params: SamplingParams, ending: frozenset[int],
+              thinking: Optional[tuple[ThinkTags, str]] = None) -> Optional[TokenRules]:
         """The request's TokenRules (None when it sets none); a bad bias or constraint is its 400."""
         vocab = int(self.model.vocab_size)
         bias = parse_logit_bias(params.logit_bias, vocab)
@@ -103,7 +106,6 @@ class RequestReader:
                                           "parameter 'constraint' is not supported here")
                 self._grammars = GrammarCompiler(tokenizer_json, vocab, sorted(self.eos))
             grammar = self._grammars.state(*params.constraint)
-        ending = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(self.eos))
         rules = TokenRules(vocab, bias, params.presence_penalty, params.frequency_penalty, grammar, frozenset(self.eos),
                            params.min_tokens, ending, thinking)
         return rules if rules.active else None

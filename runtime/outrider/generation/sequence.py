@@ -20,7 +20,8 @@ class Sequence:
     """One generation in flight. Also the `SequenceView` drafters read."""
 
     def __init__(self, request: Optional[PendingRequest], slot: int, prompt_ids: list[int],
-                 params: SamplingParams, text: Union[IncrementalText, ReasoningText], speculate: bool) -> None:
+                 params: SamplingParams, text: Union[IncrementalText, ReasoningText], speculate: bool,
+                 ending: frozenset[int]) -> None:
         self.request = request
         self.seq_id = next(_sequence_ids)  # unique in the process: drafters key their state by it
         self.slot = slot
@@ -42,7 +43,7 @@ class Sequence:
         # What ended it with finish_reason "stop" besides EOS: a stop string or a stop token id
         # (vLLM's `stop_reason`), and the tokens that end it (EOS unless ignored, stop_token_ids).
         self.stop_reason: Optional[Union[str, int]] = None
-        self.ending: frozenset[int] = frozenset(params.stop_token_ids)
+        self.ending = ending
         self.started = time.monotonic()
         self.first_token_seconds: Optional[float] = None
         self.first_emitted: Optional[float] = None  # when the first / latest tokens were emitted
