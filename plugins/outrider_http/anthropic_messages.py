@@ -36,7 +36,7 @@ from starlette.routing import Route
 from .dispatch import Call, Dispatcher
 from .json_api import (ApiError, bad_request, failed, failure_error, generate_stream, generate_whole,
                        generating_model, parse_body)
-from .openai_structured import FieldError, Tools
+from .openai_structured import FieldError, Tools, call_as_text, result_as_text
 from .tokenize_api import model_text, off_loop
 from .tool_stream import StreamEvent, ToolCallStream
 
@@ -171,13 +171,11 @@ def chat_messages(body: CountRequest, tools: Optional[Tools]) -> list[dict[str, 
                 parts.append(_string(fields.get("text"), where + ".text"))
             elif block.type == "tool_use" and message.role == "assistant":
                 names[str(fields.get("id"))] = str(fields.get("name"))
-                parts.append(json.dumps({"name": fields.get("name"), "arguments": fields.get("input", {})},
-                                        ensure_ascii=False))
+                parts.append(call_as_text(fields.get("name"), fields.get("input", {})))
             elif block.type == "tool_result" and message.role == "user":
                 name = names.get(str(fields.get("tool_use_id")), fields.get("tool_use_id") or "the call")
                 result = _text_of(fields.get("content") or "", where + ".content")
-                failed = " (the call failed)" if fields.get("is_error") else ""
-                parts.append(f"Result of {name}{failed}: {result}")
+                parts.append(result_as_text(name, result, bool(fields.get("is_error"))))
             elif block.type in ("thinking", "redacted_thinking") and message.role == "assistant":
                 continue  # earlier turns' thinking is not part of the prompt (as Anthropic's API)
             else:

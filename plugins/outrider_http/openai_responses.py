@@ -43,7 +43,7 @@ from starlette.routing import Route
 from .dispatch import Call, Dispatcher
 from .json_api import (ApiError, bad_request, failed, failure_error, generate_stream, generate_whole,
                        generating_model, parse_body)
-from .openai_structured import FieldError, Tools
+from .openai_structured import FieldError, Tools, call_as_text, parsed_arguments, result_as_text
 from .tool_stream import StreamEvent, ToolCallStream
 
 MAX_STORED = 1024
@@ -180,18 +180,13 @@ def input_turns(body: ResponsesRequest, calls: dict[str, str]) -> list[dict[str,
             if not isinstance(name, str) or not isinstance(arguments, str):
                 raise FieldError(f"{where}: a function_call needs 'name' and 'arguments' (a JSON string)", "input")
             calls[str(item.get("call_id"))] = name
-            try:
-                parsed = json.loads(arguments)
-            except ValueError:
-                parsed = arguments
-            turns.append({"role": "assistant", "content": json.dumps({"name": name, "arguments": parsed},
-                                                                     ensure_ascii=False)})
+            turns.append({"role": "assistant", "content": call_as_text(name, parsed_arguments(arguments))})
         elif kind == "function_call_output":
             output = item.get("output")
             if not isinstance(output, str):
                 output = _content_text(output, where + ".output")
             name = calls.get(str(item.get("call_id")), item.get("call_id") or "the call")
-            turns.append({"role": "user", "content": f"Result of {name}: {output}"})
+            turns.append({"role": "user", "content": result_as_text(name, output)})
         elif kind == "reasoning":
             continue  # earlier reasoning is not part of the prompt
         else:
@@ -279,12 +274,7 @@ def output_turn(response: dict) -> dict[str, str]:
     """A response's output as the assistant's text turn of the conversation it continues."""
     item = response["output"][-1]  # after a reasoning item, if the model thought
     if item["type"] == "function_call":
-        try:
-            arguments = json.loads(item["arguments"])
-        except ValueError:
-            arguments = item["arguments"]
-        return {"role": "assistant", "content": json.dumps({"name": item["name"], "arguments": arguments},
-                                                           ensure_ascii=False)}
+        return {"role": "assistant", "content": call_as_text(item["name"], parsed_arguments(item["arguments"]))}
     return {"role": "assistant", "content": "".join(part["text"] for part in item["content"])}
 
 

@@ -171,20 +171,33 @@ def history_as_text(message: Any) -> Optional[dict]:
     """An assistant turn with tool_calls, or a role "tool" result, as a text turn; None otherwise."""
     extra = message.model_extra or {}
     if message.role == "tool":
-        return {"role": "user", "content": f"Result of {extra.get('name') or extra.get('tool_call_id') or 'the call'}: "
-                                           f"{_text(message.content)}"}
+        name = extra.get("name") or extra.get("tool_call_id") or "the call"
+        return {"role": "user", "content": result_as_text(name, _text(message.content))}
     if message.role == "assistant" and extra.get("tool_calls"):
-        calls = [{"name": c.get("function", {}).get("name"), "arguments": _arguments(c.get("function", {}))}
+        calls = [{"name": c.get("function", {}).get("name"),
+                  "arguments": parsed_arguments(c.get("function", {}).get("arguments") or "{}")}
                  for c in extra["tool_calls"] if isinstance(c, dict)]
         return {"role": "assistant", "content": json.dumps(calls[0] if len(calls) == 1 else calls)}
     return None
 
 
-def _arguments(function: dict) -> Any:
+def call_as_text(name: Any, arguments: Any) -> str:
+    """A past tool call written into an assistant turn as the object the tools grammar makes
+    (the Messages and Responses routes' history)."""
+    return json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
+
+
+def result_as_text(name: Any, output: str, failed: bool = False) -> str:
+    """A tool's result written into a user turn, naming the call it answers (every route's history)."""
+    return f"Result of {name}{' (the call failed)' if failed else ''}: {output}"
+
+
+def parsed_arguments(arguments: Any) -> Any:
+    """A call's arguments as sent (a JSON string), parsed; as they are when they are not JSON."""
     try:
-        return json.loads(function.get("arguments") or "{}")
-    except ValueError:
-        return function.get("arguments")
+        return json.loads(arguments)
+    except (TypeError, ValueError):
+        return arguments
 
 
 def _text(content: Any) -> str:
