@@ -13,7 +13,7 @@ the answer. With `enable_thinking: false` in `chat_template_kwargs`, Qwen3's tem
 empty `<think></think>` into the prompt, so the model answers at once.
 
 `ReasoningText` streams the two parts apart (stop strings and `min_tokens` apply to the answer,
-counted in generated tokens as vLLM counts them); `ThinkingPhase` is the same reading for the
+counted in generated tokens as vLLM counts them); `walk` is the same reading for the
 token rules, so a grammar constrains the answer alone (constraints.py).
 """
 

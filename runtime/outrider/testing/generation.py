@@ -209,7 +209,6 @@ def check_drafter(registry: PluginRegistry, name: str, model: Any, tokenizer: An
     from ..generation.contract import DrafterContext, StepOutcome, sampled_groups
     from ..generation.engine import GenerationEngine
     from ..generation.sampling import SamplingParams, new_generator
-    from ..serving.request import PendingRequest
 
     assert name in registry.drafters, f"no plugin registers drafter {name!r} (known: {sorted(registry.drafters)})"
     drafter = registry.drafters[name](model, dict(options or {}), DrafterContext(tokenizer=tokenizer))
@@ -257,20 +256,11 @@ def check_drafter(registry: PluginRegistry, name: str, model: Any, tokenizer: An
     strategy = strategy.for_instance()
     strategy.attach(model, tokenizer)
     outputs = []
+    request = {"prompt": tokenizer.decode(prompt_ids), "max_tokens": 24, "temperature": 0.0}
     for strat in (None, strategy):
         engine = GenerationEngine(model, tokenizer, strat, max_sequences=2, max_length=len(prompt_ids) + 64)
-        finals: list[dict] = []
-
-        def send(request: Any, kind: str, header: dict, out: Any) -> None:
-            if kind != "chunk":
-                finals.append(header)
-
-        engine.admit([PendingRequest(b"c", 0, "generate", "conformance", {},
-                                     {"prompt": tokenizer.decode(prompt_ids), "max_tokens": 24, "temperature": 0.0},
-                                     send)])
-        while engine.busy():
-            engine.step()
-        assert finals and finals[0].get("ok", True), f"{name}: the generation failed: {finals}"
+        finals, _ = _run_generations(engine, [request])
+        assert finals[0].get("ok", True), f"{name}: the generation failed: {finals}"
         outputs.append(finals[0])
     assert outputs[1]["token_ids"] == outputs[0]["token_ids"], \
         f"{name}: greedy output with the drafter differs from the target's: {outputs[1]['token_ids']} vs " \
