@@ -67,6 +67,7 @@ class Container:
             command[command.index("--http") + 1] = f"127.0.0.1:{port}"
         self.command = command
         self.root: Optional[str] = None
+        self.mounts: list[str] = []  # bind mounts into the mounted image, undone by stop()
         self.process: Optional[subprocess.Popen] = None
         self.how = ""
 
@@ -104,7 +105,7 @@ class Container:
     def _bind(self, source: str, target: str, read_only: bool = False) -> None:
         subprocess.run(["mount", "--bind", *(["-o", "ro"] if read_only else []), source, f"{self.root}/{target}"],
                        check=True)
-        self._mounts = getattr(self, "_mounts", []) + [f"{self.root}/{target}"]
+        self.mounts.append(f"{self.root}/{target}")
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
@@ -113,9 +114,9 @@ class Container:
                 self.process.wait(30)
             except subprocess.TimeoutExpired:
                 self.process.kill()
-        for mount in reversed(getattr(self, "_mounts", [])):
+        for mount in reversed(self.mounts):
             subprocess.run(["umount", "-l", mount], check=False)
-        self._mounts = []
+        self.mounts = []
         if self.root is not None:
             podman("image", "umount", self.image, check=False)
             self.root = None
