@@ -143,7 +143,7 @@ class DynamicBatcher(Scheduler):
         if spec is None:  # built outside a server (tests, tools): read the manifest's own section
             section = manifest.section("batching")
             if section is None:
-                raise ManifestError(f"{manifest.source_file or manifest.name}: the batcher needs a 'batching' section")
+                raise ManifestError(f"{manifest.where}: the batcher needs a 'batching' section")
             spec = BatchingSpec.model_validate(section)
         self.max_batch_size = spec.max_batch_size
         self.max_queue_delay = spec.max_queue_delay_ms / 1000

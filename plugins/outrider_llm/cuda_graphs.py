@@ -282,7 +282,7 @@ class CudaGraphRunner:
 
     def __init__(self, model: Any, cache: Any, capture: bool = True, widths: Sequence[int] = WIDTH_BUCKETS,
                  max_graphs: int = MAX_GRAPHS) -> None:
-        if not getattr(cache, "static", False):
+        if not cache.static:
             raise ValueError("CUDA graphs need a static KV cache (SlotKVCache(static=True)): they hold its address")
         self.model, self.cache = model, cache
         self.capture = bool(capture) and model.device.type == "cuda"

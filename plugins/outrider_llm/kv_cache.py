@@ -47,6 +47,7 @@ class NumpySlotKVCache:
         self.num_slots = num_slots
         self.max_length = max_length
         self.static = static
+        self.native_table: Any = None  # the native runtime's view of these arrays (native_model.py), made on first use
         self._shape = (config.num_layers, 2, config.num_kv_heads, config.head_dim)
         # Static: all slots, max_length + 1 positions (the last one is the padded rows' scratch).
         self.kv = self._empty(num_slots, max_length + 1) if static else self._empty(0, 0)

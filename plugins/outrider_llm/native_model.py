@@ -157,6 +157,11 @@ class NativeLlama:
             start = layer
         self.layers(x, cos, sin, kv, chunks, visible, positions, span=(start, len(self.layers)))
 
+    @property
+    def max_length(self) -> int:
+        """The longest context its positions are made for (the file's context length)."""
+        return int(self.config.max_position_embeddings or 8192)
+
     def load_draft_model(self, path: "str | Path") -> tuple["NativeLlama", Any]:
         """(model, tokenizer) of another GGUF on this runtime, for the draft-model drafter: its tiles
         packed from the mapped file into the artifact cache once (as the target's), its KV cache of
@@ -275,7 +280,7 @@ class NativeLlama:
 
     def _kv_table(self, cache: NumpySlotKVCache) -> KvCaches:
         """The native KV table of `cache`, rebuilt when its arrays moved (it grew)."""
-        kv = getattr(cache, "native_table", None)
+        kv = cache.native_table
         if isinstance(cache, RingSlotKVCache):
             if kv is None or kv.keep[0] is not cache.kv or kv.keep[1] is not cache.ring:
                 arrays, rings = cache.layer_caches()

@@ -124,7 +124,7 @@ class OnnxRuntimeBackend(Backend, BakesModel):
         beside it in model.data (`mapped_form`: opened as it is, nothing built at start). A manifest
         with a `quantize` section is refused: quantizing needs the onnx package at start."""
         if raw.get("quantize"):
-            raise ManifestError(f"{manifest.source_file or manifest.name}: has a 'quantize' section, which needs "
+            raise ManifestError(f"{manifest.where}: has a 'quantize' section, which needs "
                                 "the onnx package at start; serve it from the full image")
         graph = mapped_form(onnx_model(manifest))
         return BakedFiles({"model.onnx": graph, SESSION_DATA: graph.parent / SESSION_DATA}, {"onnx": "model.onnx"},

@@ -27,6 +27,7 @@ import numpy as np
 from outrider.accelerators import WeightFormat
 from outrider.artifacts import Artifact
 from outrider.errors import ManifestError, QualityGateError
+from outrider.manifest import Manifest
 from outrider.generation.contract import Chunk
 from outrider.generation.sampling import host_array
 from outrider.hardware import cpu_has_bf16_instructions
@@ -284,7 +285,7 @@ def resolve_mode(mode: str) -> str:
 class LlmWeightQuantizer:
     """`artifact_transform` for "llama-weights": quantize the linear weights, gate on measured quality."""
 
-    def __init__(self, manifest: Any, config: Any) -> None:
+    def __init__(self, manifest: Manifest, config: Any) -> None:
         """`config` is the manifest's validated `quantize` section (`QuantizeConfig`)."""
         self.manifest = manifest
         self.config = config
@@ -292,7 +293,7 @@ class LlmWeightQuantizer:
         try:  # at start, not at load: a mode these weights cannot take fails before anything loads
             resolve_mode(config.mode)
         except ManifestError as exc:
-            where = getattr(manifest, "source_file", None) or getattr(manifest, "name", "<manifest>")
+            where = manifest.where
             raise ManifestError(f"{where}: field 'quantize.mode': {exc.message}") from None
 
     def apply(self, artifact: Artifact, context: Any) -> Artifact:
@@ -329,7 +330,7 @@ class LlmWeightQuantizer:
             return figures
 
         built = context.cache.get_or_build(
-            f"{KIND}-{mode}", build, label=f"{getattr(self.manifest, 'name', 'llm')} weights -> {mode}",
+            f"{KIND}-{mode}", build, label=f"{self.manifest.name} weights -> {mode}",
             # The kernel that computes the model here is part of the key (the backend says which, as
             # far as it changes the result): the gate measures the model as that kernel computes it
             # (w4a8 quantizes activations too), and its figures live in the provenance.

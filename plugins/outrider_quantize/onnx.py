@@ -54,6 +54,7 @@ from typing import Any, Optional
 
 from outrider.artifacts import Artifact, file_sha256, package_version
 from outrider.errors import ArtifactError, ManifestError, QualityGateError
+from outrider.manifest import Manifest
 
 from .config import CpuClass, QuantizeConfig
 from .onnx_int8 import quantize_onnx
@@ -74,12 +75,12 @@ class OnnxQuantizer:
     #: the quantized graph carries its own quantize/dequantize nodes: nothing for a backend to choose
     weight_format = None
 
-    def __init__(self, manifest: Any, config: QuantizeConfig, cpu: Optional[CpuClass] = None) -> None:
+    def __init__(self, manifest: Manifest, config: QuantizeConfig, cpu: Optional[CpuClass] = None) -> None:
         self.manifest = manifest
         self.config = config
         #: the class of CPU whose kernels this artifact is built and gated for (detected by default)
         self.cpu: CpuClass = cpu or cpu_class()
-        where = getattr(manifest, "source_file", None) or getattr(manifest, "name", "<manifest>")
+        where = manifest.where
         try:
             # Every class's recipe is checked at start, not only this CPU's: a manifest that is
             # wrong for an ARM box should not wait for one to say so.

@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any, Callable, Hashable, Optional
 
 from outrider.errors import ManifestError
-from outrider.generation.contract import DraftLimits, DraftTree, DrafterContext, StepOutcome
+from outrider.manifest import Manifest
+from outrider.generation.contract import DraftLimits, DraftTree, DrafterContext, StepOutcome, check_drafter
 from outrider.generation.sampling import is_greedy
 
 from .config import OptionError, SpeculativeConfig
@@ -142,11 +143,10 @@ class SpeculativeStrategy:
         self._depth: dict[Hashable, int] = {}  # depth of each sequence's last proposal
 
     @classmethod
-    def from_manifest(cls, manifest: Any) -> "SpeculativeStrategy":
+    def from_manifest(cls, manifest: Manifest) -> "SpeculativeStrategy":
         """Build from a manifest's `speculative` section (the accelerator factory)."""
-        where = getattr(manifest, "source_file", None) or getattr(manifest, "name", "manifest")
-        return cls(SpeculativeConfig.from_section(getattr(manifest, "speculative", None), where), where,
-                   getattr(manifest, "directory", None))
+        where = manifest.where
+        return cls(SpeculativeConfig.from_section(manifest.section("speculative"), where), where, manifest.directory)
 
     def for_instance(self) -> "SpeculativeStrategy":
         """A fresh, unattached strategy with the same knobs and drafter factories (one per engine)."""
@@ -176,11 +176,7 @@ class SpeculativeStrategy:
             try:
                 drafter = self.factories[name](model, self.config.options_for(name), context)
                 # The registration-time check of the Drafter contract: later calls read its members plainly.
-                missing = [] if callable(getattr(drafter, "propose", None)) else ["propose(seq, budget)"]
-                missing += [] if hasattr(drafter, "name") else ["name"]
-                if missing:
-                    raise TypeError(f"the factory registered as drafter {name!r} returned a {type(drafter).__name__} "
-                                    f"without {' or '.join(missing)} (outrider.generation.contract.Drafter)")
+                check_drafter(drafter, f"the factory registered as drafter {name!r}")
                 drafters.append(drafter)
             except OptionError as exc:
                 raise ManifestError(f"{self.where}: field 'speculative.{name}.{exc.field}': {exc.message}") from None

@@ -87,7 +87,7 @@ class SentenceEmbeddingTask(Task):
         self.matryoshka, self.dimensions = self._dimensions()
 
     def _where(self) -> str:
-        return self.manifest.source_file or self.manifest.name
+        return self.manifest.where
 
     def _read_json(self, path: Path) -> dict[str, Any]:
         try:

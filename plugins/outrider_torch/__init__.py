@@ -119,7 +119,7 @@ class TorchBackend(Backend):
         from outrider.torch_modules import MODELS, build_model
 
         start = time.perf_counter()
-        where = self.manifest.source_file or self.manifest.name
+        where = self.manifest.where
         task = self.manifest.model.task if self.manifest.model else None
         if task not in MODELS:
             raise ManifestError(f"{where}: field 'model.task': the torch backend runs {sorted(MODELS)}, not {task!r}")

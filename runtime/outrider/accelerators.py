@@ -199,7 +199,7 @@ def select(specs: list[AcceleratorSpec], manifest: Any, backend: Any) -> Acceler
     Every mistake is a ManifestError naming the file and the section: no plugin provides the
     section, none applies to this backend, two do, or the backend cannot take the role.
     """
-    where = getattr(manifest, "source_file", None) or manifest.name
+    where = manifest.where
     backend_name = backend.name
     chosen: list[tuple[AcceleratorSpec, str, Any]] = []
     for section, value in manifest.sections.items():

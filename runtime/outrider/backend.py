@@ -134,7 +134,7 @@ class Backend:
         if artifact is None:
             if transforms:
                 sections = ", ".join(self.accelerators.sections_for("artifact_transform"))
-                raise ManifestError(f"{self.manifest.source_file or self.manifest.name}: backend {self.name!r} takes "
+                raise ManifestError(f"{self.manifest.where}: backend {self.name!r} takes "
                                     f"no artifact, so its {sections} section cannot transform one")
             return
         if transforms:
@@ -269,7 +269,7 @@ def check_options(manifest: Manifest, backend: type[Backend]) -> None:
     try:
         model.model_validate(manifest.options)
     except ValidationError as exc:
-        raise ManifestError(format_validation_error(manifest.source_file or manifest.name, "options", exc)) from None
+        raise ManifestError(format_validation_error(manifest.where, "options", exc)) from None
 
 
 def require_packages(packages: tuple[str, ...], extra: str) -> Availability:
@@ -432,6 +432,6 @@ def choose_backend(manifest: Manifest, backends: dict[str, type[Backend]]) -> Ba
             return BackendChoice(cls, device, skipped, why)
         skipped.append(f"{name}: {avail.reason}")
     raise BackendUnavailableError(
-        f"{manifest.source_file or manifest.name}: no backend in {manifest.backend_preferences} can run here: "
+        f"{manifest.where}: no backend in {manifest.backend_preferences} can run here: "
         + "; ".join(skipped)
     )

@@ -196,17 +196,22 @@ class Manifest(_Strict):
         return [self.backend] if isinstance(self.backend, str) else list(self.backend)
 
     @property
+    def where(self) -> str:
+        """What an error about this manifest names: its file, or its name where it has none."""
+        return self.source_file or self.name
+
+    @property
     def directory(self) -> Path:
         return Path(self.source_file).parent if self.source_file else Path.cwd()
 
     def model_path(self) -> Path:
         """Resolved location of the weights (ManifestError when the manifest has no `model`)."""
         if self.model is None:
-            raise ManifestError(f"{self.source_file or self.name}: field 'model' is required by backend {self.backend!r}")
+            raise ManifestError(f"{self.where}: field 'model' is required by backend {self.backend!r}")
         try:
             return self.model.resolve(self.directory)
         except ManifestError as exc:
-            raise ManifestError(f"{self.source_file or self.name}: {exc.message}") from None
+            raise ManifestError(f"{self.where}: {exc.message}") from None
 
 
 def _format_errors(where: str, exc: ValidationError) -> str:

@@ -152,7 +152,7 @@ class PluginRegistry:
         cls = self.tasks.get(task)
         if cls is None:
             raise ManifestError(
-                f"{manifest.source_file or manifest.name}: field 'model.task': no plugin registers task "
+                f"{manifest.where}: field 'model.task': no plugin registers task "
                 f"{task!r}; known tasks: {sorted(self.tasks)}"
             )
         return cls(manifest)

@@ -61,6 +61,11 @@ class KVCache(Protocol):
     # positions start..end-1, and committing such a copy right after the committed ones.
     def read(self, slot: int, start: int, end: int) -> Any: ...
     def write(self, slot: int, start: int, kv: Any) -> None: ...
+    # Required of a draft model's cache (CausalLM.load_draft_model), whose chain keeps the rows the
+    # target accepted: whether `truncate(slot, length)` may drop a slot's rows from `length` on (a
+    # ring of windowed layers cannot).
+    # truncatable: bool
+    # def truncate(self, slot: int, length: int) -> None: ...
     # Optional, for a cache whose windowed layers forget old rows: how many leading blocks (copies
     # of `read`, in order) can be written back exactly (the engine copies no more).
     # def restorable(self, blocks: list[Any]) -> int: ...
@@ -121,7 +126,9 @@ class CausalLM(Protocol):
     def fingerprint(self) -> str: ...
     # Optional, for the draft-model drafter: another model file loaded the way this one was (same
     # runtime, same artifact cache, same KV cache type) with its tokenizer. A model without it
-    # cannot be drafted for by a draft model (the drafter's factory says so).
+    # cannot be drafted for by a draft model (the drafter's factory says so). The draft model it
+    # returns has `max_length` (the longest context its positions are made for), and its caches
+    # say whether they are `truncatable` (KVCache).
     # def load_draft_model(self, path: str) -> tuple["CausalLM", Any]: ...
     # Optional, for EAGLE-3 heads: make every later forward return `aux_hidden` for these layers
     # (ascending, 0 .. num_layers - 1); `num_layers` says how many it has. A model without it cannot
@@ -238,6 +245,19 @@ class Drafter(Protocol):
     def propose(self, seq: "SequenceView", budget: int) -> DraftTree: ...
 
 
+DRAFTER_MEMBERS = ("name", "propose")
+
+
+def check_drafter(drafter: Any, where: str) -> None:
+    """TypeError naming what `drafter` lacks of `Drafter` (its optional hooks aside)."""
+    missing = [name for name in DRAFTER_MEMBERS if not hasattr(drafter, name)]
+    if not missing and not callable(drafter.propose):
+        missing = ["propose(seq, budget)"]
+    if missing:
+        raise TypeError(f"{where} returned a {type(drafter).__name__} without {' or '.join(missing)} "
+                        "(outrider.generation.contract.Drafter)")
+
+
 class SequenceView(Protocol):
     """What a drafter may read about a sequence (the engine's Sequence; read only)."""
 
@@ -311,4 +331,4 @@ def children_of(tree: DraftTree) -> dict[int, list[int]]:
 
 def sampled_groups(tree: DraftTree) -> dict[int, list[SampledChildren]]:
     """The tree's sampled groups ({} for a plain DraftTree)."""
-    return getattr(tree, "sampled", None) or {}
+    return tree.sampled if isinstance(tree, SpecTree) else {}

@@ -32,7 +32,7 @@ _SOURCE_NAMES = ("config.json",)
 
 def onnx_model(manifest: Manifest) -> Path:
     """The ONNX file for this manifest: `options.onnx` if given, else the cached export."""
-    where = manifest.source_file or manifest.name
+    where = manifest.where
     given = manifest.options.get("onnx")
     if given:
         path = Path(os.path.expanduser(str(given)))

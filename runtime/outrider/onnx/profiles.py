@@ -51,7 +51,7 @@ def profile_bounds(manifest: Manifest, task_max_length: Optional[int] = None,
     max_seq = int(options.get("max_seq_length") or task_max_length or DEFAULT_MAX_SEQ)
     if task_max_length and max_seq < task_max_length:
         raise ManifestError(
-            f"{manifest.source_file or manifest.name}: field 'options.max_seq_length': {max_seq} is shorter than "
+            f"{manifest.where}: field 'options.max_seq_length': {max_seq} is shorter than "
             f"the {task_max_length} tokens the task feeds; the engine could not take its longest input"
         )
     if batching is None:

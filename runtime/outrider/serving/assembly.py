@@ -37,7 +37,7 @@ def build_model(manifest: Manifest, registry: PluginRegistry, stats: Optional[Mo
             # Its loop drives the engine object of an in-process backend across steps; a
             # worker process only answers execute(batch), so it could never serve.
             raise ManifestError(
-                f"{manifest.source_file or manifest.name}: field 'scheduling.instance_kind': backend "
+                f"{manifest.where}: field 'scheduling.instance_kind': backend "
                 f"{choice.backend.name!r} keeps its sequences in an engine of its own and runs only as "
                 f"'thread' instances, got {manifest.scheduling.instance_kind!r}"
             )
