@@ -38,7 +38,7 @@ sys.path[:0] = [str(ROOT / "runtime"), str(ROOT / "plugins")]
 
 import numpy as np  # noqa: E402
 
-from outrider import Client  # noqa: E402
+from outrider import Client, entry_index  # noqa: E402
 from outrider.harness import ServerProcess, free_port  # noqa: E402
 
 SENTENCE = "Outrider serves models beside your application."
@@ -53,11 +53,14 @@ class Container:
     """The image's entrypoint running with fresh cache and socket volumes; `podman run` or chroot."""
 
     def __init__(self, image: str, cache: Path, run: Path, port: int,
-                 volumes: Optional[dict[str, str]] = None, command: Optional[list[str]] = None) -> None:
+                 volumes: Optional[dict[str, str]] = None, command: Optional[list[str]] = None,
+                 writable: Optional[dict[str, str]] = None) -> None:
         """`volumes`: host directory -> an existing directory of the image (mounted read-only);
-        `command`: arguments instead of the image's CMD."""
+        `writable`: the same, mounted read-write (owned by the image's user); `command`: arguments
+        instead of the image's CMD."""
         self.image, self.cache, self.run, self.port = image, cache, run, port
         self.volumes = dict(volumes or {})
+        self.writable = dict(writable or {})
         config = json.loads(podman("image", "inspect", image))[0]["Config"]
         self.env = dict(item.split("=", 1) for item in config.get("Env") or [])
         self.user = config.get("User") or "0:0"
@@ -74,11 +77,12 @@ class Container:
     def start(self, log: Path) -> float:
         """Start it; returns the time.monotonic() of the start."""
         uid, gid = self.user.split(":")
-        for path in (self.cache, self.run):
+        for path in (self.cache, self.run, *map(Path, self.writable)):
             os.chown(path, int(uid), int(gid))
         if podman_run_works(self.image):
             self.how = "podman run (read-only root, volumes for the cache and socket)"
             extra = [arg for host, inside in self.volumes.items() for arg in ("-v", f"{host}:{inside}:ro")]
+            extra += [arg for host, inside in self.writable.items() for arg in ("-v", f"{host}:{inside}")]
             argv = ["podman", "run", "--rm", "--read-only", "--network", "host", *extra,
                     "-v", f"{self.cache}:/var/cache/outrider", "-v", f"{self.run}:/run/outrider", self.image,
                     *self.command[1:]]
@@ -92,6 +96,8 @@ class Container:
             self._bind(str(self.run), "run/outrider")
             for host, inside in self.volumes.items():
                 self._bind(host, inside.lstrip("/"), read_only=True)
+            for host, inside in self.writable.items():
+                self._bind(host, inside.lstrip("/"))
             scratch = Path(tempfile.mkdtemp(prefix="image-tmp-"))
             scratch.chmod(0o1777)
             self._bind(str(scratch), "tmp")
@@ -240,7 +246,51 @@ def gguf_check(args: argparse.Namespace, work: Path) -> None:
             assert native, "the image served the GGUF on the torch runtime: " + log.read_text()[-400:]
         finally:
             container.stop()
+    baked_check(args, work, manifests, run, expected.token_ids)
     shutil.rmtree(run, ignore_errors=True)
+
+
+def baked_check(args: argparse.Namespace, work: Path, manifests: Path, run: Path, expected: list[int]) -> None:
+    """`outrider bake` of the GGUF's manifest, run by the image into a volume, then that directory
+    served by the image with an empty cache volume and without the GGUF: ready, the same greedy
+    tokens, nothing written into the cache."""
+    gguf_volume = {str(args.gguf.resolve().parent): "/media"}
+    started = time.monotonic()
+    baker = Container(args.image, work / "bake-cache", run, 0, gguf_volume, ["bake", "/mnt/user.yaml", "/mnt/baked"],
+                      writable={str(manifests): "/mnt"})
+    (work / "bake-cache").mkdir()
+    try:
+        baker.start(work / "bake.log")
+        status = baker.process.wait(args.timeout)
+    finally:
+        baker.stop()
+    assert status == 0, "outrider bake in the image failed: " + (work / "bake.log").read_text()[-600:]
+    size = sum(p.stat().st_size for p in (manifests / "baked").rglob("*") if p.is_file())
+    print(f"GGUF {args.gguf.name} baked by the image (`outrider bake`): {time.monotonic() - started:.1f} s, "
+          f"{size / 1e6:.0f} MB directory (the file: {args.gguf.stat().st_size / 1e6:.0f} MB)")
+    cache = work / "baked-cache"
+    cache.mkdir()
+    port = free_port()
+    container = Container(args.image, cache, run, port, {str(manifests / "baked"): "/mnt"},
+                          ["serve", "/mnt/manifest.yaml", "--http", f"127.0.0.1:{port}", "--http-insecure"])
+    try:
+        log = work / "baked-image.log"
+        started = container.start(log)
+        wait_ready(port, container.process, args.timeout)
+        ready = time.monotonic() - started
+        with Client(f"ipc://{run}/outrider.sock", timeout=300) as client:
+            got = client.generate("user", messages=PROMPT, max_tokens=32, temperature=0)
+        assert got.token_ids == expected, "the baked GGUF's greedy output in the image differs from the source tree's"
+        written = [p for p in cache.rglob("*") if p.is_file() and p.parent.name != "sha256"
+                   and p.name != entry_index.INDEX_FILE]
+        assert not written, f"serving the baked directory built {written}"
+        torch = container.maps_torch()
+        print(f"baked GGUF, empty cache volume, no GGUF mounted: ready {ready:.2f} s; greedy output equal to the "
+              f"source tree's; nothing written into the cache; libtorch "
+              f"{'mapped' if torch else 'not mapped' if torch is False else 'unknown (podman run)'}; idle RSS "
+              f"{container.rss_mb():.0f} MB")
+    finally:
+        container.stop()
 
 
 def main() -> None:

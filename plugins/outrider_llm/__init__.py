@@ -37,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from outrider import hookimpl
 from outrider.backend import Availability, GeneratingBackend, require_packages, torch_device
+from outrider.bake import BakedFiles, BakesModel
 from outrider.hardware import usable_cpus
 from outrider.manifest import Manifest
 from outrider.torch_process import CudaHealth, is_out_of_memory, release_cpu_threads, set_torch_threads
@@ -83,7 +84,7 @@ class LlmOptions(BaseModel):
     kv_cache: Literal["f16", "q8_0", "f32"] = "f16"
 
 
-class LlmBackend(GeneratingBackend):
+class LlmBackend(GeneratingBackend, BakesModel):
     """Text generation; infer requests are refused, generate requests go to the engine."""
 
     name = "llm"
@@ -95,7 +96,16 @@ class LlmBackend(GeneratingBackend):
         base = super().availability(manifest, device)
         if not base.available:
             return base
+        if manifest is not None and _baked(manifest):
+            return base  # the native runtime's tiles: numpy and tokenizers serve them (baking.py)
         return require_packages(("torch", "transformers", "gguf"), "llm")
+
+    @classmethod
+    def bake_files(cls, manifest: Manifest, raw: Any) -> BakedFiles:
+        """`outrider bake`: the GGUF's packed tiles (and a draft model's) into the directory (baking.py)."""
+        from .baking import bake_files
+
+        return bake_files(manifest, raw, LlmOptions.model_validate(manifest.options), bool(raw.get("quantize")))
 
     @classmethod
     def resolve_device(cls, device: str) -> str:
@@ -134,7 +144,7 @@ class LlmBackend(GeneratingBackend):
             if not torch.cuda.is_available():
                 from outrider.errors import ManifestError
 
-                raise ManifestError(f"{self.manifest.source_file or self.manifest.name}: field 'device': "
+                raise ManifestError(f"{self.manifest.where}: field 'device': "
                                     f"{self.device} was asked for, but torch {torch.__version__} sees no CUDA GPU")
         self.runtime, self._runtime_reason = self._choose_runtime(options, on_cuda)
         # CUDA work needs no intra-op threads; on CPU the first model of the process sets them.
@@ -144,6 +154,12 @@ class LlmBackend(GeneratingBackend):
         self.serves_file_blocks = (self.runtime == "native" and not quantized) or self._serves_file_blocks(options,
                                                                                                             on_cuda)
         path = self.manifest.model_path()
+        if path.is_dir() and (self.runtime != "native" or quantized):
+            from outrider.errors import ManifestError
+
+            raise ManifestError(f"{self.manifest.where}: model.path {path} is a baked "
+                                "model (`outrider bake`), which only the torch-free native runtime serves, and this "
+                                f"load runs on {'a quantize: section' if quantized else self._runtime_reason}")
         if self.runtime == "native" and not quantized:
             # The file's blocks packed straight into the native model's tiles, from the mapped file.
             from .gguf_tiles import NotCovered, load_gguf_tiles
@@ -181,7 +197,7 @@ class LlmBackend(GeneratingBackend):
         if options.runtime == "native":
             from outrider.errors import ManifestError
 
-            raise ManifestError(f"{self.manifest.source_file or self.manifest.name}: options.runtime: native "
+            raise ManifestError(f"{self.manifest.where}: options.runtime: native "
                                 f"cannot serve this model: {why}")
         return "torch", why
 
@@ -272,7 +288,7 @@ class LlmBackend(GeneratingBackend):
             if options.kv_cache == "q8_0" and self.model.config.head_dim % 32:
                 from outrider.errors import ManifestError
 
-                raise ManifestError(f"{self.manifest.source_file or self.manifest.name}: options.kv_cache: q8_0 "
+                raise ManifestError(f"{self.manifest.where}: options.kv_cache: q8_0 "
                                     f"needs head_dim a multiple of 32 (blocks of 32), this model's is "
                                     f"{self.model.config.head_dim}: use f16")
             self.model.kv_dtype = {"f16": np.float16, "f32": np.float32, "q8_0": "q8_0"}[options.kv_cache]
@@ -309,7 +325,7 @@ class LlmBackend(GeneratingBackend):
             if options.runtime == "native" or (Path(self.artifact.path) / TILES_INDEX).is_file():
                 from outrider.errors import ManifestError
 
-                raise ManifestError(f"{self.manifest.source_file or self.manifest.name}: options.runtime: native "
+                raise ManifestError(f"{self.manifest.where}: options.runtime: native "
                                     f"cannot serve this model: {exc}") from None
             self.runtime, self._runtime_reason = "torch", str(exc)
             self.threads = set_torch_threads(self.threads or usable_cpus(), f"model {self.manifest.name!r}")
@@ -400,16 +416,12 @@ class LlmBackend(GeneratingBackend):
                "waiting": len(engine.waiting), "free_slots": len(engine.free_slots)}
         if self.block_types:
             out["weights"] = {"served_as": "the file's own blocks", "block_types": self.block_types}
-        weight_bytes = getattr(self.model, "weight_bytes", None)
-        if callable(weight_bytes):
-            out.setdefault("weights", {})["bytes"] = int(weight_bytes())
-        cache = engine.cache
-        out["kv_cache"] = {"dtype": getattr(cache, "kv_kind", None) or str(cache.kv.dtype).replace("torch.", ""),
-                           "bytes": int(cache.nbytes)}
+        out.setdefault("weights", {})["bytes"] = int(self.model.weight_bytes())  # NativeLlama and LlamaModel
+        out["kv_cache"] = {"dtype": engine.cache.kv_kind, "bytes": int(engine.cache.nbytes)}
         out["runtime"] = self.runtime
         if cuda is not None:
             out["dtype"] = str(self.model.dtype).replace("torch.", "")
-            runner = getattr(self.model, "graph_runner", None)
+            runner = self.model.graph_runner  # on CUDA the torch model serves (model.py)
             if runner is not None:
                 out["cuda_graphs"] = runner.stats()
             out.update(cuda.report())
@@ -422,3 +434,13 @@ class LlmBackend(GeneratingBackend):
     def unload(self) -> None:
         self.engine = None
         self.model = None  # graphs, static cache and weights go with it
+
+
+def _baked(manifest: Manifest) -> bool:
+    """Whether the manifest's model is a directory `outrider bake` wrote (not a GGUF file)."""
+    from outrider.errors import ManifestError
+
+    try:
+        return manifest.model is not None and manifest.model_path().is_dir()
+    except ManifestError:  # an unresolvable model path: the load says why
+        return False

@@ -349,10 +349,12 @@ def load_gguf_tiles(gguf_path: "str | Path", cache: Any = None, in_child: bool =
     """The "llama-gguf-tiles" artifact of a GGUF, built once from the mapped file (see the module
     docstring); NotCovered where it holds what this packing does not take (found before anything is
     packed; nothing is kept), GGUFError for a file the backend cannot serve. A warm start reads no
-    more of the file than its cache key needs."""
+    more of the file than its cache key needs. A directory is a baked model (`baked_tiles`)."""
     from outrider.artifacts import ArtifactCache
 
     path = Path(gguf_path)
+    if path.is_dir():
+        return baked_tiles(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file {path} does not exist")
     cache = cache or ArtifactCache()
@@ -382,3 +384,26 @@ def load_gguf_tiles(gguf_path: "str | Path", cache: Any = None, in_child: bool =
     return cache.get_or_build(KIND, make, label=f"{path.name} -> native tiles", sources=[path],
                               versions=["gguf", "transformers", "tokenizers"],
                               options={"format": FORMAT, "cache_format": CACHE_FORMAT, "five_bit_tiles": five_bit})
+
+
+def baked_tiles(directory: Path) -> Any:
+    """The artifact `outrider bake` wrote into `directory` (LlmBackend.bake_files: the cache entry's
+    files as they are), served in place: nothing packed, no cache written. Every part records its own
+    layout (bits, group), so tiles baked on one CPU class compute the same on any other; what must
+    match is the format this version reads. GGUFError saying what differs otherwise."""
+    from outrider.artifacts import PROVENANCE, Artifact
+
+    try:
+        provenance = json.loads((directory / PROVENANCE).read_text())
+    except (OSError, ValueError) as exc:
+        raise GGUFError(f"{directory} is a directory, not a GGUF file, and not a model baked by `outrider bake` "
+                        f"either ({PROVENANCE}: {exc})") from None
+    made = provenance.get("options") or {}
+    wrote = (provenance.get("kind"), made.get("format"), made.get("cache_format"))
+    if wrote != (KIND, FORMAT, CACHE_FORMAT):
+        raise GGUFError(f"{directory}: baked as {wrote[0]!r} format {wrote[1]}/{wrote[2]}, and this version of "
+                        f"outrider reads {KIND!r} format {FORMAT}/{CACHE_FORMAT}: bake it again with this version")
+    missing = [name for name in (TILES_FILE, TILES_INDEX, META_FILE, TOKENIZER_FILE) if not (directory / name).is_file()]
+    if missing:
+        raise GGUFError(f"{directory}: a baked model without {', '.join(missing)} (copied only in part?)")
+    return Artifact(directory, KIND, provenance)

@@ -90,8 +90,12 @@ def make_draft_model_drafter(model: Any, options: Optional[Mapping[str, Any]] = 
 
 
 def make_eagle_drafter(model: Any, options: Optional[Mapping[str, Any]] = None, context: Any = None):
-    """Drafter factory: an EagleDrafter over `model` (option `weights`: default the shipped head); for
-    a model without torch (`array_api = "numpy"`), the same head drafting on numpy (draft_head.py)."""
+    """Drafter factory: an EagleDrafter over `model` (option `weights`: default the shipped head,
+    relative to the manifest's folder as every drafter's file); for a model without torch
+    (`array_api = "numpy"`), the same head drafting on numpy (draft_head.py)."""
+    weights = (options or {}).get("weights")
+    if context is not None and isinstance(weights, str):
+        options = {**options, "weights": str(context.resolve(weights))}
     if model is not None and model.array_api == "numpy":  # no model: the torch factory says what is missing
         from .draft_head import make_host_eagle_drafter as make
     else:

@@ -81,7 +81,7 @@ class DraftModelDrafter:
         self.cache = draft.new_cache(max_sequences, max_length)
         # A chain keeps its drafted rows and truncates what the target did not keep; a ring cache
         # cannot truncate, so a sliding-window draft drafts trees.
-        self.shape = shape if getattr(self.cache, "truncatable", False) else "tree"
+        self.shape = shape if self.cache.truncatable else "tree"
         self._chain: dict[int, list[int]] = {}  # slot -> drafted tokens committed after its covered ones
         self._rows: dict[int, int] = {}  # slot -> its cache rows when the covered tokens were committed
         self._slots: OrderedDict[Hashable, int] = OrderedDict()  # sequence -> draft cache slot, LRU first
@@ -336,14 +336,14 @@ def make_draft_model_drafter(model: Any, options: Optional[Mapping[str, Any]] = 
                              context: Optional[DrafterContext] = None) -> DraftModelDrafter:
     """Drafter factory: loads `options.path` on the target's runtime, checks its vocabulary, warms it up."""
     options, path = path_drafter_options(options, OPTIONS, "model-drafter",
-                                         "the path of the draft model's file (a GGUF)")
+                                         "the path of the draft model's file (a GGUF, or a directory `outrider bake` wrote)")
     context = context or DrafterContext()
     load = getattr(model, "load_draft_model", None)  # optional in CausalLM: probing is how it is told
     if load is None:
         raise OptionError("path", f"this target ({type(model).__name__}) cannot load a draft model: the draft-model "
                                   f"drafter runs on the llm backend's native CPU runtime")
     resolved = context.resolve(path)
-    if not resolved.is_file():
+    if not resolved.exists():  # a GGUF file, or a directory `outrider bake` wrote
         raise OptionError("path", f"draft model file {str(resolved)!r} does not exist")
     started = time.perf_counter()
     try:
@@ -354,7 +354,7 @@ def make_draft_model_drafter(model: Any, options: Optional[Mapping[str, Any]] = 
         check_vocabulary(context.tokenizer, tokenizer, str(resolved))
     except ValueError as exc:
         raise OptionError("path", str(exc)) from None
-    max_length = getattr(getattr(draft, "config", None), "max_position_embeddings", 8192) or 8192
+    max_length = draft.max_length
     drafter = DraftModelDrafter(
         draft, int(model.vocab_size),
         max_depth=read_int(options, "max_depth", 8, 1, 64),

@@ -10,6 +10,10 @@ writes
     /models/minilm/*.json, ...     every file of the model directory except the weights
                                    (tokenizer, configs: what the task reads)
 
+A GGUF on the llm backend bakes into the native runtime's packed tiles (tiles.bin, tiles.json,
+meta.json, tokenizer.json) with `model.path: .`, and a draft model named by the manifest into
+draft/: the directory serves without the GGUF, torch, transformers or gguf.
+
 `outrider serve /models/minilm/manifest.yaml` then converts nothing at start, so the image that
 serves it needs none of the converters (docker/Dockerfile.cpu bakes in a build stage that has
 torch, and copies only the directory). The same directory works on a mounted volume or as a
@@ -23,7 +27,7 @@ from __future__ import annotations
 
 import shutil
 import textwrap
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -46,6 +50,9 @@ class BakedFiles:
     options: Mapping[str, Any]
     #: for the baked manifest's header: what is baked, what serving the directory needs
     note: str
+    #: top-level manifest sections replaced in the baked manifest (a drafter's file moved into the
+    #: directory: its section with the path rewritten)
+    sections: Mapping[str, Any] = field(default_factory=dict)
 
 
 class BakesModel:
@@ -75,6 +82,7 @@ def bake(manifest_path: Path, out: Path, backends: Mapping[str, type]) -> Path:
                 (out / relative).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(path, out / relative)
     for name, source in baked_files.files.items():
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(source, out / name)
 
     model = dict(raw.get("model") or {})
@@ -82,6 +90,7 @@ def bake(manifest_path: Path, out: Path, backends: Mapping[str, type]) -> Path:
     model["path"] = "."
     raw["model"] = model
     raw["options"] = {**(raw.get("options") or {}), **baked_files.options}
+    raw.update(baked_files.sections)
     baked = out / "manifest.yaml"
     header = textwrap.fill(f"Baked from {manifest_path.name} by `outrider bake`: {baked_files.note}", width=98,
                            initial_indent="# ", subsequent_indent="# ")

@@ -256,16 +256,22 @@ class Client:
     def wait_ready(self, timeout: float, interval: float = 0.02, process: Any = None) -> None:
         """Ask `health` until every model is ready (a server still starting, or not yet bound, is
         asked again every `interval` seconds). RequestTimeoutError after `timeout` seconds;
-        UnavailableError as soon as `process` (a `subprocess.Popen` of the server) has exited."""
+        UnavailableError as soon as `process` (a `subprocess.Popen` of the server) has exited, or a
+        model the server was started with has failed for good (status "failed": the reasons)."""
         end = time.monotonic() + timeout
         while True:
             if process is not None and process.poll() is not None:
                 raise UnavailableError(f"the server process exited with {process.returncode} before it was ready")
             try:
-                if self.health(timeout=min(1.0, max(end - time.monotonic(), 0.01)))["ready"]:
-                    return
+                health = self.health(timeout=min(1.0, max(end - time.monotonic(), 0.01)))
             except OutriderError:
-                pass
+                health = {}
+            if health.get("ready"):
+                return
+            if health.get("status") == "failed":
+                reasons = "; ".join(f"{name}: {model.get('reason')}" for name, model in health["models"].items()
+                                    if model.get("state") == "failed")
+                raise UnavailableError(f"{self.address}: a model failed to load ({reasons})")
             if time.monotonic() >= end:
                 raise RequestTimeoutError(f"{self.address}: not ready within {timeout:g}s")
             time.sleep(interval)
