@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any, Callable, Hashable, Optional
+from typing import Any, Callable, Hashable, Mapping, Optional
 
 from outrider.errors import ManifestError
 from outrider.manifest import Manifest
@@ -154,9 +154,9 @@ class SpeculativeStrategy:
         twin.factories = dict(self.factories)
         return twin
 
-    def bind_registry(self, registry: Any) -> None:
-        """Take the drafter factories plugins registered; an unknown drafter name fails here."""
-        self.factories = {**BUILTIN_DRAFTERS, **dict(getattr(registry, "drafters", registry) or {})}
+    def bind_registry(self, registry: Mapping[str, Callable[..., Any]]) -> None:
+        """Take the drafter factories plugins registered ({name: factory}); an unknown drafter name fails here."""
+        self.factories = {**BUILTIN_DRAFTERS, **registry}
         self._check_names()
 
     def _check_names(self) -> None:

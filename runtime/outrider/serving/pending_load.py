@@ -28,8 +28,8 @@ class PendingLoad:
         #: the version the load will serve (a ServedModel's `version`): fronts ask either the same
         self.version = entry.version + 1
         # Known before the build from the backend classes named (None: the candidates differ).
-        names = [manifest.backend] if isinstance(manifest.backend, str) else list(manifest.backend)
-        kinds = {getattr(repository.registry.backends.get(n), "generates", None) for n in names}
+        backends = repository.registry.backends
+        kinds = {backends[n].generates if n in backends else None for n in manifest.backend_preferences}
         self.generates: Optional[bool] = kinds.pop() if len(kinds) == 1 else None
         self.served: Optional[ServedModel] = None
         self.error: Optional[OutriderError] = None
