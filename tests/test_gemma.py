@@ -264,6 +264,44 @@ def test_the_sliding_layers_ring_computes_what_the_whole_cache_does(ring_model, 
     assert ring.valid_from(0) > 0
 
 
+def test_a_ring_grows_with_its_sequence_and_computes_what_the_whole_cache_does(ring_model, monkeypatch):
+    """A short sequence's ring holds its rows, not a whole window's: it grows with the sequence (and
+    with a second slot joining) until full size, then wraps, and every step's logits stay those of
+    the whole cache."""
+    from outrider.generation.contract import Chunk
+    from outrider_llm import kv_cache
+    from outrider_llm.kv_cache import NumpySlotKVCache
+
+    model, tokenizer = ring_model
+    monkeypatch.setattr(kv_cache, "GROWTH_STEP", 8)
+    ids = tokenizer.encode(TEXT)[:5]
+    ring, whole = model.new_cache(2, 256), NumpySlotKVCache(model.config, 2, 256, dtype=np.float16)
+    outs, sizes = [], []
+    for cache in (ring, whole):
+        steps = []
+        for slot in (0, 1):
+            steps.append(model.forward(cache, [Chunk(slot, np.array(ids), np.arange(len(ids)))]).logits)
+            cache.commit(slot, list(range(len(ids))))
+            if cache is ring:
+                sizes.append(ring.ring.shape[4])
+        tokens, pos = [int(steps[0][-1].argmax())] * 2, len(ids)
+        for step in range(50):  # both slots one token a step: past the ring's 32 rows
+            chunks = [Chunk(slot, np.array([tokens[slot]]), np.array([pos])) for slot in (0, 1)]
+            logits = model.forward(cache, chunks).logits
+            steps.append(logits)
+            for slot in (0, 1):
+                cache.commit(slot, [0])
+                tokens[slot] = int(logits[slot].argmax()) if slot == 0 else (tokens[slot] * 7 + step) % 50
+            pos += 1
+            if cache is ring:
+                sizes.append(ring.ring.shape[4])
+        outs.append(steps)
+    for got, want in zip(*outs):
+        assert np.array_equal(got, want)
+    assert sizes[0] == 8 and sorted(set(sizes)) == [8, 16, 32], sizes  # grown in steps to full size, no further
+    assert ring.valid_from(0) > 0
+
+
 def test_speculation_and_the_prefix_cache_are_exact_over_the_ring(ring_model):
     from outrider.generation.prefix_cache import PrefixCache
 

@@ -201,6 +201,10 @@ class RingSlotKVCache(NumpySlotKVCache):
     `NumpySlotKVCache`'s. A step may feed at most `step_rows` rows a slot (the model splits a longer
     prefill), so no row a step reads is overwritten by it (the C layer stack checks this).
 
+    A ring grows with its longest sequence up to that size, as the other layers' cache does (a short
+    chat's ring holds its rows, not a whole window's): until it is full size no position has wrapped,
+    so growing it copies rows to the same places.
+
     What a ring forgets: committed positions before `valid_from(slot)`. `read` returns them as NaN
     (q8_0: NaN scales) in the ring layers (the global layers' rows are whole), and `restorable` says how many leading
     prefix-cache blocks can be copied back exactly: those whose last `window` positions are whole,
@@ -221,10 +225,10 @@ class RingSlotKVCache(NumpySlotKVCache):
         self.ring = self._empty_ring(0)
         self._valid_from = [0] * num_slots
 
-    def _empty_ring(self, slots: int) -> np.ndarray:
+    def _empty_ring(self, slots: int, rows: int = 0) -> np.ndarray:
         _, two, heads, _ = self._shape
-        return np.zeros((len(self.ring_layers), two, slots, heads, self.ring_capacity if slots else 0,
-                         self.row_width), dtype=self.kv_dtype)
+        return np.zeros((len(self.ring_layers), two, slots, heads, rows if slots else 0, self.row_width),
+                        dtype=self.kv_dtype)
 
     def _mark_lost(self, rows: np.ndarray) -> None:
         """Rows [..., n, width] a ring overwrote: NaN, or for q8_0 NaN scales (0xFFFF)."""
@@ -257,11 +261,17 @@ class RingSlotKVCache(NumpySlotKVCache):
 
     def reserve(self, slot: int, length: int) -> None:
         super().reserve(slot, length)
-        if self.ring.shape[2] <= slot:
-            grown = self._empty_ring(slot + 1)
-            if self.ring.shape[2]:
-                grown[:, :, :self.ring.shape[2]] = self.ring
-            self.ring = grown
+        slots, rows = self.ring.shape[2], self.ring.shape[4]
+        new_rows = rows
+        if rows < min(length, self.ring_capacity):
+            wanted = -(-length // GROWTH_STEP) * GROWTH_STEP
+            new_rows = min(self.ring_capacity, max(wanted, 2 * rows))
+        if slot < slots and new_rows == rows:
+            return
+        grown = self._empty_ring(max(slots, slot + 1), new_rows)
+        if slots and rows:
+            grown[:, :, :slots, :, :rows] = self.ring  # not wrapped yet where rows < ring_capacity
+        self.ring = grown
 
     def valid_from(self, slot: int) -> int:
         """The first committed position whose K/V the ring layers still hold."""

@@ -134,7 +134,9 @@ const char* check_chunks(const int64_t* ch, int64_t count, int64_t total, int64_
   std::vector<char> owned(total, 0);
   for (int64_t c = 0; c < count; ++c) {
     const int64_t slot = ch[4 * c], start = ch[4 * c + 1], n = ch[4 * c + 2], length = ch[4 * c + 3];
-    const bool fits = ring_window > 0 ? n + ring_window - 1 <= capacity : length + n <= capacity;
+    // A ring holds the window and a step's rows once it is full size; until then (a short sequence's
+    // ring, grown with it) it has not wrapped, and holds every row like a plain cache.
+    const bool fits = length + n <= capacity || (ring_window > 0 && n + ring_window - 1 <= capacity);
     if (!(slot >= 0 && slot < slots && start >= 0 && n >= 1 && start + n <= total && length >= 0 && fits &&
           (causal || n <= visible_width))) {
       std::snprintf(message, message_size,
