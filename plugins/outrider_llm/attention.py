@@ -72,7 +72,7 @@ def native_attention_usable(config: LlamaConfig, device: torch.device, layers: l
     torch attention's last-bit differences into rounding steps)."""
     linears = [k for layer in layers for k in (layer.qkv, layer.o, layer.gate_up, layer.down)]
     return (device.type == "cpu" and bool(linears) and config.head_dim in (16, 32, 64, 128)
-            and all(getattr(k, "kernel", None) in NATIVE_KERNELS for k in linears))
+            and all(k.kernel in NATIVE_KERNELS for k in linears))
 
 
 class ChunkPlan:

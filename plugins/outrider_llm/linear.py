@@ -63,6 +63,7 @@ class QuantizedLinear:
     """
 
     __slots__ = ("weight", "packed", "dtype")
+    kernel = "dense"  # every linear kernel says which it is: `NATIVE_KERNELS` decides the layer stack
 
     def __init__(self, weight: torch.Tensor, dtype: torch.dtype, use_onednn: bool) -> None:
         self.dtype = dtype
@@ -317,6 +318,7 @@ class Int8Linear(_PackedLinear):
     """
 
     __slots__ = ("q", "scale")
+    kernel = "int8pack"
 
     def __init__(self, weight: QuantTensor, dense: Optional[QuantizedLinear] = None,
                  dense_from: int = DEFAULT_DENSE_FROM_ROWS) -> None:
@@ -379,7 +381,7 @@ class ConcatLinear:
 
     def __init__(self, parts: list) -> None:
         self.parts = parts
-        kernels = {getattr(p, "kernel", "dense") for p in parts}
+        kernels = {p.kernel for p in parts}
         self.kernel = "native" if kernels <= NATIVE_KERNELS else "mixed"
         self.dtype = torch.float32
 
@@ -389,7 +391,7 @@ class ConcatLinear:
     @property
     def nbytes(self) -> int:
         """Bytes of weight its parts hold."""
-        return sum(getattr(p, "nbytes", 0) for p in self.parts)
+        return sum(p.nbytes for p in self.parts)
 
 
 #: kernels that compute with outrider's native int8-activation matmuls (w4a8_mm / w5a8_mm / w8a8_mm)

@@ -97,7 +97,7 @@ class LlamaModel(torch.nn.Module):
     def weight_bytes(self) -> int:
         """Bytes held by the matmul kernels (embeddings and norms not counted)."""
         kernels = [self.head] + [k for layer in self.layers for k in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        return sum(getattr(k, "nbytes", 0) for k in kernels)
+        return sum(k.nbytes for k in kernels)
 
     def _rope_table(self, size: int) -> None:
         cos, sin_signed = rope_tables(self.config, size)  # shared with the torch-free model

@@ -209,7 +209,7 @@ def _rows_of(device: torch.device, weight: QuantTensor,
     that same weight (no second copy), else the file's groups, else (not a CPU) fp32."""
     if device.type != "cpu":
         return weight.dequantize().to(device)
-    if getattr(kernel, "kernel", "") in ("w4a8", "w5a8", "w8a8"):
+    if kernel is not None and kernel.kernel in ("w4a8", "w5a8", "w8a8"):
         return TiedRows(kernel, weight.shape)
     return AffineTable(weight) if weight.mode == "affine" else weight.dequantize()
 
