@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -187,6 +188,31 @@ def test_a_gguf_packed_straight_into_tiles_computes_the_converted_model(arch, ki
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 0.05
     meta = json.loads((Path(load_gguf_tiles(path, cache).path) / "meta.json").read_text())
     assert meta["block_types"] == {kind: 7 * 2 + 1}  # 7 matrices a layer, 2 layers, the tied embeddings
+
+
+def test_a_first_start_builds_the_tokenizer_while_it_hashes_and_packs(tmp_path):
+    """A file this cache never hashed starts the tokenizer's child before the cache key is known:
+    the entry holds what a build in this process writes, and no scratch folder stays behind;
+    where the entry exists after all (its hash was forgotten), the early child is stopped."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    _native_c()
+    from gguf_models import write_tiny_gguf
+    from outrider.artifacts import ArtifactCache, hash_remembered
+    from outrider_llm.gguf_tiles import load_gguf_tiles
+
+    path, _ = write_tiny_gguf(tmp_path, "llama", seed=3, matrix_type="Q8_0")
+    here = load_gguf_tiles(path, ArtifactCache(tmp_path / "here"), in_child=False)
+    root = tmp_path / "cache"
+    assert not hash_remembered(path, root)
+    first = load_gguf_tiles(path, ArtifactCache(root))
+    assert hash_remembered(path, root)
+    for name in ("tokenizer.json", "tiles.bin", "tiles.json"):
+        assert (Path(first.path) / name).read_bytes() == (Path(here.path) / name).read_bytes(), name
+    shutil.rmtree(root / "sha256")  # forgotten: the next start guesses a first start, wrongly
+    again = load_gguf_tiles(path, ArtifactCache(root))
+    assert again.path == first.path
+    assert not list(root.glob(".tokenizer-*")), "a scratch folder of the early tokenizer stayed"
 
 
 def test_a_file_with_a_type_it_does_not_take_is_named_and_goes_the_older_way(tmp_path):

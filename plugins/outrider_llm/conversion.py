@@ -49,9 +49,11 @@ class ChildConversion:
                                       stdout=subprocess.PIPE, stderr=None, env=env, text=True)
 
     def cancel(self) -> None:
+        """Stop it (nothing to do once `result()` has returned)."""
         if self._proc.poll() is None:
             self._proc.kill()
-        self._proc.communicate()
+        if not self._proc.stdout.closed:
+            self._proc.communicate()
 
     def result(self) -> dict:
 

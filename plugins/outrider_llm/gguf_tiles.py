@@ -23,6 +23,8 @@ import json
 import logging
 import mmap
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -357,33 +359,53 @@ def load_gguf_tiles(gguf_path: "str | Path", cache: Any = None, in_child: bool =
         return baked_tiles(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file {path} does not exist")
+    from outrider.artifacts import hash_remembered
+
+    from .conversion import ChildConversion, convert
+
     cache = cache or ArtifactCache()
     five_bit = native_c.five_bit_layout(native_c.kernels())
+    # The tokenizer (3-4 s, most of it importing transformers) is built in a child on the other core
+    # while this one packs the tiles. For a file this cache never hashed (a first start, nearly
+    # always) the child starts now, while the file is hashed for the cache key (0.6 s for 800 MB),
+    # into a folder of its own; a cache entry found after all only costs the child's kill.
+    early: Optional[ChildConversion] = None
+    if in_child and not hash_remembered(path, cache.root):
+        try:
+            cache.root.mkdir(parents=True, exist_ok=True)
+            early_dir = Path(tempfile.mkdtemp(prefix=".tokenizer-", dir=cache.root))
+        except OSError:  # a read-only cache: get_or_build says what it can
+            pass
+        else:
+            early = ChildConversion("tokenizer", path, early_dir)
 
     def make(directory: Path, progress: Any) -> dict:
-        from .conversion import ChildConversion, convert
-
         if not in_child:
             figures = build(path, directory, five_bit)  # NotCovered before it writes anything
             convert("tokenizer", path, directory)
         else:
-            # The tokenizer (3-4 s, most of it importing transformers) is built on the other core
-            # while this one packs the tiles.
-            tokenizer = ChildConversion("tokenizer", path, directory)
+            tokenizer = early or ChildConversion("tokenizer", path, directory)
             try:
                 figures = build(path, directory, five_bit)
             except BaseException:
                 tokenizer.cancel()
                 raise
             tokenizer.result()
+            if early is not None:
+                os.replace(early_dir / TOKENIZER_FILE, directory / TOKENIZER_FILE)
         log.info("%s: packed from the file's blocks (%s), %.0f MB of tiles", path.name,
                  ", ".join(f"{k} x{v}" for k, v in sorted(figures["block_types"].items())),
                  figures["weight_bytes"] / 1e6)
         return figures
 
-    return cache.get_or_build(KIND, make, label=f"{path.name} -> native tiles", sources=[path],
-                              versions=["gguf", "transformers", "tokenizers"],
-                              options={"format": FORMAT, "cache_format": CACHE_FORMAT, "five_bit_tiles": five_bit})
+    try:
+        return cache.get_or_build(KIND, make, label=f"{path.name} -> native tiles", sources=[path],
+                                  versions=["gguf", "transformers", "tokenizers"],
+                                  options={"format": FORMAT, "cache_format": CACHE_FORMAT, "five_bit_tiles": five_bit})
+    finally:
+        if early is not None:
+            early.cancel()  # done already where it was used
+            shutil.rmtree(early_dir, ignore_errors=True)
 
 
 def baked_tiles(directory: Path) -> Any:

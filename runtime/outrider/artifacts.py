@@ -108,12 +108,22 @@ def _atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def _hash_memo(path: Path, root: Optional[Path]) -> Path:
+    stat = path.stat()
+    stamp = f"{path.resolve()}|{stat.st_size}|{stat.st_ino}|{stat.st_mtime_ns}"
+    return (root or cache_root()) / "sha256" / hashlib.sha256(stamp.encode()).hexdigest()
+
+
+def hash_remembered(path: Union[str, os.PathLike], root: Optional[Path] = None) -> bool:
+    """Whether `file_sha256` of this file (as it is now) is remembered: a file never hashed into
+    this cache is, nearly always, one whose artifacts are not built yet (a first start)."""
+    return _hash_memo(Path(path), root).is_file()
+
+
 def file_sha256(path: Union[str, os.PathLike], root: Optional[Path] = None) -> str:
     """sha256 of a file, remembered by path, size, inode and mtime so that restarts skip rehashing."""
     path = Path(path)
-    stat = path.stat()
-    stamp = f"{path.resolve()}|{stat.st_size}|{stat.st_ino}|{stat.st_mtime_ns}"
-    memo = (root or cache_root()) / "sha256" / hashlib.sha256(stamp.encode()).hexdigest()
+    memo = _hash_memo(path, root)
     try:
         return memo.read_text().strip()
     except OSError:
