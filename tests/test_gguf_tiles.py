@@ -100,6 +100,25 @@ def test_every_type_is_served_at_the_files_bytes_and_multiplies_by_its_weights(k
         assert np.array_equal(native_c_weights.dequantize_super_rows(part, ids), weights[ids])
 
 
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q8_0"])
+def test_many_rows_walk_the_weights_in_chunks_and_get_each_rows_own_result(kind):
+    """A prefill's rows go over the weights a chunk of tiles at a time (kTileChunkBytes), so the
+    weights stay in cache: a matrix of many chunks times 21 rows equals each row multiplied alone
+    (one row takes every tile in one pass), bit for bit, on every kernel set."""
+    native_c = _native_c()
+    from outrider_llm import native_c_weights
+
+    rows, cols = 16 * 24, 4096  # 24 tiles of 24-70 KB: several chunks of 192 KB
+    part = native_c_weights.pack_gguf(kind, _blocks(kind, rows, cols, seed=11), cols)
+    x = np.random.default_rng(8).standard_normal((21, cols)).astype(np.float32)
+
+    def both() -> tuple[np.ndarray, np.ndarray]:
+        return part.matmul(x), np.vstack([part.matmul(x[i:i + 1]) for i in range(len(x))])
+
+    for name, (together, alone) in _on_every_kernel_set(native_c, both).items():
+        assert np.array_equal(together, alone), f"{name}: rows in chunks differ from rows alone on {kind}"
+
+
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
 @pytest.mark.parametrize("five_bit", [True, False])
 def test_the_simple_types_group_blocks_compute_what_the_separate_tables_do(kind, five_bit):

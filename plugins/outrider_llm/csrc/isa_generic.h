@@ -361,17 +361,29 @@ void super_rows(const int32_t* const* x_words, const float* const* x_scale, cons
   }
 }
 
+// Weight bytes a pass over many rows keeps hot: a prefill walks every row block over this many
+// tiles before the next ones, so the weights come from L2 once per row block instead of from
+// memory (or L3) once per row block. Only the order in which outputs are computed changes.
+constexpr int64_t kTileChunkBytes = 192 << 10;
+
+inline int64_t tile_chunk(int64_t rows, int64_t row_block, int64_t tile_bytes, int64_t t0, int64_t t1) {
+  return rows <= row_block ? t1 - t0 : (kTileChunkBytes / tile_bytes > 1 ? kTileChunkBytes / tile_bytes : 1);
+}
+
 template <class A, int Layout>
 void matmul_super_layout(const int8_t* xq, const float* scale, const int32_t* bsum, int64_t rows, int64_t in,
                          const uint8_t* w, int64_t t0, int64_t t1, float* y, int64_t y_stride) {
   constexpr int kRows = A::kSuperRows;
   const int32_t* words = reinterpret_cast<const int32_t*>(xq);
   const int64_t blocks = in / 256;
+  const int64_t chunk = tile_chunk(rows, kRows, blocks * outrider_native::super_block_bytes(Layout), t0, t1);
   const int32_t* x_words[kRows];
   const float* x_scale[kRows];
   const int32_t* x_bsum[kRows];
   float* y_rows[kRows];
+  for (int64_t c0 = t0; c0 < t1; c0 += chunk)
   for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
+    const int64_t c1 = min64(t1, c0 + chunk);
     const int n = static_cast<int>(min64(kRows, rows - r0));
     for (int r = 0; r < n; ++r) {
       x_words[r] = words + (r0 + r) * in / 4;
@@ -381,7 +393,7 @@ void matmul_super_layout(const int8_t* xq, const float* scale, const int32_t* bs
     }
     switch (n) {
 #define OUTRIDER_SUPER_CASE(N) \
-  case N: if constexpr (N <= kRows) super_rows<A, Layout, N>(x_words, x_scale, x_bsum, blocks, w, t0, t1, y_rows); break;
+  case N: if constexpr (N <= kRows) super_rows<A, Layout, N>(x_words, x_scale, x_bsum, blocks, w, c0, c1, y_rows); break;
       OUTRIDER_SUPER_CASE(1)
       OUTRIDER_SUPER_CASE(2)
       OUTRIDER_SUPER_CASE(3)
@@ -475,12 +487,15 @@ void matmul_groups_layout(const int8_t* xq, const float* scale, const float* sum
   constexpr int kRows = A::kSuperRows;
   const int32_t* words = reinterpret_cast<const int32_t*>(xq);
   const int64_t groups = in / 32, tile_bytes = groups * outrider_native::group_block_bytes(group_code(Bits, HasM));
+  const int64_t chunk = tile_chunk(rows, kRows, tile_bytes, t0, t1);  // see kTileChunkBytes
   const int32_t* x_words[kRows];
   const float* x_scale[kRows];
   const float* x_sum[kRows];
   const int32_t* x_isum[kRows];
   float* y_rows[kRows];
+  for (int64_t c0 = t0; c0 < t1; c0 += chunk)
   for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
+    const int64_t c1 = min64(t1, c0 + chunk);
     const int n = static_cast<int>(min64(kRows, rows - r0));
     for (int r = 0; r < n; ++r) {
       x_words[r] = words + (r0 + r) * in / 4;
@@ -488,7 +503,7 @@ void matmul_groups_layout(const int8_t* xq, const float* scale, const float* sum
       x_sum[r] = sum + (r0 + r) * groups;
       x_isum[r] = isum + (r0 + r) * groups;
     }
-    for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t t = c0; t < c1; ++t) {
       for (int r = 0; r < n; ++r) y_rows[r] = y + (r0 + r) * y_stride + t * 16;
       const uint8_t* wt = w + t * tile_bytes;
       switch (n) {
