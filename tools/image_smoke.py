@@ -206,6 +206,26 @@ def source_tree(kind: str, work: Path) -> dict:
         server.stop()
 
 
+def serve_in_image(args: argparse.Namespace, cache: Path, run: Path, volumes: dict[str, str], manifest: str,
+                   log: Path) -> tuple[float, list[int], Container]:
+    """The image serving `manifest` (its path inside the container) with `volumes` mounted: seconds
+    from start to ready, the greedy token ids of PROMPT from model "user", and the running container,
+    which the caller stops once it has read what it needs."""
+    port = free_port()
+    container = Container(args.image, cache, run, port, volumes,
+                          ["serve", manifest, "--http", f"127.0.0.1:{port}", "--http-insecure"])
+    try:
+        started = container.start(log)
+        wait_ready(port, container.process, args.timeout)
+        ready = time.monotonic() - started
+        with Client(f"ipc://{run}/outrider.sock", timeout=300) as client:
+            got = client.generate("user", messages=PROMPT, max_tokens=32, temperature=0)
+    except BaseException:
+        container.stop()
+        raise
+    return ready, got.token_ids, container
+
+
 def gguf_check(args: argparse.Namespace, work: Path) -> None:
     """A user's GGUF from a read-only volume (/media) with a plain manifest (/mnt), on the image's
     torch-free native runtime: ready, the same greedy tokens as the source tree, torch not loaded."""
@@ -225,18 +245,11 @@ def gguf_check(args: argparse.Namespace, work: Path) -> None:
     cache, run = work / "gguf-cache", Path(tempfile.mkdtemp(prefix="image-run-"))
     cache.mkdir()
     for label in ("empty cache volume", "cache from the first start"):
-        port = free_port()
-        container = Container(args.image, cache, run, port, {str(args.gguf.resolve().parent): "/media",
-                                                             str(manifests): "/mnt"},
-                              ["serve", "/mnt/user.yaml", "--http", f"127.0.0.1:{port}", "--http-insecure"])
+        log = work / "gguf-image.log"
+        ready, got, container = serve_in_image(args, cache, run, {str(args.gguf.resolve().parent): "/media",
+                                                                   str(manifests): "/mnt"}, "/mnt/user.yaml", log)
         try:
-            log = work / "gguf-image.log"
-            started = container.start(log)
-            wait_ready(port, container.process, args.timeout)
-            ready = time.monotonic() - started
-            with Client(f"ipc://{run}/outrider.sock", timeout=300) as client:
-                got = client.generate("user", messages=PROMPT, max_tokens=32, temperature=0)
-            assert got.token_ids == expected.token_ids, "the GGUF's greedy output in the image differs from the source tree's"
+            assert got == expected.token_ids, "the GGUF's greedy output in the image differs from the source tree's"
             native = "torch-free native runtime" in log.read_text()
             torch = container.maps_torch()
             print(f"GGUF {args.gguf.name} from a volume, {label}: ready {ready:.2f} s; greedy output equal to the "
@@ -270,17 +283,10 @@ def baked_check(args: argparse.Namespace, work: Path, manifests: Path, run: Path
           f"{size / 1e6:.0f} MB directory (the file: {args.gguf.stat().st_size / 1e6:.0f} MB)")
     cache = work / "baked-cache"
     cache.mkdir()
-    port = free_port()
-    container = Container(args.image, cache, run, port, {str(manifests / "baked"): "/mnt"},
-                          ["serve", "/mnt/manifest.yaml", "--http", f"127.0.0.1:{port}", "--http-insecure"])
+    ready, got, container = serve_in_image(args, cache, run, {str(manifests / "baked"): "/mnt"}, "/mnt/manifest.yaml",
+                                           work / "baked-image.log")
     try:
-        log = work / "baked-image.log"
-        started = container.start(log)
-        wait_ready(port, container.process, args.timeout)
-        ready = time.monotonic() - started
-        with Client(f"ipc://{run}/outrider.sock", timeout=300) as client:
-            got = client.generate("user", messages=PROMPT, max_tokens=32, temperature=0)
-        assert got.token_ids == expected, "the baked GGUF's greedy output in the image differs from the source tree's"
+        assert got == expected, "the baked GGUF's greedy output in the image differs from the source tree's"
         written = [p for p in cache.rglob("*") if p.is_file() and p.parent.name != "sha256"
                    and p.name != entry_index.INDEX_FILE]
         assert not written, f"serving the baked directory built {written}"
