@@ -16,7 +16,8 @@ import pytest
 import zmq
 
 from outrider import AsyncClient, Client
-from outrider.errors import ExecutionError, ModelNotReadyError, OverloadedError, RequestTimeoutError
+from outrider.errors import (ExecutionError, ModelNotReadyError, OverloadedError, RequestTimeoutError,
+                             UnavailableError)
 
 from conftest import write_manifest
 
@@ -86,8 +87,11 @@ def test_failing_load_backs_off_and_stays_not_ready(server_factory, tmp_path):
             time.sleep(0.1)
         assert health["state"] == "failed" and not health["ready"]
         assert "warmup exploded on purpose" in health["reason"]
+        assert not any(i.get("final") for i in health["instances"])
         with pytest.raises(ModelNotReadyError):
             client.infer("f", _x(1))
+        with pytest.raises(RequestTimeoutError):  # a failure the supervisor retries is waited out
+            client.wait_ready(1.5)
     # Back-off: 1 s then 2 s between attempts, so a handful of attempts, not hundreds.
     assert health["stats"]["instance_restarts"] <= 4
     assert "restarting in" in server.log()
@@ -111,6 +115,11 @@ def test_deterministic_load_failure_fails_once_and_the_others_keep_serving(serve
         assert "bad_artifact" in health["reason"] and "truncated on purpose" in health["reason"]
         assert "not retried" in health["reason"]
         assert health["stats"]["instance_restarts"] == 0 and health["instances"][0]["generation"] == 0
+        assert health["instances"][0]["final"] is True
+        started = time.monotonic()
+        with pytest.raises(UnavailableError, match="failed to load for good.*truncated on purpose"):
+            client.wait_ready(60)  # not waited out: the supervisor will not restart it
+        assert time.monotonic() - started < 10
         with pytest.raises(ModelNotReadyError, match="truncated on purpose"):
             client.infer("bad", _x(1))
         assert good_health["state"] == "ready" and client.infer("good", _x(4))["x"][0] == 4

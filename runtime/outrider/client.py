@@ -257,7 +257,8 @@ class Client:
         """Ask `health` until every model is ready (a server still starting, or not yet bound, is
         asked again every `interval` seconds). RequestTimeoutError after `timeout` seconds;
         UnavailableError as soon as `process` (a `subprocess.Popen` of the server) has exited, or a
-        model the server was started with has failed for good (status "failed": the reasons)."""
+        model the server was started with has failed for good (every instance `final`: a load that
+        failed deterministically, which the supervisor does not restart), with the reasons."""
         end = time.monotonic() + timeout
         while True:
             if process is not None and process.poll() is not None:
@@ -268,10 +269,12 @@ class Client:
                 health = {}
             if health.get("ready"):
                 return
-            if health.get("status") == "failed":
-                reasons = "; ".join(f"{name}: {model.get('reason')}" for name, model in health["models"].items()
-                                    if model.get("state") == "failed")
-                raise UnavailableError(f"{self.address}: a model failed to load ({reasons})")
+            failed = {name: model for name, model in (health.get("models") or {}).items()
+                      if model.get("state") == "failed" and model.get("instances")
+                      and all(i.get("final") for i in model["instances"])}
+            if failed:
+                reasons = "; ".join(f"{name}: {model.get('reason')}" for name, model in failed.items())
+                raise UnavailableError(f"{self.address}: a model failed to load for good ({reasons})")
             if time.monotonic() >= end:
                 raise RequestTimeoutError(f"{self.address}: not ready within {timeout:g}s")
             time.sleep(interval)

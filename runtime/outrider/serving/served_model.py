@@ -243,6 +243,8 @@ class ServedModel:
                                      "generation": inst.generation, "serving": inst.serving}
             if inst.reason or inst.health_reason:
                 entry["reason"] = inst.reason or inst.health_reason
+            if inst.final:  # failed for good (deterministically): the supervisor will not restart it
+                entry["final"] = True
             if inst.backend is not None and inst.state == ModelState.READY:
                 try:
                     entry["backend"] = inst.backend.health()
