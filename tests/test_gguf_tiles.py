@@ -209,10 +209,10 @@ def test_a_gguf_packed_straight_into_tiles_computes_the_converted_model(arch, ki
     assert meta["block_types"] == {kind: 7 * 2 + 1}  # 7 matrices a layer, 2 layers, the tied embeddings
 
 
-def test_a_first_start_packs_and_converts_while_it_hashes(tmp_path):
-    """A file this cache never hashed starts its packing and the tokenizer's child before the cache
-    key is known: the entry holds what a build in this process writes, and no scratch folder stays
-    behind; where the entry exists after all (its hash was forgotten), the early build is stopped."""
+def test_a_first_start_builds_the_tokenizer_while_it_hashes_and_packs(tmp_path):
+    """A file this cache never hashed starts the tokenizer's child before the cache key is known:
+    the entry holds what a build in this process writes, and no scratch folder stays behind;
+    where the entry exists after all (its hash was forgotten), the early child is stopped."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     _native_c()
@@ -231,7 +231,7 @@ def test_a_first_start_packs_and_converts_while_it_hashes(tmp_path):
     shutil.rmtree(root / "sha256")  # forgotten: the next start guesses a first start, wrongly
     again = load_gguf_tiles(path, ArtifactCache(root))
     assert again.path == first.path
-    assert not list(root.glob(".tiles-*")), "a scratch folder of the early build stayed"
+    assert not list(root.glob(".tokenizer-*")), "a scratch folder of the early tokenizer stayed"
 
 
 def test_a_file_with_a_type_it_does_not_take_is_named_and_goes_the_older_way(tmp_path):

@@ -269,10 +269,9 @@ def _pack_matrix(out: _TilesFile, pieces: list[Piece], drop: _Dropper, five_bit:
     return parts
 
 
-def build(path: Path, directory: Path, five_bit: bool, cancelled: Any = None) -> dict:
+def build(path: Path, directory: Path, five_bit: bool) -> dict:
     """Writes the tiles artifact of the GGUF at `path` into `directory` but for its tokenizer (the
-    caller's, see `load_gguf_tiles`); returns its figures. NotCovered before anything is written;
-    `cancelled` (a threading.Event) set stops it at the next tensor (_Cancelled)."""
+    caller's, see `load_gguf_tiles`); returns its figures. NotCovered before anything is written."""
     reader = GGUFFile(path)
     p = plan(reader, path)
     config = p.config
@@ -295,8 +294,6 @@ def build(path: Path, directory: Path, five_bit: bool, cancelled: Any = None) ->
             if config.attn_softcap:
                 layer["attn_softcap"] = float(config.attn_softcap)
             for name, members in _MATRICES.items():
-                if cancelled is not None and cancelled.is_set():
-                    raise _Cancelled(path.name)
                 pieces = [entry[m] for m in members]
                 for piece in pieces:
                     served[piece.type_name] = served.get(piece.type_name, 0) + 1
@@ -368,31 +365,34 @@ def load_gguf_tiles(gguf_path: "str | Path", cache: Any = None, in_child: bool =
 
     cache = cache or ArtifactCache()
     five_bit = native_c.five_bit_layout(native_c.kernels())
-    # For a file this cache never hashed (a first start, nearly always) the work starts now, while
-    # the file is hashed for the cache key (0.6 s for 800 MB): see _EarlyBuild.
-    early: Optional[_EarlyBuild] = None
+    # The tokenizer (3-4 s, most of it importing transformers) is built in a child on the other core
+    # while this one packs the tiles. For a file this cache never hashed (a first start, nearly
+    # always) the child starts now, while the file is hashed for the cache key (0.6 s for 800 MB),
+    # into a folder of its own; a cache entry found after all only costs the child's kill.
+    early: Optional[ChildConversion] = None
     if in_child and not hash_remembered(path, cache.root):
         try:
-            early = _EarlyBuild(path, cache.root, five_bit)
+            cache.root.mkdir(parents=True, exist_ok=True)
+            early_dir = Path(tempfile.mkdtemp(prefix=".tokenizer-", dir=cache.root))
         except OSError:  # a read-only cache: get_or_build says what it can
             pass
+        else:
+            early = ChildConversion("tokenizer", path, early_dir)
 
     def make(directory: Path, progress: Any) -> dict:
-        if early is not None:
-            figures = early.finish(directory)
-        elif not in_child:
+        if not in_child:
             figures = build(path, directory, five_bit)  # NotCovered before it writes anything
             convert("tokenizer", path, directory)
         else:
-            # The tokenizer (3-4 s, most of it importing transformers) is built on the other core
-            # while this one packs the tiles.
-            tokenizer = ChildConversion("tokenizer", path, directory)
+            tokenizer = early or ChildConversion("tokenizer", path, directory)
             try:
                 figures = build(path, directory, five_bit)
             except BaseException:
                 tokenizer.cancel()
                 raise
             tokenizer.result()
+            if early is not None:
+                os.replace(early_dir / TOKENIZER_FILE, directory / TOKENIZER_FILE)
         log.info("%s: packed from the file's blocks (%s), %.0f MB of tiles", path.name,
                  ", ".join(f"{k} x{v}" for k, v in sorted(figures["block_types"].items())),
                  figures["weight_bytes"] / 1e6)
@@ -404,56 +404,8 @@ def load_gguf_tiles(gguf_path: "str | Path", cache: Any = None, in_child: bool =
                                   options={"format": FORMAT, "cache_format": CACHE_FORMAT, "five_bit_tiles": five_bit})
     finally:
         if early is not None:
-            early.close()
-
-
-class _Cancelled(Exception):
-    """An early build (_EarlyBuild) that was not needed after all, stopped between tensors."""
-
-
-class _EarlyBuild:
-    """A first start's packing (in a thread: the C packer and the writes release the GIL) and
-    tokenizer (in a child Python, 3-4 s, most of it importing transformers) begun before the cache
-    key is known, into a scratch folder of the cache, so that both overlap the file's hash as well
-    as each other. `finish` moves what they wrote into the entry being built; a cache entry found
-    after all costs the packing up to its next tensor and the child's kill."""
-
-    def __init__(self, path: Path, root: Path, five_bit: bool) -> None:
-        import threading
-
-        from .conversion import ChildConversion
-
-        root.mkdir(parents=True, exist_ok=True)
-        self.directory = Path(tempfile.mkdtemp(prefix=".tiles-", dir=root))
-        self.tokenizer = ChildConversion("tokenizer", path, self.directory)
-        self.cancelled = threading.Event()
-        self.figures: Optional[dict] = None
-        self.error: Optional[BaseException] = None
-        self.thread = threading.Thread(target=self._pack, args=(path, five_bit), name="outrider-pack", daemon=True)
-        self.thread.start()
-
-    def _pack(self, path: Path, five_bit: bool) -> None:
-        try:
-            self.figures = build(path, self.directory, five_bit, self.cancelled)
-        except BaseException as exc:  # raised where the build is waited for (finish)
-            self.error = exc
-
-    def finish(self, directory: Path) -> dict:
-        """Wait for both; their files moved into `directory`, the packing's figures (or its error)."""
-        self.thread.join()
-        if self.error is not None:
-            self.tokenizer.cancel()
-            raise self.error
-        self.tokenizer.result()
-        for made in self.directory.iterdir():
-            os.replace(made, directory / made.name)
-        return self.figures
-
-    def close(self) -> None:
-        self.cancelled.set()
-        self.thread.join()
-        self.tokenizer.cancel()  # done already where it was used
-        shutil.rmtree(self.directory, ignore_errors=True)
+            early.cancel()  # done already where it was used
+            shutil.rmtree(early_dir, ignore_errors=True)
 
 
 def baked_tiles(directory: Path) -> Any:
