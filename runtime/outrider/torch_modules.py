@@ -43,7 +43,9 @@ def _sentence_embedder_class() -> type["torch.nn.Module"]:
 
         def __init__(self, model_dir: str | Path) -> None:
             super().__init__()
-            from transformers import AutoModel
+            from .torch_process import from_transformers
+
+            (AutoModel,) = from_transformers("AutoModel")
             from transformers.utils import logging as hf_logging
 
             hf_logging.disable_progress_bar()  # a server's log is not a terminal

@@ -77,6 +77,20 @@ class ThreadSetting:
 TORCH_THREADS = ThreadSetting()
 
 
+_TRANSFORMERS_IMPORTS = threading.Lock()
+
+
+def from_transformers(*names: str) -> tuple[Any, ...]:
+    """`from transformers import names`, one thread of the process at a time. Models loading in
+    parallel threads that import transformers' lazy submodules at once meet Python's import-deadlock
+    avoidance, which hands one of them a module still initializing ("cannot import name
+    'LlamaConfig' from 'transformers'": about half the time with two threads, here)."""
+    with _TRANSFORMERS_IMPORTS:
+        import transformers
+
+        return tuple(getattr(transformers, name) for name in names)
+
+
 def set_torch_threads(threads: int, who: str) -> int:
     """Set torch's intra-op threads for this process once (see `ThreadSetting.apply`)."""
     return TORCH_THREADS.apply(threads, who)

@@ -106,7 +106,9 @@ class HFLlama:
     array_api = "torch"
 
     def __init__(self, seed: int = 0, vocab_size: int = len(ALPHABET)) -> None:
-        from transformers import LlamaConfig, LlamaForCausalLM
+        from outrider.torch_process import from_transformers
+
+        LlamaConfig, LlamaForCausalLM = from_transformers("LlamaConfig", "LlamaForCausalLM")
 
         torch.manual_seed(seed)
         config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
