@@ -20,6 +20,7 @@ from typing import Any, Mapping
 
 from outrider.bake import BakedFiles
 from outrider.errors import ManifestError
+from outrider.generation.contract import DrafterContext
 from outrider.manifest import Manifest
 
 #: speculative drafters whose option names a file or folder that must travel with the directory
@@ -59,7 +60,7 @@ def bake_files(manifest: Manifest, raw: Mapping[str, Any], options: Any, quantiz
         files.update(_drafter_files(speculative, manifest.directory, where))
         sections["speculative"] = speculative
     note = ("the GGUF is packed already into the native runtime's tiles (tiles.bin, mapped at start"
-            f"{'; the draft model in draft/' if 'draft/' + 'tiles.bin' in files else ''}), so serving this "
+            f"{'; the draft model in draft/' if 'draft/tiles.bin' in files else ''}), so serving this "
             "directory converts nothing and needs neither the GGUF nor torch, transformers or gguf.")
     return BakedFiles(files, {}, note, sections)
 
@@ -98,8 +99,8 @@ def _drafter_files(speculative: dict, directory: Path, where: str) -> dict[str, 
 
 
 def _resolve(given: str, directory: Path, where: str, field: str) -> Path:
-    path = Path(given).expanduser()
-    path = path if path.is_absolute() else directory / path
+    """A drafter's file as the drafter will resolve it (DrafterContext.resolve), which must exist."""
+    path = DrafterContext(directory=directory).resolve(given)
     if not path.exists():
         raise ManifestError(f"{where}: field '{field}': {path} does not exist")
     return path

@@ -352,15 +352,13 @@ def load_gguf_tiles(gguf_path: "str | Path", cache: Any = None, in_child: bool =
     docstring); NotCovered where it holds what this packing does not take (found before anything is
     packed; nothing is kept), GGUFError for a file the backend cannot serve. A warm start reads no
     more of the file than its cache key needs. A directory is a baked model (`baked_tiles`)."""
-    from outrider.artifacts import ArtifactCache
+    from outrider.artifacts import ArtifactCache, hash_remembered
 
     path = Path(gguf_path)
     if path.is_dir():
         return baked_tiles(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file {path} does not exist")
-    from outrider.artifacts import hash_remembered
-
     from .conversion import ChildConversion, convert
 
     cache = cache or ArtifactCache()
