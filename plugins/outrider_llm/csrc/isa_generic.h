@@ -269,6 +269,11 @@ inline void super_oct(const uint8_t* oct, typename A::W& lo, typename A::W& hi) 
   }
 }
 
+// How far ahead of its reads a pass over several rows asks for its weights. Such a pass spends
+// long enough on each cache line that the hardware prefetcher falls behind: 8 rows from memory
+// measured 3x the time of the same pass over weights already in L2.
+constexpr int64_t kPrefetchBytes = 4096;
+
 // R rows x T tiles (tile t at w + t * tile_bytes), every super-block: per group the exact dot
 // products, times the group's integer scale (Q6_K: less 32 x the activations' group sum first),
 // summed in int32; the minimums' sum likewise; then per super-block, in this order,
@@ -289,6 +294,9 @@ void super_dot(const int32_t* const* x_words, const float* const* x_scale, const
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* base[T];
     for (int t = 0; t < T; ++t) base[t] = w + t * tile_bytes + b * kBytes;
+    if constexpr (R > 1)
+      for (int t = 0; t < T; ++t)
+        for (int64_t at = 0; at < kBytes; at += 64) __builtin_prefetch(base[t] + kPrefetchBytes + at);
     I total[R][T];
     for (int r = 0; r < R; ++r)
       for (int t = 0; t < T; ++t) total[r][t] = A::izero();
@@ -440,6 +448,8 @@ void group_dot(const int32_t* const* x_words, const float* const* x_scale, const
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* block = w + g * kBytes;
     const uint8_t* values = block + kHeader;
+    if constexpr (R > 1)
+      for (int64_t at = 0; at < kBytes; at += 64) __builtin_prefetch(block + kPrefetchBytes + at);
     I acc[R];
     for (int r = 0; r < R; ++r) acc[r] = A::izero();
     for (int o = 0; o < 4; ++o) {

@@ -105,7 +105,12 @@ void dot_tiles(const int32_t* const* x_words, const float* const* x_scale, const
   __m512 out[R][T];
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < T; ++t) out[r][t] = _mm512_setzero_ps();
+  constexpr int64_t kOctBytes = Bits == 4 ? 64 : Bits == 5 ? 80 : 128;
   for (int64_t g = 0; g < groups; ++g) {
+    if constexpr (R > 1)  // see kPrefetchBytes
+      for (int t = 0; t < T; ++t)
+        for (int64_t at = 0; at < octs_per_group * kOctBytes; at += 64)
+          __builtin_prefetch(w + (t * octs + g * octs_per_group) * kOctBytes + kPrefetchBytes + at);
     __m512i acc[R][T];
     for (int r = 0; r < R; ++r)
       for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_si512();
