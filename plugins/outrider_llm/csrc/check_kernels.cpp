@@ -93,7 +93,7 @@ void check_super(const KernelSet& set) {
   for (int layout : {4, 5, 6}) {
     for (int64_t in : {256, 512, 1536}) {
       const std::vector<uint8_t> w = super_weight(layout, out, in, 0);
-      for (int64_t rows : {1, 2, 3, 4, 5, 8, 9, 17}) {
+      for (int64_t rows : {1, 2, 3, 4, 5, 8, 9, 12, 13, 17, 25}) {
         const std::vector<float> x = floats(rows * in, -3.f, 3.f);
         against_scalar(set, "matmul super-block Q" + std::to_string(layout) + "_K rows " + std::to_string(rows) +
                                 " in " + std::to_string(in), [&] {
@@ -115,8 +115,38 @@ void check_super(const KernelSet& set) {
   }
 }
 
+// The simple GGUF types at their file's bytes (kernels.h kGroupBlocks): random values, normal fp16
+// scales (and minimums) in each block's header; with and without minimums (Q4_1 / Q4_0 and kin).
+void check_groups(const KernelSet& set) {
+  const int64_t out = 80;
+  for (int layout : {4, 5, 8}) {
+    for (bool has_m : {true, false}) {
+      const int bits = kGroupBlocks | (has_m ? layout : with_offset(layout, layout == 4 ? 3 : layout == 5 ? 4 : 7));
+      const int64_t block = group_block_bytes(bits);
+      for (int64_t in : {32, 576}) {
+        const int64_t blocks = out / 16 * (in / 32);
+        std::vector<uint8_t> w = bytes(blocks * block);
+        for (int64_t b = 0; b < blocks; ++b) {
+          const std::vector<uint16_t> header = halves(has_m ? 32 : 16, true);
+          std::memcpy(w.data() + b * block, header.data(), header.size() * 2);
+        }
+        for (int64_t rows : {1, 2, 5, 8, 9, 12, 13, 17, 25}) {
+          const std::vector<float> x = floats(rows * in, -3.f, 3.f);
+          against_scalar(set, "matmul group blocks w" + std::to_string(layout) + (has_m ? " with minimums" : "") +
+                                  " rows " + std::to_string(rows) + " in " + std::to_string(in), [&] {
+            std::vector<float> y(rows * out);
+            a8_matmul(x.data(), rows, in, 32, w.data(), nullptr, nullptr, out, bits, y.data());
+            return y;
+          });
+        }
+      }
+    }
+  }
+}
+
 void check_set(const KernelSet& set) {
   check_super(set);
+  check_groups(set);
   // Quantization of activations, and the matmuls on 4- and 8-bit weights.
   const int64_t out = 80;  // 5 tiles: AVX-512's 4-tile step and its tail
   for (int64_t in : {64, 576, 1536}) {
@@ -124,7 +154,7 @@ void check_set(const KernelSet& set) {
     for (int bits : {4, 5, 8}) {
       const std::vector<uint8_t> w = bytes(out * in * bits / 8);
       const std::vector<uint16_t> d = halves(out * in / group, false), m = halves(out * in / group, true);
-      for (int64_t rows : {1, 2, 3, 4, 5, 8, 9, 17}) {
+      for (int64_t rows : {1, 2, 3, 4, 5, 8, 9, 12, 13, 17, 25}) {
         const std::vector<float> x = floats(rows * in, -3.f, 3.f);
         against_scalar(set, "matmul w" + std::to_string(bits) + " rows " + std::to_string(rows) + " in " +
                                 std::to_string(in), [&] {

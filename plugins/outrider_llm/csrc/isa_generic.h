@@ -124,6 +124,19 @@ inline typename A::F group_minimum(const void* m, int64_t i, typename A::F scale
   return m != nullptr ? load_scales<A, F32>(m, i) : A::mul(scale, A::fset(neg_offset));
 }
 
+// How far ahead of its reads a pass over several rows asks for its weights. Such a pass spends
+// long enough on each cache line that the hardware prefetcher falls behind: 8 rows from memory
+// measured 3x the time of the same pass over weights already in L2.
+constexpr int64_t kPrefetchBytes = 4096;
+
+// Rows of the pass that starts at row r0: the rows split into as few passes as kRows allows, of
+// sizes that differ by at most one (9 rows under kRows 8 would be 8 + 1, a second pass over every
+// weight for one row; 5 + 4 costs the same decoding of weights and keeps both passes full).
+inline int pass_rows(int64_t rows, int64_t r0, int k_rows) {
+  const int64_t left = rows - r0, passes = (left + k_rows - 1) / k_rows;
+  return static_cast<int>((left + passes - 1) / passes);
+}
+
 template <class A, int Bits, int R, bool F32>
 void dot_rows(const int32_t* const* x_words, const float* const* x_scale, const float* const* x_sum,
               const int32_t* const* x_isum, int64_t groups, int64_t octs_per_group, const uint8_t* w,
@@ -133,7 +146,11 @@ void dot_rows(const int32_t* const* x_words, const float* const* x_scale, const 
   using W = typename A::W;
   F out[R];
   for (int r = 0; r < R; ++r) out[r] = A::fzero();
+  constexpr int64_t kOctBytes = Bits == 4 ? 64 : Bits == 5 ? 80 : 128;
   for (int64_t g = 0; g < groups; ++g) {
+    if constexpr (R > 1)  // see kPrefetchBytes
+      for (int64_t at = 0; at < octs_per_group * kOctBytes; at += 64)
+        __builtin_prefetch(w + g * octs_per_group * kOctBytes + kPrefetchBytes + at);
     I acc[R];
     for (int r = 0; r < R; ++r) acc[r] = A::izero();
     if constexpr (Bits == 4 && A::kInt16Sums) {
@@ -191,8 +208,8 @@ void matmul_tiles_bits(const int8_t* xq, const float* scale, const float* sum, c
   const float* x_sum[kRows];
   const int32_t* x_isum[kRows];
   float* y_rows[kRows];
-  for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
-    const int n = static_cast<int>(min64(kRows, rows - r0));
+  for (int64_t r0 = 0; r0 < rows; r0 += pass_rows(rows, r0, kRows)) {
+    const int n = pass_rows(rows, r0, kRows);
     for (int r = 0; r < n; ++r) {
       x_words[r] = words + (r0 + r) * in / 4;
       x_scale[r] = scale + (r0 + r) * groups;
@@ -268,11 +285,6 @@ inline void super_oct(const uint8_t* oct, typename A::W& lo, typename A::W& hi) 
     hi = A::with_crumbs(hi, oct + 80);
   }
 }
-
-// How far ahead of its reads a pass over several rows asks for its weights. Such a pass spends
-// long enough on each cache line that the hardware prefetcher falls behind: 8 rows from memory
-// measured 3x the time of the same pass over weights already in L2.
-constexpr int64_t kPrefetchBytes = 4096;
 
 // R rows x T tiles (tile t at w + t * tile_bytes), every super-block: per group the exact dot
 // products, times the group's integer scale (Q6_K: less 32 x the activations' group sum first),
@@ -390,9 +402,9 @@ void matmul_super_layout(const int8_t* xq, const float* scale, const int32_t* bs
   const int32_t* x_bsum[kRows];
   float* y_rows[kRows];
   for (int64_t c0 = t0; c0 < t1; c0 += chunk)
-  for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
+  for (int64_t r0 = 0; r0 < rows; r0 += pass_rows(rows, r0, kRows)) {
     const int64_t c1 = min64(t1, c0 + chunk);
-    const int n = static_cast<int>(min64(kRows, rows - r0));
+    const int n = pass_rows(rows, r0, kRows);
     for (int r = 0; r < n; ++r) {
       x_words[r] = words + (r0 + r) * in / 4;
       x_scale[r] = scale + (r0 + r) * blocks;
@@ -410,6 +422,14 @@ void matmul_super_layout(const int8_t* xq, const float* scale, const int32_t* bs
       OUTRIDER_SUPER_CASE(6)
       OUTRIDER_SUPER_CASE(7)
       OUTRIDER_SUPER_CASE(8)
+      OUTRIDER_SUPER_CASE(9)
+      OUTRIDER_SUPER_CASE(10)
+      OUTRIDER_SUPER_CASE(11)
+      OUTRIDER_SUPER_CASE(12)
+      OUTRIDER_SUPER_CASE(13)
+      OUTRIDER_SUPER_CASE(14)
+      OUTRIDER_SUPER_CASE(15)
+      OUTRIDER_SUPER_CASE(16)
 #undef OUTRIDER_SUPER_CASE
       default: break;
     }
@@ -504,9 +524,9 @@ void matmul_groups_layout(const int8_t* xq, const float* scale, const float* sum
   const int32_t* x_isum[kRows];
   float* y_rows[kRows];
   for (int64_t c0 = t0; c0 < t1; c0 += chunk)
-  for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
+  for (int64_t r0 = 0; r0 < rows; r0 += pass_rows(rows, r0, kRows)) {
     const int64_t c1 = min64(t1, c0 + chunk);
-    const int n = static_cast<int>(min64(kRows, rows - r0));
+    const int n = pass_rows(rows, r0, kRows);
     for (int r = 0; r < n; ++r) {
       x_words[r] = words + (r0 + r) * in / 4;
       x_scale[r] = scale + (r0 + r) * groups;
@@ -527,6 +547,14 @@ void matmul_groups_layout(const int8_t* xq, const float* scale, const float* sum
         OUTRIDER_GROUP_CASE(6)
         OUTRIDER_GROUP_CASE(7)
         OUTRIDER_GROUP_CASE(8)
+        OUTRIDER_GROUP_CASE(9)
+        OUTRIDER_GROUP_CASE(10)
+        OUTRIDER_GROUP_CASE(11)
+        OUTRIDER_GROUP_CASE(12)
+        OUTRIDER_GROUP_CASE(13)
+        OUTRIDER_GROUP_CASE(14)
+        OUTRIDER_GROUP_CASE(15)
+        OUTRIDER_GROUP_CASE(16)
 #undef OUTRIDER_GROUP_CASE
         default: break;
       }
