@@ -306,9 +306,8 @@ void super_dot(const int32_t* const* x_words, const float* const* x_scale, const
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* base[T];
     for (int t = 0; t < T; ++t) base[t] = w + t * tile_bytes + b * kBytes;
-    if constexpr (R > 1)
-      for (int t = 0; t < T; ++t)
-        for (int64_t at = 0; at < kBytes; at += 64) __builtin_prefetch(base[t] + kPrefetchBytes + at);
+    for (int t = 0; t < T; ++t)  // every pass, one row's too: 3-5% off a 1B Q4_K_M decode step here
+      for (int64_t at = 0; at < kBytes; at += 64) __builtin_prefetch(base[t] + kPrefetchBytes + at);
     I total[R][T];
     for (int r = 0; r < R; ++r)
       for (int t = 0; t < T; ++t) total[r][t] = A::izero();
