@@ -145,6 +145,13 @@ void a8_matmul(const float* x, int64_t rows, int64_t in, int64_t group, const ui
 void a8_matmul(const float* x, int64_t rows, int64_t in, int64_t group, const uint8_t* w, const void* d,
                const void* m, int64_t out, int bits, float* y, int64_t y_stride);
 
+// Up to kMaxParts weights over the same x, part p into columns [its offset, + its out) of y
+// (OutriderMatrix: q | k | v, gate | up) in one call: x quantized once per activation format, one
+// parallel region. Every output is computed as a8_matmul computes it, bit for bit.
+constexpr int kMaxParts = 3;
+void a8_matmul_parts(const float* x, int64_t rows, int64_t in, const OutriderPart* parts, int count, float* y,
+                     int64_t y_stride);
+
 // fp32 -> IEEE fp16, rounded to nearest even (ops.cpp; the fp16 KV cache's writes), and fp16 -> fp32,
 // exact (the scalar reference's lanes, the packer's row lookups).
 uint16_t float_to_half(float value);

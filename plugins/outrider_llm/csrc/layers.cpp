@@ -1,8 +1,8 @@
 // The decoder layer body, one for both bindings: the C ABI's outrider_llama_layers (c_api.cpp, any
 // block types) and the torch ops' w4a8_layers (ops.cpp, 4-bit layers) call it.
 //
-// Each matrix is 1 to 3 parts side by side (q | k | v in their own GGUF block types, gate | up), each
-// its own a8_matmul writing its column slice of the matrix's output, in any layout the kernels take;
+// Each matrix is 1 to 3 parts side by side (q | k | v in their own GGUF block types, gate | up), in one
+// a8_matmul_parts call writing each part's column slice of the matrix's output, in any layout the kernels take;
 // plus Qwen2's qkv bias, Qwen3's per-head q and k RMSNorm and q's scale, Gemma 3's post norms, GeGLU,
 // RoPE table and sliding window, Gemma 2's attention soft-capping. Per layer: RMSNorm -> qkv -> + bias -> q, k norms -> q scale -> RoPE
 // (the layer's table) -> attention (within the layer's window) -> o -> [post norm] -> + x -> RMSNorm ->
@@ -20,12 +20,7 @@ namespace {
 
 // y [rows, width] = x [rows, in] @ the matrix's parts, each into its column slice.
 void matrix_matmul(const OutriderMatrix& matrix, const float* x, int64_t rows, int64_t in, float* y, int64_t width) {
-  int64_t column = 0;
-  for (int p = 0; p < matrix.count; ++p) {
-    const OutriderPart& part = matrix.parts[p];
-    a8_matmul(x, rows, in, part.group, part.w, part.d, part.m, part.out, part.bits, y + column, width);
-    column += part.out;
-  }
+  a8_matmul_parts(x, rows, in, matrix.parts, matrix.count, y, width);
 }
 
 }  // namespace

@@ -79,48 +79,113 @@ uint16_t float_to_half(float value) {
   return static_cast<uint16_t>(sign | h);
 }
 
-// Row r of y at y + r * y_stride (y_stride >= out): a part of a wider output fills its column
-// slice (c_api.cpp's parts side by side). Declared in c_api.cpp beside its use.
-// A K type's super blocks take activations in int8 per 256 inputs (one scale each) with their int32
-// sums per 16, which carry the minimums (Q6_K: its offset of 32) to the result; group blocks per 32.
-void a8_matmul(const float* x, int64_t rows, int64_t in, int64_t group, const uint8_t* w, const void* d,
-               const void* m, int64_t out, int bits, float* y, int64_t y_stride) {
-  if (rows == 0) return;
-  const KernelSet& ks = active_kernels();
-  const bool super = is_super(bits), group_blocks = is_group_blocks(bits);
-  if (super) group = kSuper;
-  if (group_blocks) group = 32;
-  const int64_t groups = in / group;
-  // Per-thread scratch, kept between calls (an allocation per call costs more than a small matmul).
-  thread_local std::vector<int32_t> xq_store;  // int32 words: 4-byte aligned int8 rows
-  thread_local std::vector<float> scale, sum;
-  thread_local std::vector<int32_t> isum, bsum;
-  xq_store.resize((rows * in + 3) / 4);
-  scale.resize(rows * groups);
-  sum.resize(rows * groups);
-  isum.resize(rows * groups);
-  int8_t* xq = reinterpret_cast<int8_t*>(xq_store.data());
-  ks.quantize_rows(x, rows, in, group, xq, scale.data(), sum.data(), isum.data());
-  if (super) {
-    bsum.resize(rows * in / 16);
-    for (int64_t i = 0; i < rows * in / 16; ++i) {
-      int32_t total = 0;
-      for (int k = 0; k < 16; ++k) total += xq[16 * i + k];
-      bsum[i] = total;
+namespace {
+
+// x quantized to int8 as one activation format takes it: a K type's super blocks per 256 inputs (one
+// scale each) with their int32 sums per 16, which carry the minimums (Q6_K: its offset of 32) to the
+// result; group blocks per 32; the separate-table layouts per their group.
+struct QuantizedRows {
+  std::vector<int32_t> xq_words;  // int32 words: 4-byte aligned int8 rows
+  std::vector<float> scale, sum;
+  std::vector<int32_t> isum, bsum;
+  bool super = false;
+  int64_t group = 0;
+
+  const int8_t* xq() const { return reinterpret_cast<const int8_t*>(xq_words.data()); }
+
+  void quantize(const KernelSet& ks, const float* x, int64_t rows, int64_t in, bool super_blocks, int64_t g) {
+    super = super_blocks;
+    group = g;
+    const int64_t groups = in / group;
+    xq_words.resize((rows * in + 3) / 4);
+    scale.resize(rows * groups);
+    sum.resize(rows * groups);
+    isum.resize(rows * groups);
+    int8_t* q = reinterpret_cast<int8_t*>(xq_words.data());
+    ks.quantize_rows(x, rows, in, group, q, scale.data(), sum.data(), isum.data());
+    if (super) {
+      bsum.resize(rows * in / 16);
+      for (int64_t i = 0; i < rows * in / 16; ++i) {
+        int32_t total = 0;
+        for (int k = 0; k < 16; ++k) total += q[16 * i + k];
+        bsum[i] = total;
+      }
     }
   }
-  const float* sp = scale.data();
-  const float* up = sum.data();
-  const int32_t* ip = isum.data();
-  const int32_t* bp = bsum.data();
-  parallel_for(out / kTile, [&](int64_t begin, int64_t end) {
-    if (super)
-      ks.matmul_super(xq, sp, bp, rows, in, w, bits & 15, begin, end, y, y_stride);
-    else if (group_blocks)
-      ks.matmul_groups(xq, sp, up, ip, rows, in, w, bits, begin, end, y, y_stride);
-    else
-      ks.matmul_tiles(xq, sp, up, ip, rows, in, group, w, d, m, out, bits, begin, end, y, y_stride);
+};
+
+int64_t activation_group(int bits, int64_t group) {
+  return is_super(bits) ? kSuper : is_group_blocks(bits) ? 32 : group;
+}
+
+// Bytes of one tile (16 outputs) of a weight: the share of a thread's reads it stands for.
+int64_t tile_bytes(int bits, int64_t in, int64_t group) {
+  if (is_super(bits)) return in / kSuper * super_block_bytes(bits & 15);
+  if (is_group_blocks(bits)) return in / 32 * group_block_bytes(bits);
+  const int64_t scales = in / group * 16 * ((bits & kF32Scales) ? 4 : 2) * (minimum_offset(bits) == 0.f ? 2 : 1);
+  return in * 2 * (bits & 15) + scales;
+}
+
+// Tiles [t0, t1) of one weight, every row, on activations quantized for it.
+void matmul_range(const KernelSet& ks, const QuantizedRows& q, int64_t rows, int64_t in, const OutriderPart& part,
+                  int64_t t0, int64_t t1, float* y, int64_t y_stride) {
+  if (q.super)
+    ks.matmul_super(q.xq(), q.scale.data(), q.bsum.data(), rows, in, part.w, part.bits & 15, t0, t1, y, y_stride);
+  else if (is_group_blocks(part.bits))
+    ks.matmul_groups(q.xq(), q.scale.data(), q.sum.data(), q.isum.data(), rows, in, part.w, part.bits, t0, t1, y,
+                     y_stride);
+  else
+    ks.matmul_tiles(q.xq(), q.scale.data(), q.sum.data(), q.isum.data(), rows, in, part.group, part.w, part.d,
+                    part.m, part.out, part.bits, t0, t1, y, y_stride);
+}
+
+}  // namespace
+
+// One parallel region for all parts, its threads each taking an equal share of their weights' bytes
+// (a tile goes to the thread whose share holds its first byte), and x quantized once per activation
+// format: a separate call per part quantized x again for each and ended each at a barrier where
+// the threads waited on the slower one (q | k | v: three barriers a layer, two of them on small k and v).
+void a8_matmul_parts(const float* x, int64_t rows, int64_t in, const OutriderPart* parts, int count, float* y,
+                     int64_t y_stride) {
+  if (rows == 0 || count == 0) return;
+  const KernelSet& ks = active_kernels();
+  thread_local QuantizedRows quantized[kMaxParts];  // kept between calls: an allocation costs more than a small matmul
+  const QuantizedRows* input[kMaxParts];
+  int64_t column[kMaxParts], first_byte[kMaxParts + 1], bytes[kMaxParts];
+  first_byte[0] = 0;
+  int formats = 0;
+  for (int p = 0; p < count; ++p) {
+    const OutriderPart& part = parts[p];
+    const bool super = is_super(part.bits);
+    const int64_t group = activation_group(part.bits, part.group);
+    input[p] = nullptr;
+    for (int f = 0; f < formats; ++f)
+      if (quantized[f].super == super && quantized[f].group == group) input[p] = &quantized[f];
+    if (input[p] == nullptr) {
+      quantized[formats].quantize(ks, x, rows, in, super, group);
+      input[p] = &quantized[formats++];
+    }
+    column[p] = p == 0 ? 0 : column[p - 1] + parts[p - 1].out;
+    bytes[p] = count == 1 ? 1 : tile_bytes(part.bits, in, group);  // one part: its tiles split evenly
+    first_byte[p + 1] = first_byte[p] + part.out / kTile * bytes[p];
+  }
+  parallel_for(first_byte[count], [&](int64_t begin, int64_t end) {
+    for (int p = 0; p < count; ++p) {
+      // The tiles whose first byte lies in [begin, end): ceil((at - first) / bytes), within the part.
+      const int64_t tiles = parts[p].out / kTile;
+      auto tile_at = [&](int64_t at) {
+        return std::min(tiles, std::max<int64_t>(0, (at - first_byte[p] + bytes[p] - 1) / bytes[p]));
+      };
+      const int64_t t0 = tile_at(begin), t1 = tile_at(end);
+      if (t0 < t1) matmul_range(ks, *input[p], rows, in, parts[p], t0, t1, y + column[p], y_stride);
+    }
   });
+}
+
+void a8_matmul(const float* x, int64_t rows, int64_t in, int64_t group, const uint8_t* w, const void* d,
+               const void* m, int64_t out, int bits, float* y, int64_t y_stride) {
+  const OutriderPart part{w, d, m, out, group, bits};
+  a8_matmul_parts(x, rows, in, &part, 1, y, y_stride);
 }
 
 void a8_matmul(const float* x, int64_t rows, int64_t in, int64_t group, const uint8_t* w, const void* d,
