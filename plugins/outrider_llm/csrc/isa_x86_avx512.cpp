@@ -1,6 +1,7 @@
 // AVX-512 (F, BW, VL, DQ) with VNNI (Ice Lake, Sapphire Rapids, Zen 4/5): one zmm per 16 lanes,
 // vpdpbusd for the dot products, a transpose tree that sums 16 keys' scores at once, and a
-// matmul that reads each weight once for up to 8 rows and works on up to 4 tiles at a time.
+// matmul that reads each weight once for up to 12 rows (GGUF's blocks; 8 rows and up to 4 tiles at a
+// time on the separate-table layouts).
 
 #include "isa_prelude.h"
 
@@ -20,8 +21,10 @@ struct Avx512 {
   static constexpr const char* kName = "avx512_vnni";
   static constexpr bool kDot8Offset = false;
   static constexpr bool kInt16Sums = false;
-    // One tile a pass: a decode step (one row) then reads each thread's weights as one linear stream,
+  // One tile a pass: a decode step (one row) then reads each thread's weights as one linear stream,
   // which measured 1.2-1.4x faster from DRAM than four tiles' interleaved streams (1B Q4_K_M here).
+  // 12 rows: a draft of 8 verified (9 rows) in one pass; 16 spilled accumulators (16 rows cost more
+  // than two passes of 8).
   static constexpr int kSuperRows = 12, kSuperTiles = 1;
   using F = __m512;
   using I = __m512i;
