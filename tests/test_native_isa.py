@@ -73,20 +73,23 @@ def test_an_avx2_only_cpu_gets_the_avx2_kernels_and_they_equal_the_reference(x86
 
 @pytest.mark.cross
 def test_neon_kernels_equal_the_scalar_reference_under_qemu(tmp_path: Path) -> None:
-    """Cross-compiled for AArch64 and run under qemu-user: "-cpu max" has the dot product extension
-    (both NEON sets are checked), a Cortex-A72 (the Raspberry Pi 4) has not (plain NEON serves)."""
+    """Cross-compiled for AArch64 and run under qemu-user: "-cpu max" has the dot product and int8
+    matrix multiply extensions (all three NEON sets are checked), a Cortex-A76 (the Raspberry Pi 5)
+    the dot product only, a Cortex-A72 (the Raspberry Pi 4) neither (plain NEON serves)."""
     if shutil.which("qemu-aarch64-static") is None:
         pytest.skip("qemu-user-static is not installed")
     binary = _build("aarch64-linux-gnu-g++", tmp_path / "check_kernels_arm", static=True)
-    assert _checked(_run(["qemu-aarch64-static", "-cpu", "max", str(binary)])) == {"neon", "neon_dotprod"}
-    assert _run(["qemu-aarch64-static", "-cpu", "max", str(binary), "--active"]).splitlines()[0] == "neon_dotprod"
+    assert _checked(_run(["qemu-aarch64-static", "-cpu", "max", str(binary)])) == {"neon", "neon_dotprod", "neon_i8mm"}
+    assert _run(["qemu-aarch64-static", "-cpu", "max", str(binary), "--active"]).splitlines()[0] == "neon_i8mm"
+    assert _checked(_run(["qemu-aarch64-static", "-cpu", "cortex-a76", str(binary)])) == {"neon", "neon_dotprod"}
+    assert _run(["qemu-aarch64-static", "-cpu", "cortex-a76", str(binary), "--active"]).splitlines()[0] == "neon_dotprod"
     assert _checked(_run(["qemu-aarch64-static", "-cpu", "cortex-a72", str(binary)])) == {"neon"}
     assert _run(["qemu-aarch64-static", "-cpu", "cortex-a72", str(binary), "--active"]).splitlines()[0] == "neon"
 
 
 # ---- through torch ---------------------------------------------------------------------------
 
-KERNEL_SETS = ["scalar", "avx2", "avx_vnni", "avx512_vnni", "neon", "neon_dotprod"]
+KERNEL_SETS = ["scalar", "avx2", "avx_vnni", "avx512_vnni", "neon", "neon_dotprod", "neon_i8mm"]
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ namespace outrider_native {
 namespace {
 
 struct Features {
-  bool avx2 = false, avx_vnni = false, avx512_vnni = false, neon = false, dotprod = false;
+  bool avx2 = false, avx_vnni = false, avx512_vnni = false, neon = false, dotprod = false, i8mm = false;
   std::string names;
 };
 
@@ -67,9 +67,11 @@ Features detect() {
 #if defined(__linux__)
   const unsigned long hwcap = getauxval(AT_HWCAP);
   f.dotprod = hwcap & (1ul << 20);  // HWCAP_ASIMDDP
+  f.i8mm = getauxval(AT_HWCAP2) & (1ul << 13);  // HWCAP2_I8MM
 #endif
   add(true, "asimd");
   add(f.dotprod, "asimddp");
+  add(f.i8mm, "i8mm");
 #endif
   return f;
 }
@@ -84,7 +86,7 @@ const KernelSet* const kSets[] = {
     &kAvx512Vnni, &kAvxVnni, &kAvx2,
 #endif
 #if defined(__aarch64__)
-    &kNeonDotprod, &kNeon,
+    &kNeonI8mm, &kNeonDotprod, &kNeon,
 #endif
     &kScalar,
 };
@@ -126,6 +128,7 @@ bool cpu_runs(const KernelSet& set) {
   if (name == "avx512_vnni") return f.avx512_vnni;
   if (name == "neon") return f.neon;
   if (name == "neon_dotprod") return f.dotprod;
+  if (name == "neon_i8mm") return f.dotprod && f.i8mm;  // its single rows are sdot's
   return false;
 }
 

@@ -8,6 +8,7 @@ struct NeonBase {
   struct W { uint8x16_t q[4]; };
   static constexpr bool kDot8Offset = true;  // weights are multiplied as signed bytes (w - 128)
   static constexpr bool kInt16Sums = false;
+  static constexpr bool kRowPairs = false;
   static constexpr int kSuperRows = 4, kSuperTiles = 1;
 
 #define OUTRIDER_Q4(expr) \

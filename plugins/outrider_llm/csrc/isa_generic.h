@@ -23,6 +23,9 @@
 //   I imul(I, I) (low 32 bits of the product), isub; I load_u8(const uint8_t*), load_i8(const int8_t*):
 //     16 bytes widened to int32; with_crumbs(W, const uint8_t* plane): lane L plus 16 * ((plane[L % 16]
 //     >> 2 (L / 16)) & 3) (Q6_K's high parts: 0..63); dot4 holds weights up to 63 on every path;
+//   kRowPairs: the super-block matmul takes rows two at a time: P, pzero(), pair_dot(P, lo, hi,
+//     const int8_t* a, const int8_t* b) (one oct of 16 outputs against rows a and b's 8 activations),
+//     unpair(P, I& a, I& b) (each row's 16 lanes of sums; NEON i8mm);
 //   kSuperRows, kSuperTiles: rows and tiles per pass of the super-block matmul (register budget);
 //   kInt16Sums: the file has dot4_int16<R>(acc, w, x_words, j0, j1), summing octs j0..j1 (at
 //     most 4) of 4-bit weights for R rows in 16 bits before widening (AVX2: vpmaddubsw).
@@ -315,6 +318,28 @@ void super_dot(const int32_t* const* x_words, const float* const* x_scale, const
       I dot[R][T];
       for (int r = 0; r < R; ++r)
         for (int t = 0; t < T; ++t) dot[r][t] = A::izero();
+      if constexpr (A::kRowPairs && R >= 2) {  // rows 2p and 2p + 1 together, an odd last row alone
+        typename A::P pairs[R / 2][T];
+        for (int p = 0; p < R / 2; ++p)
+          for (int t = 0; t < T; ++t) pairs[p][t] = A::pzero();
+        for (int o = 0; o < S::kOctsPerGroup; ++o) {
+          const int64_t j = b * 32 + g * S::kOctsPerGroup + o;
+          W lo[T], hi[T];
+          for (int t = 0; t < T; ++t)
+            super_oct<A, Layout>(base[t] + S::kOcts + (g * S::kOctsPerGroup + o) * S::kOctBytes, lo[t], hi[t]);
+          for (int p = 0; p < R / 2; ++p)
+            for (int t = 0; t < T; ++t)
+              pairs[p][t] = A::pair_dot(pairs[p][t], lo[t], hi[t], reinterpret_cast<const int8_t*>(x_words[2 * p] + 2 * j),
+                                        reinterpret_cast<const int8_t*>(x_words[2 * p + 1] + 2 * j));
+          if constexpr (R % 2 == 1)
+            for (int t = 0; t < T; ++t) {
+              dot[R - 1][t] = A::dot4(dot[R - 1][t], lo[t], x_words[R - 1][2 * j]);
+              dot[R - 1][t] = A::dot4(dot[R - 1][t], hi[t], x_words[R - 1][2 * j + 1]);
+            }
+        }
+        for (int p = 0; p < R / 2; ++p)
+          for (int t = 0; t < T; ++t) A::unpair(pairs[p][t], dot[2 * p][t], dot[2 * p + 1][t]);
+      } else
       for (int o = 0; o < S::kOctsPerGroup; ++o) {
         const int64_t j = b * 32 + g * S::kOctsPerGroup + o;  // the oct of the row
         W lo[T], hi[T];

@@ -10,6 +10,7 @@ struct Scalar {
   static constexpr const char* kName = "scalar";
   static constexpr bool kDot8Offset = false;
   static constexpr bool kInt16Sums = false;
+  static constexpr bool kRowPairs = false;
   static constexpr int kSuperRows = 4, kSuperTiles = 1;
   struct F { float v[16]; };
   struct I { int32_t v[16]; };

@@ -20,6 +20,7 @@ struct Avx2 : Avx2Base {
   static constexpr bool kDot8Offset = true;
   static constexpr int kSuperRows = 4, kSuperTiles = 1;
   static constexpr bool kInt16Sums = true;
+  static constexpr bool kRowPairs = false;
   template <int R>
   static void dot4_int16(I* acc, const uint8_t* w, const int32_t* const* x_words, int64_t j0, int64_t j1) {
     __m256i sa[R], sb[R];

@@ -21,6 +21,7 @@ struct Avx512 {
   static constexpr const char* kName = "avx512_vnni";
   static constexpr bool kDot8Offset = false;
   static constexpr bool kInt16Sums = false;
+  static constexpr bool kRowPairs = false;
   // One tile a pass: a decode step (one row) then reads each thread's weights as one linear stream,
   // which measured 1.2-1.4x faster from DRAM than four tiles' interleaved streams (1B Q4_K_M here).
   // 12 rows: a draft of 8 verified (9 rows) in one pass; 16 spilled accumulators (16 rows cost more

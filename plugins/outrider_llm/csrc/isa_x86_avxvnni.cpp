@@ -21,6 +21,7 @@ struct AvxVnni : Avx2Base {
   static constexpr bool kDot8Offset = false;
   static constexpr int kSuperRows = 4, kSuperTiles = 1;
   static constexpr bool kInt16Sums = false;
+  static constexpr bool kRowPairs = false;
   static I dot8(I acc, W w, int32_t x) {
     const __m256i xb = _mm256_set1_epi32(x);
     return {_mm256_dpbusd_avx_epi32(acc.a, w.a, xb), _mm256_dpbusd_avx_epi32(acc.b, w.b, xb)};

@@ -77,7 +77,7 @@ constexpr int64_t super_block_bytes(int layout) {
 //          or fp32, the same shape, where `bits` carries kF32Scales (a GGUF K type's sub-block
 //          scale d * sc needs up to 18 significant bits: fp16 would round it).
 struct KernelSet {
-  const char* name;  // "scalar", "avx2", "avx_vnni", "avx512_vnni", "neon", "neon_dotprod"
+  const char* name;  // "scalar", "avx2", "avx_vnni", "avx512_vnni", "neon", "neon_dotprod", "neon_i8mm"
   // Activations to int8 per row and group of `group` (scale amax / 127, round to nearest even):
   // xq [rows, in]; per (row, group): scale, scale * sum(xq), sum(xq).
   void (*quantize_rows)(const float* x, int64_t rows, int64_t in, int64_t group, int8_t* xq, float* scale,
@@ -115,7 +115,7 @@ extern const KernelSet kScalar;
 extern const KernelSet kAvx2, kAvxVnni, kAvx512Vnni;
 #endif
 #if defined(__aarch64__)
-extern const KernelSet kNeon, kNeonDotprod;
+extern const KernelSet kNeon, kNeonDotprod, kNeonI8mm;
 #endif
 
 // Every kernel set this build holds, best first (the scalar reference last), and whether this CPU runs it.
