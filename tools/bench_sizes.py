@@ -373,19 +373,21 @@ def read_bandwidth(threads: int, gigabytes: float = 2.0, rounds: int = 5) -> flo
 # ---- files ----------------------------------------------------------------------------------
 
 
-def file_bytes_per_token(path: Path) -> tuple[int, str]:
-    """(bytes a decode step reads from the file's tensors, its tensor types): all tensors, less
-    token_embd where a separate output.weight is the head (the embedding is only gathered)."""
+def file_bytes_per_token(path: Path) -> tuple[int, str, int]:
+    """(bytes a decode step reads from the file's tensors, its tensor types, the bytes of token_embd
+    where a separate output.weight is the head): all tensors, less such an embedding, which a step
+    only gathers a row of. Outrider packs that embedding at its file type's bytes, so its served
+    bytes less the same figure are what its step reads."""
     from collections import Counter
 
     from gguf import GGUFReader
 
     tensors = GGUFReader(str(path)).tensors
     names = {t.name for t in tensors}
-    total = sum(int(t.n_bytes) for t in tensors
-                if not (t.name == "token_embd.weight" and "output.weight" in names))
+    gathered = sum(int(t.n_bytes) for t in tensors if t.name == "token_embd.weight" and "output.weight" in names)
+    total = sum(int(t.n_bytes) for t in tensors) - gathered
     types = Counter(t.tensor_type.name for t in tensors)
-    return total, ", ".join(f"{k} x {v}" for k, v in types.most_common())
+    return total, ", ".join(f"{k} x {v}" for k, v in types.most_common()), gathered
 
 
 class Prompts:
@@ -662,8 +664,10 @@ def bench_llama_cpp(path: Path, prompts: Prompts, args: argparse.Namespace, work
 # ---- report ---------------------------------------------------------------------------------
 
 
-def table(path: Path, o: dict, c: dict, bandwidth: float, file_bpt: int, types: str, args: argparse.Namespace) -> str:
-    o_bpt = o.get("weight_bytes") or file_bpt
+def table(path: Path, o: dict, c: dict, bandwidth: float, file_bpt: int, types: str, gathered: int,
+          args: argparse.Namespace) -> str:
+    # Served bytes less an untied embedding, of which a step reads one row (8B: ~300 MB it counted before).
+    o_bpt = o["weight_bytes"] - gathered if o.get("weight_bytes") else file_bpt
 
     def fmt(v: Any, digits: int) -> str:
         return "-" if v is None else f"{v:.{digits}f}"
@@ -785,12 +789,12 @@ def main() -> None:
     results = []
     with tempfile.TemporaryDirectory(prefix="bench-sizes-") as tmp:
         for path in files:
-            bpt, types = file_bytes_per_token(path)
+            bpt, types, gathered = file_bytes_per_token(path)
             print(f"{path.name}: llama.cpp ...", file=sys.stderr, flush=True)
             c = {} if args.skip_llama_cpp else bench_llama_cpp(path, prompts, args, Path(tmp))
             print(f"{path.name}: Outrider ...", file=sys.stderr, flush=True)
             o = {} if args.skip_outrider else bench_outrider(path, prompts, args, Path(tmp))
-            results.append((path, o, c, bpt, types))
+            results.append((path, o, c, bpt, types, gathered))
             if c.get("system"):
                 print(f"llama.cpp ({path.name}): {c['system']}")
             if o.get("kernel_line"):
@@ -800,8 +804,8 @@ def main() -> None:
     bandwidth += [looped] if looped is not None else []
     print(f"read bandwidth after the run: {bandwidth[-1]:.1f} GB/s; the tables use the best of "
           f"{', '.join(f'{b:.1f}' for b in bandwidth)}")
-    for path, o, c, bpt, types in results:
-        print(table(path, o, c, max(bandwidth), bpt, types, args))
+    for path, o, c, bpt, types, gathered in results:
+        print(table(path, o, c, max(bandwidth), bpt, types, gathered, args))
 
 
 if __name__ == "__main__":
