@@ -14,20 +14,11 @@
 
 namespace {
 
+#define OUTRIDER_NEON_SDOT
 #include "isa_arm_neon.h"
 
-struct NeonDotprod : NeonBase {
+struct NeonDotprod : NeonSdot {
   static constexpr const char* kName = "neon_dotprod";
-  static I dot4(I acc, W w, int32_t x) {
-    const int8x16_t xb = broadcast(x);
-    for (int i = 0; i < 4; ++i) acc.q[i] = vdotq_s32(acc.q[i], as_signed4(w.q[i]), xb);
-    return acc;
-  }
-  static I dot8(I acc, W w, int32_t x) {
-    const int8x16_t xb = broadcast(x);
-    for (int i = 0; i < 4; ++i) acc.q[i] = vdotq_s32(acc.q[i], as_signed8(w.q[i]), xb);
-    return acc;
-  }
 };
 
 #include "isa_generic.h"

@@ -18,21 +18,12 @@
 
 namespace {
 
+#define OUTRIDER_NEON_SDOT
 #include "isa_arm_neon.h"
 
-struct NeonI8mm : NeonBase {
+struct NeonI8mm : NeonSdot {
   static constexpr const char* kName = "neon_i8mm";
   static constexpr bool kRowPairs = true;
-  static I dot4(I acc, W w, int32_t x) {
-    const int8x16_t xb = broadcast(x);
-    for (int i = 0; i < 4; ++i) acc.q[i] = vdotq_s32(acc.q[i], as_signed4(w.q[i]), xb);
-    return acc;
-  }
-  static I dot8(I acc, W w, int32_t x) {
-    const int8x16_t xb = broadcast(x);
-    for (int i = 0; i < 4; ++i) acc.q[i] = vdotq_s32(acc.q[i], as_signed8(w.q[i]), xb);
-    return acc;
-  }
 
   // Two rows x 16 outputs: q[2k + h] holds outputs o = 4k + 2h and o + 1 of rows a and b as
   // (o a, o b, o+1 a, o+1 b), usmmla's 2 x 2 block.

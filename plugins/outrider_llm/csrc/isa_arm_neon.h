@@ -1,6 +1,7 @@
 // The NEON vector type (four q registers per 16 lanes), shared by isa_arm_neon.cpp (ARMv8.0:
-// Cortex-A53/A57/A72, the Raspberry Pi 4, older Jetsons) and isa_arm_dotprod.cpp (ARMv8.2 dotprod:
-// Cortex-A76/A78, the Pi 5, Jetson Orin, Graviton 2+), each including it after its target pragma.
+// Cortex-A53/A57/A72, the Raspberry Pi 4, older Jetsons), isa_arm_dotprod.cpp (ARMv8.2 dotprod:
+// Cortex-A76/A78, the Pi 5, Jetson Orin, Graviton 2+) and isa_arm_i8mm.cpp, each including it after
+// its target pragma (the last two with OUTRIDER_NEON_SDOT defined: they get NeonSdot too).
 
 struct NeonBase {
   struct F { float32x4_t q[4]; };
@@ -157,3 +158,20 @@ struct NeonBase {
     return r;
   }
 };
+
+#if defined(OUTRIDER_NEON_SDOT)
+// The dot products by sdot (ARMv8.2 dotprod): 4 outputs x 4 signed bytes into 32 bits per
+// instruction; for the files compiled with dotprod (isa_arm_dotprod.cpp, isa_arm_i8mm.cpp).
+struct NeonSdot : NeonBase {
+  static I dot4(I acc, W w, int32_t x) {
+    const int8x16_t xb = broadcast(x);
+    for (int i = 0; i < 4; ++i) acc.q[i] = vdotq_s32(acc.q[i], as_signed4(w.q[i]), xb);
+    return acc;
+  }
+  static I dot8(I acc, W w, int32_t x) {
+    const int8x16_t xb = broadcast(x);
+    for (int i = 0; i < 4; ++i) acc.q[i] = vdotq_s32(acc.q[i], as_signed8(w.q[i]), xb);
+    return acc;
+  }
+};
+#endif
