@@ -140,6 +140,10 @@ inline int pass_rows(int64_t rows, int64_t r0, int k_rows) {
   return static_cast<int>((left + passes - 1) / passes);
 }
 
+// Bytes of one oct (16 outputs x 8 inputs) of the separate-table layouts: 4-bit nibbles, 5-bit
+// nibbles and their fifth bits, or 8-bit bytes.
+constexpr int64_t oct_bytes(int bits) { return bits == 4 ? 64 : bits == 5 ? 80 : 128; }
+
 template <class A, int Bits, int R, bool F32>
 void dot_rows(const int32_t* const* x_words, const float* const* x_scale, const float* const* x_sum,
               const int32_t* const* x_isum, int64_t groups, int64_t octs_per_group, const uint8_t* w,
@@ -149,7 +153,7 @@ void dot_rows(const int32_t* const* x_words, const float* const* x_scale, const 
   using W = typename A::W;
   F out[R];
   for (int r = 0; r < R; ++r) out[r] = A::fzero();
-  constexpr int64_t kOctBytes = Bits == 4 ? 64 : Bits == 5 ? 80 : 128;
+  constexpr int64_t kOctBytes = oct_bytes(Bits);
   for (int64_t g = 0; g < groups; ++g) {
     if constexpr (R > 1)  // see kPrefetchBytes
       for (int64_t at = 0; at < octs_per_group * kOctBytes; at += 64)
@@ -211,8 +215,8 @@ void matmul_tiles_bits(const int8_t* xq, const float* scale, const float* sum, c
   const float* x_sum[kRows];
   const int32_t* x_isum[kRows];
   float* y_rows[kRows];
-  for (int64_t r0 = 0; r0 < rows; r0 += pass_rows(rows, r0, kRows)) {
-    const int n = pass_rows(rows, r0, kRows);
+  for (int64_t r0 = 0, n = 0; r0 < rows; r0 += n) {
+    n = pass_rows(rows, r0, kRows);
     for (int r = 0; r < n; ++r) {
       x_words[r] = words + (r0 + r) * in / 4;
       x_scale[r] = scale + (r0 + r) * groups;
@@ -418,6 +422,7 @@ template <class A, int Layout>
 void matmul_super_layout(const int8_t* xq, const float* scale, const int32_t* bsum, int64_t rows, int64_t in,
                          const uint8_t* w, int64_t t0, int64_t t1, float* y, int64_t y_stride) {
   constexpr int kRows = A::kSuperRows;
+  static_assert(kRows <= 12, "the switch below has a case per row count up to 12");
   const int32_t* words = reinterpret_cast<const int32_t*>(xq);
   const int64_t blocks = in / 256;
   const int64_t chunk = tile_chunk(rows, kRows, blocks * outrider_native::super_block_bytes(Layout), t0, t1);
@@ -426,9 +431,9 @@ void matmul_super_layout(const int8_t* xq, const float* scale, const int32_t* bs
   const int32_t* x_bsum[kRows];
   float* y_rows[kRows];
   for (int64_t c0 = t0; c0 < t1; c0 += chunk)
-  for (int64_t r0 = 0; r0 < rows; r0 += pass_rows(rows, r0, kRows)) {
+  for (int64_t r0 = 0, n = 0; r0 < rows; r0 += n) {
     const int64_t c1 = min64(t1, c0 + chunk);
-    const int n = pass_rows(rows, r0, kRows);
+    n = pass_rows(rows, r0, kRows);
     for (int r = 0; r < n; ++r) {
       x_words[r] = words + (r0 + r) * in / 4;
       x_scale[r] = scale + (r0 + r) * blocks;
@@ -450,10 +455,6 @@ void matmul_super_layout(const int8_t* xq, const float* scale, const int32_t* bs
       OUTRIDER_SUPER_CASE(10)
       OUTRIDER_SUPER_CASE(11)
       OUTRIDER_SUPER_CASE(12)
-      OUTRIDER_SUPER_CASE(13)
-      OUTRIDER_SUPER_CASE(14)
-      OUTRIDER_SUPER_CASE(15)
-      OUTRIDER_SUPER_CASE(16)
 #undef OUTRIDER_SUPER_CASE
       default: break;
     }
@@ -539,6 +540,7 @@ void matmul_groups_layout(const int8_t* xq, const float* scale, const float* sum
                           int64_t in, const uint8_t* w, float neg_offset, int64_t t0, int64_t t1, float* y,
                           int64_t y_stride) {
   constexpr int kRows = A::kSuperRows;
+  static_assert(kRows <= 12, "the switch below has a case per row count up to 12");
   const int32_t* words = reinterpret_cast<const int32_t*>(xq);
   const int64_t groups = in / 32, tile_bytes = groups * outrider_native::group_block_bytes(group_code(Bits, HasM));
   const int64_t chunk = tile_chunk(rows, kRows, tile_bytes, t0, t1);  // see kTileChunkBytes
@@ -548,9 +550,9 @@ void matmul_groups_layout(const int8_t* xq, const float* scale, const float* sum
   const int32_t* x_isum[kRows];
   float* y_rows[kRows];
   for (int64_t c0 = t0; c0 < t1; c0 += chunk)
-  for (int64_t r0 = 0; r0 < rows; r0 += pass_rows(rows, r0, kRows)) {
+  for (int64_t r0 = 0, n = 0; r0 < rows; r0 += n) {
     const int64_t c1 = min64(t1, c0 + chunk);
-    const int n = pass_rows(rows, r0, kRows);
+    n = pass_rows(rows, r0, kRows);
     for (int r = 0; r < n; ++r) {
       x_words[r] = words + (r0 + r) * in / 4;
       x_scale[r] = scale + (r0 + r) * groups;
@@ -575,10 +577,6 @@ void matmul_groups_layout(const int8_t* xq, const float* scale, const float* sum
         OUTRIDER_GROUP_CASE(10)
         OUTRIDER_GROUP_CASE(11)
         OUTRIDER_GROUP_CASE(12)
-        OUTRIDER_GROUP_CASE(13)
-        OUTRIDER_GROUP_CASE(14)
-        OUTRIDER_GROUP_CASE(15)
-        OUTRIDER_GROUP_CASE(16)
 #undef OUTRIDER_GROUP_CASE
         default: break;
       }

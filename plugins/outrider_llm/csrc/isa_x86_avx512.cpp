@@ -109,7 +109,7 @@ void dot_tiles(const int32_t* const* x_words, const float* const* x_scale, const
   __m512 out[R][T];
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < T; ++t) out[r][t] = _mm512_setzero_ps();
-  constexpr int64_t kOctBytes = Bits == 4 ? 64 : Bits == 5 ? 80 : 128;
+  constexpr int64_t kOctBytes = oct_bytes(Bits);
   for (int64_t g = 0; g < groups; ++g) {
     if constexpr (R > 1)  // see kPrefetchBytes
       for (int t = 0; t < T; ++t)
@@ -189,8 +189,8 @@ void matmul_tiles_avx512(const int8_t* xq, const float* scale, const float* sum,
   const float* x_scale[kRows];
   const float* x_sum[kRows];
   float* y_rows[kRows];
-  for (int64_t r0 = 0; r0 < rows; r0 += pass_rows(rows, r0, kRows)) {
-    const int n = pass_rows(rows, r0, kRows);
+  for (int64_t r0 = 0, n = 0; r0 < rows; r0 += n) {
+    n = pass_rows(rows, r0, kRows);
     for (int r = 0; r < n; ++r) {
       x_words[r] = words + (r0 + r) * in / 4;
       x_scale[r] = scale + (r0 + r) * groups;

@@ -148,7 +148,7 @@ void a8_matmul(const float* x, int64_t rows, int64_t in, int64_t group, const ui
 // Up to kMaxParts weights over the same x, part p into columns [its offset, + its out) of y
 // (OutriderMatrix: q | k | v, gate | up) in one call: x quantized once per activation format, one
 // parallel region. Every output is computed as a8_matmul computes it, bit for bit.
-constexpr int kMaxParts = 3;
+constexpr int kMaxParts = sizeof(OutriderMatrix::parts) / sizeof(OutriderPart);  // the layer table's parts
 void a8_matmul_parts(const float* x, int64_t rows, int64_t in, const OutriderPart* parts, int count, float* y,
                      int64_t y_stride);
 
