@@ -760,6 +760,32 @@ def test_cost_gate_lets_one_sequence_probe_at_a_time_while_drafting_loses():
     assert 3 <= len(later) <= 4 * 3, len(later)
 
 
+def test_steps_that_also_feed_a_prompt_teach_the_gates_nothing(monkeypatch):
+    """Under steady load a new request's prompt is fed beside the decoding rows about one step in ten,
+    at many times a decode step's cost: timed, those steps would sink whichever kind of step they
+    fell on. The engine says so in DraftLimits.prefilling, and neither the step gate nor a
+    sequence's gate learns from them."""
+    import types
+
+    import outrider_speculative.strategy as strategy_module
+
+    clock = [0.0]
+    monkeypatch.setattr(strategy_module, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    strategy = SpeculativeStrategy(SpeculativeConfig.from_section({"drafters": ["ngram"], "prob_threshold": 0.0}))
+    strategy.attach()
+    sequences = [Seq([1, 2, 3] * 4), Seq([4, 5, 6] * 4)]
+    for step in range(1, 121):
+        prefilling = 1 if step % 5 == 0 else 0
+        for seq in sequences:
+            tree = strategy.propose(seq, DraftLimits(8, 3, step, prefilling))
+            strategy.observe(seq, StepOutcome("decode", len(tree), 0, [seq.token_ids[-1]]))
+        clock[0] += 0.5 if prefilling else 0.01  # a step beside a prompt costs 50 decode steps
+    gates = [strategy.step_gate._state[("streams", 3)]]
+    gates += [strategy.gates["greedy"]._state[seq.seq_id] for seq in sequences]
+    seconds = [gate[kind] for gate in gates for kind in ("draft_s", "plain_s") if gate[kind] is not None]
+    assert len(seconds) >= 3 and max(seconds) == pytest.approx(0.01), seconds
+
+
 def test_the_cost_gate_stops_a_slow_useless_drafter_in_the_engine():
     """A drafter that sleeps 20 ms and is never right: the engine asks it on few steps, output unchanged."""
     import time as _time

@@ -24,8 +24,13 @@ cannot pay, and what acceptance each runtime gets.
    row, tokens per decode step where the runtime says (Outrider's stats; llama.cpp's
    `draft_n_accepted` / steps), and for T=0 whether the output equals plain's (Outrider) token for
    token.
-2. --streams: N requests at once (N different prompts, greedy) to the plain and the draft-model
-   rows; aggregate tok/s (all new tokens over the wall time of the batch).
+2. --streams: N concurrent greedy streams to the plain, draft-model and n-gram rows, two ways.
+   Burst: N requests sent at once (N different prompts); all new tokens over the wall time of
+   the batch. Its wall time is the slowest stream's, so gains on the other streams do not count
+   while their draft rows slow every step: a lower bound. Sustained: N clients, each sending
+   --stream-requests requests back to back (prompts cycled), as a server under steady load sees
+   them (vLLM's benchmark_serving --max-concurrency N); a stream that finishes early is replaced
+   at once, so every stream's gain counts. All new tokens over the wall time of all.
 3. --economy: the random-weight 1B/3B GGUFs of tools/make_gguf.py (Q4_K_M) in this process on the
    native runtime: what one forward of 1 + k rows (a chain, as a drafted path is verified) costs
    against one row after a 512-token context, k = 4, 8, 16; and the served 1B/3B with the n-gram
@@ -191,24 +196,27 @@ def single_stream(args: argparse.Namespace, rows: list[Row], sets: list[tuple[st
             print_table(f"{set_name}: {len(prompts)} prompts, {args.tokens} new tokens", rows, temperature)
 
 
-def concurrent(address: str, model: str, prompts: list[str], tokens: int) -> float:
-    """Aggregate decode tok/s of len(prompts) greedy requests sent at once."""
+def concurrent(address: str, model: str, prompts: list[str], tokens: int, streams: int, requests: int = 1) -> float:
+    """Aggregate decode tok/s of `streams` greedy clients, each sending `requests` requests back to back
+    (stream i starts at prompt i and cycles through `prompts`): all new tokens over the wall time of all."""
     from outrider import Client
 
-    done: list[int] = [0] * len(prompts)
+    done: list[int] = [0] * streams
     errors: list[BaseException] = []
-    barrier = threading.Barrier(len(prompts) + 1)
+    barrier = threading.Barrier(streams + 1)
 
     def one(i: int) -> None:
         try:
             with Client(address, timeout=REQUEST_TIMEOUT_S) as client:
                 barrier.wait(60)
-                done[i] = client.generate(model, prompt=prompts[i], max_tokens=tokens, temperature=0.0,
-                                          timeout=REQUEST_TIMEOUT_S).stats["new_tokens"]
+                for k in range(requests):
+                    prompt = prompts[(i + k * streams) % len(prompts)]
+                    done[i] += client.generate(model, prompt=prompt, max_tokens=tokens, temperature=0.0,
+                                               timeout=REQUEST_TIMEOUT_S).stats["new_tokens"]
         except BaseException as exc:  # reported below
             errors.append(exc)
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(streams)]
     for t in threads:
         t.start()
     barrier.wait(60)
@@ -409,6 +417,8 @@ def main() -> None:
     parser.add_argument("--temperatures", default="0,1")
     parser.add_argument("--streams", default="", help="comma-separated stream counts, e.g. 1,4,8")
     parser.add_argument("--stream-rounds", type=int, default=3, help="rounds per stream count in --streams")
+    parser.add_argument("--stream-requests", type=int, default=4, help="requests per client in --streams' "
+                        "sustained rows (0: burst rows only)")
     parser.add_argument("--economy", default="", help="comma-separated make_gguf shapes, e.g. 1b,3b")
     parser.add_argument("--repeats", type=int, default=7, help="forwards per row count in --economy")
     parser.add_argument("--no-llama", action="store_true", help="skip llama-server's rows")
@@ -463,20 +473,26 @@ def main() -> None:
                 row.call("def warmup():\n    return", 8, 0.0, 0)
             single_stream(args, rows, sets)
         if args.streams:
-            print(f"\nConcurrent greedy streams (HumanEval prompts, {args.tokens} tokens each): aggregate tok/s, "
-                  f"median of {args.stream_rounds} rounds")
-            print(f"{'streams':>8}{'plain':>10}{'draft model':>13}{'x plain':>9}{'n-gram':>9}{'x plain':>9}")
             counts = [int(n) for n in args.streams.split(",")]
-            prompts = humaneval_prompts(max(counts))
-            for n in counts:
-                rates: dict[str, list[float]] = {"m0": [], "m1": [], "m2": []}
-                for round_ in range(args.stream_rounds):  # order rotated per round: drift hits all alike
-                    order = list(rates)[round_ % 3:] + list(rates)[:round_ % 3]
-                    for model_name in order:
-                        rates[model_name].append(concurrent(server.address, model_name, prompts[:n], args.tokens))
-                plain, ngram, model = (statistics.median(rates[m]) for m in ("m0", "m1", "m2"))
-                print(f"{n:>8}{plain:>10.1f}{model:>13.1f}{model / plain:>8.2f}x{ngram:>9.1f}{ngram / plain:>8.2f}x")
-                sys.stdout.flush()
+            prompts = humaneval_prompts(max(counts) * max(1, args.stream_requests))
+            for mode, requests in (("burst", 1), ("sustained", args.stream_requests)):
+                if requests < 1:
+                    continue
+                what = ("N requests sent at once" if mode == "burst" else
+                        f"N clients x {requests} requests back to back")
+                print(f"\nConcurrent greedy streams, {mode} ({what}; HumanEval prompts, {args.tokens} tokens each): "
+                      f"aggregate tok/s, median of {args.stream_rounds} rounds")
+                print(f"{'streams':>8}{'plain':>10}{'draft model':>13}{'x plain':>9}{'n-gram':>9}{'x plain':>9}")
+                for n in counts:
+                    rates: dict[str, list[float]] = {"m0": [], "m1": [], "m2": []}
+                    for round_ in range(args.stream_rounds):  # order rotated per round: drift hits all alike
+                        order = list(rates)[round_ % 3:] + list(rates)[:round_ % 3]
+                        for model_name in order:
+                            rates[model_name].append(concurrent(server.address, model_name, prompts, args.tokens,
+                                                                n, requests))
+                    plain, ngram, model = (statistics.median(rates[m]) for m in ("m0", "m1", "m2"))
+                    print(f"{n:>8}{plain:>10.1f}{model:>13.1f}{model / plain:>8.2f}x{ngram:>9.1f}{ngram / plain:>8.2f}x")
+                    sys.stdout.flush()
     finally:
         server.stop()
         for llama in llamas:

@@ -194,12 +194,14 @@ class DraftLimits:
     `n_active` sequences split, whether drafting pays); the engine only says how deep a tree can
     go: `room` more tokens fit in the context and in the request's max_tokens after the pending
     one. `step` numbers the engine's steps (consecutive steps differ by one), so a strategy can
-    tell when a new step begins without a separate call.
+    tell when a new step begins without a separate call. `prefilling` sequences feed their prompts
+    in the same step: its time is mostly theirs, so a strategy that times steps learns nothing from it.
     """
 
     room: int
     n_active: int
     step: int
+    prefilling: int = 0
 
 
 @dataclass
