@@ -700,6 +700,23 @@ def test_cost_gate_resumes_drafting_when_it_starts_to_pay():
     assert late >= 200 - 64 - 8, late  # back within one wait (at most 64 steps by then), then mostly drafting
 
 
+def test_cost_gate_does_not_judge_a_drafter_by_its_first_steps_one_time_work():
+    # A draft model reads the whole prompt on its first drafting step (500 ms here); after that a
+    # drafting step costs 10 ms for 3 tokens against a plain step's 8 ms for 1. Timed, the first
+    # step alone sank the EMA the first verdict rests on, and drafting that pays stopped.
+    first = [True]
+
+    def cost(drafting: bool, i: int) -> tuple[float, int]:
+        if not drafting:
+            return 0.008, 1
+        seconds, first[0] = (0.500 if first[0] else 0.010), False
+        return seconds, 3
+
+    drafted, seconds, tokens = _gated_run(CostGate(), 400, cost)
+    assert drafted >= 400 - 400 // 30, drafted
+    assert tokens / seconds > 230, tokens / seconds  # 1,170 tokens in 4.5 s: 260 tok/s; plain is 125
+
+
 def test_cost_gate_learns_across_short_sequences_that_an_expensive_drafter_loses():
     # Each drafting step costs 10x a plain one and yields nothing more; 80 requests of 50 steps each.
     gate, now, tokens, drafted = CostGate(), 0.0, 0, 0

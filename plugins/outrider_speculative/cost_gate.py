@@ -16,11 +16,13 @@ class CostGate:
     steps that did not keep separate EMAs of tokens per second and of seconds, per sequence and
     for the whole instance (what a new sequence starts from).
 
-    A plain step is forced after a sequence's first `first_steps` drafting steps and then every `plain_every`
-    drafting steps, so its plain rate is measured and kept current (at most 1/`plain_every` of the
-    gain). When a sequence's drafting rate falls below its plain rate (less `tolerance`, so noise
-    does not stop a drafter that is level) it decodes plain, then drafts
-    `probe_steps` steps to measure again. The wait is long enough that the probes cost at most
+    A sequence's first drafting step is not timed (its drafters' one-time work, such as a draft
+    model reading the prompt, is no drafting step's cost). A plain step is forced after a
+    sequence's first `first_steps` timed drafting steps and then every `plain_every` drafting
+    steps, so its plain rate is measured and kept current (at most 1/`plain_every` of the gain).
+    When a sequence's drafting rate falls below its plain rate (less `tolerance`, so noise does
+    not stop a drafter that is level) it decodes plain, then drafts `probe_steps` steps to
+    measure again. The wait is long enough that the probes cost at most
     `overhead` of the plain steps around them, counted as the tokens a probe step loses against
     plain (a drafter whose steps cost 9x a plain one and never gain waits about probe_steps x 8 /
     overhead steps; one that is nearly level probes again soon), and at least `backoff` steps (doubled by each lost
@@ -70,6 +72,12 @@ class CostGate:
             self._learn(state, (now - last[0]) - (self._clock[0] - last[3] - last[4]))
         drafting = self._decide(state)
         state["last"] = [now, drafting, 0, self._clock[0], 0.0]  # began, drafting, tokens, clock, own drafting
+        if drafting and state["setup"]:
+            # A sequence's first drafting step carries its drafters' one-time work (a draft model
+            # feeds it the whole prompt: ten plain steps' time at 135M), not what a drafting step
+            # costs. Timed, it sank the first EMA sample, which the verdict after `first_steps` rests on.
+            state["setup"] = False
+            state["last"] = None
         if not drafting:
             state["since_plain"] = 0  # a plain step of any cause refreshes the plain rate
             self.shared["plain_since_probe"] += 1
@@ -88,7 +96,7 @@ class CostGate:
     def _new_state(self) -> dict:
         state = {"draft": None, "draft_n": 0, "plain": None, "plain_n": 0, "draft_s": None, "plain_s": None,
                  "since_plain": 0, "wait": 0, "probing": 0, "backoff": self.shared["backoff"], "last": None,
-                 "probed": False}
+                 "probed": False, "setup": True}
         shared = self.shared
         if shared["losing"]:  # start plain, probing when the instance's wait is over
             state["plain"], state["plain_s"], state["plain_n"] = shared["plain"], shared["plain_s"], 1
