@@ -15,6 +15,11 @@ dependency.
    prompt, temperature 0), 24 tokens or until the turn ends. Where they part: the step, both tokens,
    and Outrider's logit gap between its token and llama.cpp's there (from the native model in this
    process, fed the prompt and the common prefix): a near-tie is a gap of a fraction of a logit.
+   --llama-variants "fa-off=-fa off;f32-cache=-ctk f32 -ctv f32": llama.cpp again on the same ids
+   with other flags of its own, and how many prompts each agrees on with llama.cpp's default and
+   with Outrider: how far llama.cpp's own settings move its greedy output, the scale an
+   agreement count is read against (its CPU attention, for one, accumulates V in fp16 under
+   flash attention and in fp32 without).
 2. Speculation: the same prompts greedy with speculation off and with the n-gram drafter (the
    only drafter that predicts Gemma here), output equal token for token, decode tok/s of each
    (generated tokens after the first / time after the first token, summed over the prompts).
@@ -112,6 +117,12 @@ def llama_complete(server: LlamaServer, ids: list[int], tokens: int) -> list[int
         return list(json.loads(reply.read())["tokens"])
 
 
+def agree_over(a: list[int], b: list[int], eog: set[int]) -> bool:
+    """Two greedy outputs agree over their first TOKENS tokens (or up to where one of them ended)."""
+    n = min(len(a), len(b), TOKENS)
+    return a[:n] == b[:n] and (len(a) == len(b) or n >= TOKENS or any(t in eog for t in a[:n]))
+
+
 def gap_where_they_part(model, prompt: list[int], common: list[int], ours: int, theirs: int) -> float:
     """Outrider's logit of its token minus llama.cpp's token's, after the prompt and the common prefix."""
     from outrider.generation.contract import Chunk
@@ -140,7 +151,11 @@ def main() -> None:
     parser.add_argument("--reference", action="store_true",
                         help="also the logit gap where they part in transformers' fp32 model of the same file "
                              "(positive: fp32 sides with Outrider's token)")
+    parser.add_argument("--llama-variants", default="",
+                        help="';'-separated NAME=FLAGS: llama.cpp again with its own FLAGS (e.g. 'fa-off=-fa off')")
     args = parser.parse_args()
+    variants = [(name.strip(), flags.split()) for name, _, flags in
+                (v.partition("=") for v in args.llama_variants.split(";") if v.strip())]
     path = fetch(args.file)
     from outrider import Client
     from outrider.artifacts import ArtifactCache
@@ -181,12 +196,17 @@ def main() -> None:
     finally:
         server.stop()
 
-    llama = LlamaServer(Path(args.llama_cpp) / "bin" / "llama-server", path, args.threads, workdir / "llama.log")
-    try:
-        llama.wait_ready()
-        theirs = {name: [llama_complete(llama, ids, TOKENS) for ids in prompts] for name, prompts in sets.items()}
-    finally:
-        llama.stop()
+    outputs: dict[str, dict[str, list]] = {}
+    for variant, flags in [("llama.cpp", [])] + variants:
+        llama = LlamaServer(Path(args.llama_cpp) / "bin" / "llama-server", path, args.threads,
+                            workdir / f"llama-{len(outputs)}.log", extra=flags)
+        try:
+            llama.wait_ready()
+            outputs[variant] = {name: [llama_complete(llama, ids, TOKENS) for ids in prompts]
+                                for name, prompts in sets.items()}
+        finally:
+            llama.stop()
+    theirs = outputs["llama.cpp"]
 
     reference = None
     if args.reference:
@@ -203,7 +223,7 @@ def main() -> None:
         for i, (ids, mine, their) in enumerate(zip(prompts, ours[name], theirs[name])):
             n = min(len(mine), len(their), TOKENS)
             part = next((k for k in range(n) if mine[k] != their[k]), None)
-            same = part is None and (len(mine) == len(their) or n >= TOKENS or any(t in eog for t in mine[:n]))
+            same = agree_over(mine, their, eog)
             agree += same
             where = "-"
             if part is not None:
@@ -216,6 +236,17 @@ def main() -> None:
             print(f"| {label} | {len(mine)} / {len(their)} | {'yes' if same else 'no'} | {where} |")
         print(f"\n{name}: agree {agree} of {len(prompts)}; speculative output equal to plain: "
               f"{sum(a == b for a, b in zip(ours[name], drafted[name]))} of {len(prompts)}")
+    if variants:
+        def agreeing(a: list, b: list) -> int:
+            return sum(agree_over(x, y, eog) for x, y in zip(a, b))
+
+        print(f"\nPrompts whose first {TOKENS} greedy tokens agree, per set ({', '.join(sets)}):")
+        print("| llama.cpp with | agrees with llama.cpp's default | agrees with Outrider |\n|---|---|---|")
+        for variant, flags in variants:
+            runs = outputs[variant]
+            print(f"| {variant} ({' '.join(flags)}) | "
+                  f"{' / '.join(f'{agreeing(runs[n], theirs[n])} of {len(sets[n])}' for n in sets)} | "
+                  f"{' / '.join(f'{agreeing(runs[n], ours[n])} of {len(sets[n])}' for n in sets)} |")
     print("\n| decode (greedy, all prompts) | tok/s |\n|---|---|")
     for label, (tokens, seconds) in rates.items():
         print(f"| {label} | {tokens / max(seconds, 1e-9):.1f} |")
