@@ -30,7 +30,8 @@ cannot pay, and what acceptance each runtime gets.
    while their draft rows slow every step: a lower bound. Sustained: N clients, each sending
    --stream-requests requests back to back (prompts cycled), as a server under steady load sees
    them (vLLM's benchmark_serving --max-concurrency N); a stream that finishes early is replaced
-   at once, so every stream's gain counts. All new tokens over the wall time of all.
+   at once, so every stream's gain counts. All new tokens over the wall time of all. A second
+   plain instance ("plain again") runs the same rounds: its ratio to plain is the noise floor.
 3. --economy: the random-weight 1B/3B GGUFs of tools/make_gguf.py (Q4_K_M) in this process on the
    native runtime: what one forward of 1 + k rows (a chain, as a drafted path is verified) costs
    against one row after a 512-token context, k = 4, 8, 16; and the served 1B/3B with the n-gram
@@ -456,6 +457,8 @@ def main() -> None:
              ("draft model", {"drafters": ["model"], "model": {"path": str(draft)}}),
              ("n-gram + draft model", {"drafters": ["ngram", "model"], "model": {"path": str(draft)}})]
     manifests = [manifest(work, f"m{i}", target, args.threads, s) for i, (_, s) in enumerate(specs)]
+    if args.streams:  # a second plain instance: the stream rows' noise floor
+        manifests.append(manifest(work, "twin", target, args.threads, None))
     server = Server([str(m) for m in manifests], 0)
     _CHILDREN.append(server.proc)
     llamas: list[LlamaServer] = []
@@ -482,16 +485,18 @@ def main() -> None:
                         f"N clients x {requests} requests back to back")
                 print(f"\nConcurrent greedy streams, {mode} ({what}; HumanEval prompts, {args.tokens} tokens each): "
                       f"aggregate tok/s, median of {args.stream_rounds} rounds")
-                print(f"{'streams':>8}{'plain':>10}{'draft model':>13}{'x plain':>9}{'n-gram':>9}{'x plain':>9}")
+                print(f"{'streams':>8}{'plain':>10}{'draft model':>13}{'x plain':>9}{'n-gram':>9}{'x plain':>9}"
+                      f"{'plain again':>13}{'x plain':>9}")
                 for n in counts:
-                    rates: dict[str, list[float]] = {"m0": [], "m1": [], "m2": []}
+                    rates: dict[str, list[float]] = {"m0": [], "m1": [], "m2": [], "twin": []}
                     for round_ in range(args.stream_rounds):  # order rotated per round: drift hits all alike
-                        order = list(rates)[round_ % 3:] + list(rates)[:round_ % 3]
+                        order = list(rates)[round_ % 4:] + list(rates)[:round_ % 4]
                         for model_name in order:
                             rates[model_name].append(concurrent(server.address, model_name, prompts, args.tokens,
                                                                 n, requests))
-                    plain, ngram, model = (statistics.median(rates[m]) for m in ("m0", "m1", "m2"))
-                    print(f"{n:>8}{plain:>10.1f}{model:>13.1f}{model / plain:>8.2f}x{ngram:>9.1f}{ngram / plain:>8.2f}x")
+                    plain, ngram, model, twin = (statistics.median(rates[m]) for m in ("m0", "m1", "m2", "twin"))
+                    print(f"{n:>8}{plain:>10.1f}{model:>13.1f}{model / plain:>8.2f}x{ngram:>9.1f}{ngram / plain:>8.2f}x"
+                          f"{twin:>13.1f}{twin / plain:>8.2f}x")
                     sys.stdout.flush()
     finally:
         server.stop()
