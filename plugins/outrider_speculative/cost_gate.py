@@ -16,8 +16,8 @@ class CostGate:
     steps that did not keep separate EMAs of tokens per second and of seconds, per sequence and
     for the whole instance (what a new sequence starts from).
 
-    A sequence's first drafting step is not timed (its drafters' one-time work, such as a draft
-    model reading the prompt, is no drafting step's cost). A plain step is forced after a
+    A sequence's first `setup_steps` drafting steps are not timed (its drafters' one-time work,
+    such as a draft model reading the prompt, is no drafting step's cost). A plain step is forced after a
     sequence's first `first_steps` timed drafting steps and then every `plain_every` drafting
     steps, so its plain rate is measured and kept current (at most 1/`plain_every` of the gain).
     When a sequence's drafting rate falls below its plain rate (less `tolerance`, so noise does
@@ -37,7 +37,7 @@ class CostGate:
 
     def __init__(self, plain_every: int = 32, probe_steps: int = 3, backoff: int = 8, max_backoff: int = 8,
                  max_wait: int = 4096, overhead: float = 0.015, alpha: float = 0.15, first_steps: int = 4,
-                 tolerance: float = 0.03, clock: Optional[list] = None) -> None:
+                 tolerance: float = 0.03, setup_steps: int = 1, clock: Optional[list] = None) -> None:
         self.plain_every = plain_every
         self.probe_steps = probe_steps
         self.first_backoff = backoff
@@ -49,6 +49,7 @@ class CostGate:
         self.alpha = alpha
         self.first_steps = first_steps
         self.tolerance = tolerance
+        self.setup_steps = setup_steps
         self._state: dict[Hashable, dict] = {}
         # The instance: EMAs over every sequence's steps, and whether drafting loses now.
         self.shared: dict[str, Any] = {"draft": None, "plain": None, "draft_s": None, "plain_s": None,
@@ -72,11 +73,11 @@ class CostGate:
             self._learn(state, (now - last[0]) - (self._clock[0] - last[3] - last[4]))
         drafting = self._decide(state)
         state["last"] = [now, drafting, 0, self._clock[0], 0.0]  # began, drafting, tokens, clock, own drafting
-        if drafting and state["setup"]:
+        if drafting and state["setup"] > 0:
             # A sequence's first drafting step carries its drafters' one-time work (a draft model
             # feeds it the whole prompt: ten plain steps' time at 135M), not what a drafting step
             # costs. Timed, it sank the first EMA sample, which the verdict after `first_steps` rests on.
-            state["setup"] = False
+            state["setup"] -= 1
             state["last"] = None
         if not drafting:
             state["since_plain"] = 0  # a plain step of any cause refreshes the plain rate
@@ -96,7 +97,7 @@ class CostGate:
     def _new_state(self) -> dict:
         state = {"draft": None, "draft_n": 0, "plain": None, "plain_n": 0, "draft_s": None, "plain_s": None,
                  "since_plain": 0, "wait": 0, "probing": 0, "backoff": self.shared["backoff"], "last": None,
-                 "probed": False, "setup": True}
+                 "probed": False, "setup": self.setup_steps}
         shared = self.shared
         if shared["losing"]:  # start plain, probing when the instance's wait is over
             state["plain"], state["plain_s"], state["plain_n"] = shared["plain"], shared["plain_s"], 1

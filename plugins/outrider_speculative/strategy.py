@@ -130,7 +130,8 @@ class SpeculativeStrategy:
         self.gates = {kind: CostGate(clock=clock) for kind in ("greedy", "sampling")} if self.config.cost_gate else None
         # Several streams share a step, and one sequence's draft rows make the step slower for all:
         # whether drafting pays is then judged on the whole step's tokens per second, per stream count.
-        self.step_gate = CostGate() if self.config.cost_gate else None
+        # Its keys are stream counts, not sequences: no drafter's one-time work falls on a key's first step.
+        self.step_gate = CostGate(setup_steps=0) if self.config.cost_gate else None
         self._step_key: Optional[tuple] = None  # this step's key in step_gate, None when not judged
         self._step_drafts = True  # step_gate's verdict for this step
         self._step: Optional[int] = None  # the engine's step number the above belong to
