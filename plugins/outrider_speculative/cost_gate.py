@@ -60,8 +60,9 @@ class CostGate:
         old = table[name]
         table[name] = value if old is None else (1 - self.alpha) * old + self.alpha * value
 
-    def begin(self, key: Hashable, now: float) -> bool:
-        """Close the sequence's last step (timed up to `now`) and say whether this step drafts."""
+    def begin(self, key: Hashable, now: float, timed: bool = True) -> bool:
+        """Close the sequence's last step (timed up to `now`) and say whether this step drafts.
+        `timed` False: this step's time is not the sequence's (it also feeds other prompts): not learned."""
         state = self._state.get(key)
         if state is None:
             state = self._state[key] = self._new_state()
@@ -78,6 +79,8 @@ class CostGate:
             # feeds it the whole prompt: ten plain steps' time at 135M), not what a drafting step
             # costs. Timed, it sank the first EMA sample, which the verdict after `first_steps` rests on.
             state["setup"] -= 1
+            state["last"] = None
+        if not timed:
             state["last"] = None
         if not drafting:
             state["since_plain"] = 0  # a plain step of any cause refreshes the plain rate

@@ -254,11 +254,9 @@ class SpeculativeStrategy:
         if limits.n_active >= 2 and share > 0:
             self._step_key = ("streams", limits.n_active)
             # A losing step still lets seeded sampling requests draft, for reproducibility.
-            self._step_drafts = self.step_gate.begin(self._step_key, now)
-            if limits.prefilling:
-                # A prompt fed beside the decoding rows costs the step many times a decode step: timed,
-                # it would sink whichever kind of step it fell on (in steady serving, a step in ten).
-                self.step_gate.forget_step(self._step_key)
+            # A prompt fed beside the decoding rows costs the step many times a decode step: timed,
+            # it would sink whichever kind of step it fell on (in steady serving, a step in ten).
+            self._step_drafts = self.step_gate.begin(self._step_key, now, timed=not limits.prefilling)
 
     def budget(self, seq: Any, n_active: int = 1) -> int:
         """Draft nodes for this sequence this step: its adaptive budget, capped by the batch share."""
@@ -287,7 +285,7 @@ class SpeculativeStrategy:
                 budget = 0
                 self.stats["gated_steps"] += 1
         elif not self._step_drafts or (gate is not None and key is not None
-                                       and not self._gate_begin(gate, key, limits)):
+                                       and not gate.begin(key, time.perf_counter(), timed=not limits.prefilling)):
             budget = 0  # drafting does not pay on this step or sequence now
             self.stats["gated_steps"] += 1
         if budget > 0:
@@ -310,14 +308,6 @@ class SpeculativeStrategy:
         if key is not None:
             self._depth[key] = max(tree.depths(), default=0)
         return tree
-
-    @staticmethod
-    def _gate_begin(gate: CostGate, key: Hashable, limits: DraftLimits) -> bool:
-        """The sequence's gate verdict for this step; a step that also feeds prompts is not timed."""
-        drafts = gate.begin(key, time.perf_counter())
-        if limits.prefilling:
-            gate.forget_step(key)
-        return drafts
 
     def _learn(self, seq: Any, draft_tokens: int, accepted_tokens: int) -> None:
         """Feed one decode step's outcome to the gates and the sequence's adaptive budget."""

@@ -60,7 +60,6 @@ class GenerationEngine:
         self.stats = stats
         self.eos = set(tokenizer.eos_token_ids)
         self.steps = 0  # forward passes run so far (warmup included): a backend tells idle spells apart by it
-        self._prefills = 0  # sequences that feed their prompt in the current step (DraftLimits.prefilling)
         self.reader = RequestReader(model, tokenizer, max_length, self.eos)
         # Prompt prefixes' K/V, reused by later requests (the cache must offer read and write).
         self.prefix_cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
@@ -152,12 +151,12 @@ class GenerationEngine:
 
         planned: list[tuple[Sequence, Chunk, Optional[DraftTree]]] = []
         prefilling: set[bytes] = set()  # first blocks of the prompts prefilled in this step
-        self._prefills = sum(1 for seq in self.active if not seq.prefilled)
+        prefills = sum(1 for seq in self.active if not seq.prefilled)  # DraftLimits.prefilling
         for seq in list(self.active):
             if shares_a_prefill(self.prefix_cache, seq, prefilling):
                 continue  # next step it finds that prompt's blocks in the prefix cache
             try:
-                planned.append((seq, *self._plan(seq)))
+                planned.append((seq, *self._plan(seq, prefills)))
             except Exception as exc:  # drafting for this sequence: its own failure
                 self._abort(seq, exc, "preparing its step")
         if not planned:
@@ -196,8 +195,9 @@ class GenerationEngine:
             self.stats.add("decode_steps", 1)
             self.stats.add("decode_sequences", decoding)
 
-    def _plan(self, seq: Sequence) -> tuple[Chunk, Optional[DraftTree]]:
-        """What `seq` feeds this step: its prompt (tree None), or its pending token plus a draft tree."""
+    def _plan(self, seq: Sequence, prefills: int) -> tuple[Chunk, Optional[DraftTree]]:
+        """What `seq` feeds this step: its prompt (tree None), or its pending token plus a draft tree
+        (`prefills` sequences of the step feed their prompts: DraftLimits.prefilling)."""
         length = self.cache.length(seq.slot)
         if not seq.prefilled:
             n = len(seq.token_ids)
@@ -211,7 +211,7 @@ class GenerationEngine:
         room = min(self.max_length - length - 1, remaining - 1)
         seq.forced_draft = False
         if seq.speculate and room > 0:
-            tree = draft_tree(seq, self.strategy, DraftLimits(room, len(self.active), self.steps, self._prefills))
+            tree = draft_tree(seq, self.strategy, DraftLimits(room, len(self.active), self.steps, prefills))
         tokens = np.array([seq.token_ids[-1], *tree.tokens], dtype=np.int64)
         positions = length + np.array([0, *tree.depths()], dtype=np.int64)
         return Chunk(seq.slot, tokens, positions, tree.mask() if len(tree) else None), tree
