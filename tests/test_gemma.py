@@ -203,6 +203,49 @@ speculative: {{drafters: [ngram]}}
         assert len(chat.token_ids) >= 1
 
 
+def test_a_draft_head_trains_on_the_native_runtime_and_drafts_gemma_exactly(tmp_path, monkeypatch):
+    """tools/train_draft.py --gguf on a Gemma file, which the native runtime alone serves: the target is
+    read through HostTarget (its features are what the server computes), the head's LM rows are the
+    tied head's (Gemma's input embeddings are those rows times sqrt(hidden)), and the head then loads
+    on the served model by its fingerprint and drafts with the greedy output unchanged."""
+    import sys
+    import time
+    from pathlib import Path
+
+    import torch
+
+    _native_c()
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    from outrider_draft_training import cli
+    from outrider_draft_training.features import Features
+    from outrider_draft_training.host_target import HostTarget
+    from outrider_draft_training.trainer import TrainConfig, Trainer
+    from test_generate import _engine, _run
+    from train_draft import load_target
+
+    monkeypatch.setenv("OUTRIDER_CACHE_DIR", str(tmp_path / "cache"))
+    path, _ = write_tiny_gemma3_gguf(tmp_path, seed=9)
+    target, target_tokenizer = load_target(path)
+    assert isinstance(target, HostTarget)
+    tokens = torch.tensor([0, 5, 77])
+    rows, embeds = target.lm_head_rows(tokens), target.embed(tokens)
+    assert torch.equal(embeds, rows * np.float32(np.sqrt(np.float32(target.hidden_size))))
+    out, data = tmp_path / "head.safetensors", tmp_path / "features.safetensors"
+    args = cli.build_parser().parse_args([
+        "--gguf", str(path), "--minutes", "0.4", "--gen-minutes", "0.05", "--text-minutes", "0.03", "--out", str(out),
+        "--data-cache", str(data), "--batch-sequences", "8", "--draft-vocab", "128", "--intermediate", "64"])
+    assert cli.run(args, target, target_tokenizer, f"{path.stem} ({path.name})", time.monotonic()) == 0
+    trainer = Trainer(target, Features.load(str(data)), TrainConfig(draft_vocab=128, intermediate_size=64))
+    assert torch.equal(trainer.lm_rows, target.lm_head_rows(trainer.draft_vocab))
+
+    model, tokenizer = _ours(path, tmp_path)
+    params = [{"prompt": p, "max_tokens": 24} for p in (TEXT, "the cat the cat the cat")]
+    plain = _run(_engine(model, tokenizer, speculative=False), params)
+    spec = _run(_engine(model, tokenizer, speculative=True, drafters=["eagle"], eagle={"weights": str(out)}), params)
+    assert [spec.final[i]["token_ids"] for i in range(2)] == [plain.final[i]["token_ids"] for i in range(2)]
+    assert sum(spec.final[i]["stats"]["draft_tokens"] for i in range(2)) > 0  # the head did draft
+
+
 def test_what_is_not_served_is_refused_saying_why(tmp_path):
     """A Gemma 3 with a float matrix (the native runtime serves it from block types alone), and the
     conversion for the torch model asked for it, each fail once with the reason."""

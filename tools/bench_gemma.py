@@ -20,9 +20,11 @@ dependency.
    with Outrider: how far llama.cpp's own settings move its greedy output, the scale an
    agreement count is read against (its CPU attention, for one, accumulates V in fp16 under
    flash attention and in fp32 without).
-2. Speculation: the same prompts greedy with speculation off and with the n-gram drafter (the
-   only drafter that predicts Gemma here), output equal token for token, decode tok/s of each
-   (generated tokens after the first / time after the first token, summed over the prompts).
+2. Speculation: the same prompts greedy with speculation off and with the n-gram drafter, and with
+   `--eagle HEAD` also a draft head trained for the file (`python tools/train_draft.py --gguf FILE
+   --out HEAD`) alone and beside the n-gram drafter; output equal token for token, decode tok/s of
+   each (generated tokens after the first / time after the first token, summed over the prompts),
+   tokens per decode step.
 llama.cpp: a CPU build in --llama-cpp (tools/build_llama_cpp.sh).
 """
 
@@ -80,7 +82,12 @@ options:
   max_length: 1024
   threads: {threads}
 speculative:
-  drafters: [ngram]
+  drafters: {drafters}
+  max_draft_tokens: {draft_tokens}
+"""
+EAGLE = """  eagle:
+    weights: {weights}
+    quantize: {quantize}
 """
 
 
@@ -151,6 +158,11 @@ def main() -> None:
     parser.add_argument("--reference", action="store_true",
                         help="also the logit gap where they part in transformers' fp32 model of the same file "
                              "(positive: fp32 sides with Outrider's token)")
+    parser.add_argument("--eagle", type=Path, default=None, metavar="HEAD",
+                        help="also speculation with this draft head (tools/train_draft.py --gguf FILE --out HEAD)")
+    parser.add_argument("--eagle-quantize", choices=["none", "int4"], default="int4",
+                        help="the head's matmuls: fp32, or 4-bit groups on the target's kernels (eagle.quantize)")
+    parser.add_argument("--draft-tokens", type=int, default=16, help="speculative.max_draft_tokens (default 16)")
     parser.add_argument("--llama-variants", default="",
                         help="';'-separated NAME=FLAGS: llama.cpp again with its own FLAGS (e.g. 'fa-off=-fa off')")
     args = parser.parse_args()
@@ -165,8 +177,22 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="bench-gemma-"))
     cache_dir = workdir / "cache"
     os.environ["OUTRIDER_CACHE_DIR"] = str(cache_dir)
-    manifest = workdir / "gemma.yaml"
-    manifest.write_text(MANIFEST.format(path=path, threads=args.threads))
+    drafters = {"ngram": ["ngram"]}  # the speculative rows: label -> drafters, a model each
+    if args.eagle:
+        drafters.update({"eagle": ["eagle"], "ngram+eagle": ["ngram", "eagle"]})
+
+    def model_name(label: str) -> str:  # "gemma" serves plain requests too (speculative=False)
+        return "gemma" if label == "ngram" else "gemma-" + label.replace("+", "-")
+
+    manifests = []
+    for label, names in drafters.items():
+        text = MANIFEST.format(path=path, threads=args.threads, drafters=json.dumps(names),
+                               draft_tokens=args.draft_tokens)
+        text = text.replace("name: gemma", f"name: {model_name(label)}")
+        if "eagle" in names:
+            text += EAGLE.format(weights=args.eagle.resolve(), quantize=args.eagle_quantize)
+        manifests.append(workdir / f"gemma-{len(manifests)}.yaml")
+        manifests[-1].write_text(text)
     model, tokenizer = load_tiles(load_gguf_tiles(path, ArtifactCache(cache_dir)), ArtifactCache(cache_dir))
     model.kv_dtype = np.float16
     sets = {"turns": [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": p}]))
@@ -175,24 +201,27 @@ def main() -> None:
     labels = {"turns": PROMPTS, "text": TEXTS}
     print(f"file: {path.name} ({path.stat().st_size / 1e6:.0f} MB), {args.threads} threads")
 
-    server, _, _ = start_outrider(manifest, args.threads)
+    server, _, _ = start_outrider(manifests[0], args.threads, more=manifests[1:])
     ours: dict[str, list] = {name: [] for name in sets}
-    drafted: dict[str, list] = {name: [] for name in sets}
-    rates = {"plain": [0, 0.0], "ngram": [0, 0.0]}
+    drafted: dict[str, dict[str, list]] = {label: {name: [] for name in sets} for label in drafters}
+    rates = {label: [0, 0.0, 0] for label in ["plain", *drafters]}  # decoded tokens, seconds, decode steps
+    rows = [("plain", "gemma", False, ours)] + [(label, model_name(label), True, drafted[label]) for label in drafters]
     try:
         with Client(server.address, timeout=600) as client:
-            client.generate("gemma", prompt="hi", max_tokens=4)  # warm
+            for _, model_name, _, _ in rows[1:]:
+                client.generate(model_name, prompt="hi", max_tokens=4)  # warm
             for name, prompts in sets.items():
                 for ids in prompts:
                     text = tokenizer.decode(ids[1:])  # BOS comes back from encode
                     assert tokenizer.encode(text) == ids, f"{text!r} does not tokenize back to its ids"
-                    for label, speculative, out in (("plain", False, ours[name]), ("ngram", True, drafted[name])):
-                        result = client.generate("gemma", prompt=text, max_tokens=TOKENS, temperature=0.0,
+                    for label, model_name, speculative, out in rows:
+                        result = client.generate(model_name, prompt=text, max_tokens=TOKENS, temperature=0.0,
                                                  speculative=speculative)
-                        out.append(result.token_ids)
+                        out[name].append(result.token_ids)
                         stats = result.stats
                         rates[label][0] += stats["new_tokens"] - 1
                         rates[label][1] += stats["seconds"] - stats["time_to_first_token"]
+                        rates[label][2] += max(stats["steps"] - 1, 0)
     finally:
         server.stop()
 
@@ -234,8 +263,10 @@ def main() -> None:
                     where += f" (fp32: {reference_gap(reference, ids + mine[:part], mine[part], their[part]):+.3f})"
             label = labels[name][i][:40].replace("\n", " ")
             print(f"| {label} | {len(mine)} / {len(their)} | {'yes' if same else 'no'} | {where} |")
-        print(f"\n{name}: agree {agree} of {len(prompts)}; speculative output equal to plain: "
-              f"{sum(a == b for a, b in zip(ours[name], drafted[name]))} of {len(prompts)}")
+        equal = ", ".join(f"{label} {sum(a == b for a, b in zip(ours[name], drafted[label][name]))}"
+                          for label in drafters)
+        print(f"\n{name}: agree {agree} of {len(prompts)}; speculative output equal to plain: {equal} "
+              f"of {len(prompts)}")
     if variants:
         def agreeing(a: list, b: list) -> int:
             return sum(agree_over(x, y, eog) for x, y in zip(a, b))
@@ -247,10 +278,11 @@ def main() -> None:
             print(f"| {variant} ({' '.join(flags)}) | "
                   f"{' / '.join(f'{agreeing(runs[n], theirs[n])} of {len(sets[n])}' for n in sets)} | "
                   f"{' / '.join(f'{agreeing(runs[n], ours[n])} of {len(sets[n])}' for n in sets)} |")
-    print("\n| decode (greedy, all prompts) | tok/s |\n|---|---|")
-    for label, (tokens, seconds) in rates.items():
-        print(f"| {label} | {tokens / max(seconds, 1e-9):.1f} |")
-    print(f"ngram / plain: {rates['ngram'][0] / rates['ngram'][1] / (rates['plain'][0] / rates['plain'][1]):.2f}x")
+    plain_rate = rates["plain"][0] / max(rates["plain"][1], 1e-9)
+    print("\n| decode (greedy, all prompts) | tok/s | / plain | tokens per decode step |\n|---|---|---|---|")
+    for label, (tokens, seconds, steps) in rates.items():
+        rate = tokens / max(seconds, 1e-9)
+        print(f"| {label} | {rate:.1f} | {rate / plain_rate:.2f}x | {tokens / max(steps, 1):.2f} |")
     shutil.rmtree(workdir, ignore_errors=True)
     if args.sizes:
         subprocess.run([sys.executable, str(ROOT / "tools" / "bench_sizes.py"), "--files", str(path),

@@ -409,12 +409,13 @@ class Prompts:
 # ---- Outrider -------------------------------------------------------------------------------
 
 
-def start_outrider(manifest: Path, threads: int) -> tuple[Server, float, float]:
-    """(server, seconds from process start to ready, peak RSS MB during the start)."""
+def start_outrider(manifest: Path, threads: int, more: Sequence[Path] = ()) -> tuple[Server, float, float]:
+    """(server, seconds from process start to ready, peak RSS MB during the start); `more`: further
+    manifests the same server serves."""
     from outrider import Client
 
     started = time.perf_counter()
-    server = Server([str(manifest)], 0)  # threads come from the manifest
+    server = Server([str(manifest), *map(str, more)], 0)  # threads come from the manifests
     _CHILDREN.append(server.proc)
     sampler = RssSampler(server.proc.pid)
     try:

@@ -38,4 +38,5 @@ the fingerprint), and torch; no plugin imports it, so serving never loads the tr
 - `report.py`     a trained head's drafting cost and the summary stored with its weights
 - `cli.py`        build_parser and run (tools/train_draft.py), compare (head shapes side by side)
 - `progress.py`   log: timestamped progress lines
+- `host_target.py` HostTarget: a target on the native runtime (Gemma) seen as a torch one
 """

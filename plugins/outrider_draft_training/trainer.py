@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from outrider.hardware import cpu_has_bf16_instructions
 from outrider_speculative.draft_head import HeadConfig
-from outrider_speculative.eagle import DraftHead
+from outrider_speculative.eagle import DraftHead, lm_rows_for
 
 from .features import SOURCES, Features
 from .progress import log
@@ -82,7 +82,7 @@ class Trainer:
         k = self.draft_vocab.numel()
         self.to_draft = torch.full((model.vocab_size,), -1, dtype=torch.long)
         self.to_draft[self.draft_vocab] = torch.arange(k)
-        self.lm_rows = model.embed(self.draft_vocab).float()  # tied LM head rows (see eagle.lm_rows_for)
+        self.lm_rows = lm_rows_for(model, self.draft_vocab).float()  # the LM head's, as the drafter scores
         self.head = DraftHead(HeadConfig(model.hidden_size, cfg.intermediate_size, k, cfg.num_blocks,
                                          float(getattr(model.config, "rms_norm_eps", 1e-5))))
         self.bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and cpu_runs_bf16_natively())
