@@ -305,6 +305,7 @@ class SpeculativeStrategy:
                                   cfg.max_children)
             if gate is not None and key is not None:
                 gate.spent(key, time.perf_counter() - started)
+                gate.proposed(key, len(tree))
         if key is not None:
             self._depth[key] = max(tree.depths(), default=0)
         return tree
