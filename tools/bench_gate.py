@@ -1,0 +1,101 @@
+#!/usr/bin/env python3
+"""What the speculative cost gate costs or saves: the engine in process, plain against speculation
+with the gate on and off, at several draft budgets, on any GGUF the native runtime serves.
+
+  python tools/bench_gate.py                                   Gemma 3 270M (bench_gemma's file), n-gram
+  python tools/bench_gate.py --file MODEL.gguf --budgets 4,16 --drafters ngram,eagle --eagle HEAD
+
+The prompts are bench_gemma's 16 chat prompts (in the file's chat template) and 16 plain-text
+openings; each is decoded greedy `--tokens` long by every configuration in turn (interleaved, so a
+slow spell of the shared machine falls on all of them), `--rounds` times. One sequence at a time:
+the gate's single-stream judgment. Prints decode tok/s (after the first token) and its ratio to
+plain, tokens per decode step, and ms per decode step. The gate is right where the gated rows are
+near the ungated ones when drafting pays, and near plain (at least 0.97x) when it does not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT / "runtime"), str(ROOT / "plugins"), str(ROOT / "tools")]
+
+from bench_gemma import FILE, PROMPTS, TEXTS  # noqa: E402
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--file", type=Path, default=FILE, help="a GGUF (default: the Gemma 3 270M file)")
+    parser.add_argument("--drafters", default="ngram", help="comma-separated drafters (default ngram)")
+    parser.add_argument("--eagle", type=Path, default=None, metavar="HEAD", help="eagle weights, for drafters: eagle")
+    parser.add_argument("--budgets", default="4,8,16", help="max_draft_tokens values (default 4,8,16)")
+    parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args(argv)
+
+    from outrider.generation.engine import GenerationEngine
+    from outrider.manifest import validate_manifest
+    from outrider.plugins import create_registry
+    from outrider.serving.request import PendingRequest
+    from outrider_llm import native_c
+    from outrider_llm.gguf_tiles import load_gguf_tiles
+    from outrider_llm.native_model import load_tiles
+
+    native_c.set_threads(args.threads)
+    model, tokenizer = load_tiles(load_gguf_tiles(args.file))
+    registry = create_registry(["outrider_llm", "outrider_speculative"], load_entry_points=False)
+
+    def strategy(section: dict) -> Any:
+        manifest = validate_manifest({"name": "bench", "backend": "llm", "speculative": section})
+        made = registry.accelerators_for(manifest, registry.backends["llm"])["speculative"].for_instance()
+        made.attach(model, tokenizer)
+        return made
+
+    drafters = [d.strip() for d in args.drafters.split(",") if d.strip()]
+    extra = {"eagle": {"weights": str(args.eagle), "quantize": "int4"}} if args.eagle else {}
+    configs: dict[str, Optional[dict]] = {"plain": None}
+    for budget in (int(b) for b in args.budgets.split(",")):
+        for gated in (True, False):
+            configs[f"{'+'.join(drafters)}, {budget} tokens, {'gated' if gated else 'ungated'}"] = {
+                "drafters": drafters, "max_draft_tokens": budget, "cost_gate": gated, **extra}
+    engines = {name: GenerationEngine(model, tokenizer, strategy(section) if section else None, max_sequences=1,
+                                      max_length=1024) for name, section in configs.items()}
+    template = getattr(tokenizer, "apply_chat_template", None)
+    prompts = [template([{"role": "user", "content": p}]) for p in PROMPTS] if template else []
+    prompts += TEXTS
+    tally = {name: [0, 0.0, 0] for name in configs}  # decoded tokens, seconds, decode steps
+    replies: dict = {}
+
+    def send(request: Any, kind: str, header: dict, outputs: Any) -> None:
+        if kind != "chunk":
+            replies[request.id] = header
+
+    request_id = 0
+    for _ in range(args.rounds):
+        for prompt in prompts:
+            for name, engine in engines.items():
+                request_id += 1
+                params = {"prompt": prompt, "max_tokens": args.tokens, "temperature": 0.0}
+                engine.admit([PendingRequest(b"bench", request_id, "generate", "bench", {}, params, send)])
+                while engine.busy():
+                    engine.step()
+                stats = replies.pop(request_id)["stats"]
+                tally[name][0] += stats["new_tokens"] - 1
+                tally[name][1] += stats["seconds"] - stats["time_to_first_token"]
+                tally[name][2] += max(stats["steps"] - 1, 0)
+    print(f"{args.file.name}, {len(prompts)} prompts x {args.rounds} rounds, {args.tokens} tokens greedy, "
+          f"one sequence at a time, {args.threads} threads")
+    plain = tally["plain"][0] / tally["plain"][1]
+    print("\n| configuration | decode tok/s | / plain | tokens per step | ms per step |\n|---|---|---|---|---|")
+    for name, (tokens, seconds, steps) in tally.items():
+        rate = tokens / seconds
+        print(f"| {name} | {rate:.1f} | {rate / plain:.2f}x | {tokens / max(steps, 1):.2f} | "
+              f"{seconds / max(steps, 1) * 1e3:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
