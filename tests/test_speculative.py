@@ -960,3 +960,50 @@ def test_seeded_sampling_requests_follow_the_sampling_gates_verdict_not_the_gree
     assert drafts(later) > 0 and drafts(seq(1.0, 9)) == 0
     assert strategy._gate(seq(0.0, None)) is strategy.gates["greedy"]
     assert strategy._gate(seq(0.7, None)) is strategy.gates["sampling"]
+
+
+class _TimedModel:
+    """A model whose forward takes `base + per_row * rows` seconds on a simulated clock."""
+
+    def __init__(self, clock: list, base: float, per_row: float) -> None:
+        self.clock, self.base, self.per_row, self.rows_seen = clock, base, per_row, []
+
+    def new_cache(self, num_slots: int, max_length: int):
+        class Cache:
+            def reset(self, slot: int) -> None:
+                pass
+        return Cache()
+
+    def forward(self, cache, chunks):
+        rows = len(chunks[0].tokens)
+        self.rows_seen.append(rows)
+        self.clock[0] += self.base + self.per_row * rows
+        return type("Out", (), {"logits": np.zeros((rows, 4), np.float32)})()
+
+
+def test_the_draft_budget_is_capped_where_verifying_it_costs_more_than_max_verify_cost(monkeypatch):
+    """A step over 1 + k rows costs 1 + 0.05 k one-row steps here: 16 drafts 1.8x, 8 drafts 1.4x. The
+    default cap (1.5) keeps 8; 2.0 keeps the configured 16; 0 measures nothing; below 1 is refused."""
+    from outrider_speculative import verify_cost
+
+    clock = [0.0]
+    monkeypatch.setattr(verify_cost.time, "perf_counter", lambda: clock[0])
+    cap, ratios = verify_cost.verify_cap(_TimedModel(clock, 0.0095, 0.0005), 16, 1.5)
+    assert cap == 8 and ratios[16] == pytest.approx(1.8) and ratios[8] == pytest.approx(1.4)
+
+    def attached(**knobs: Any) -> tuple[SpeculativeStrategy, _TimedModel]:
+        model = _TimedModel(clock, 0.0095, 0.0005)
+        strategy = SpeculativeStrategy(SpeculativeConfig.from_section({"drafters": ["ngram"], **knobs}))
+        strategy.attach(model)
+        return strategy, model
+
+    strategy, _ = attached()
+    assert strategy.controller.max_tokens == 8 and strategy.budget(Seq([1, 2, 3])) == 8
+    assert strategy.verify_costs[16] == pytest.approx(1.8)
+    assert attached(max_verify_cost=2.0)[0].controller.max_tokens == 16
+    strategy, model = attached(max_verify_cost=0)
+    assert strategy.controller.max_tokens == 16 and model.rows_seen == []
+    # every row costs what a whole step costs: nothing fits, one draft token is left (the gate judges it)
+    assert verify_cost.verify_cap(_TimedModel(clock, 0.0, 0.001), 16, 1.5)[0] == 1
+    with pytest.raises(ManifestError, match="max_verify_cost.*at least 1"):
+        SpeculativeConfig.from_section({"drafters": ["ngram"], "max_verify_cost": 0.5})

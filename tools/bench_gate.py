@@ -8,7 +8,8 @@ with the gate on and off, at several draft budgets, on any GGUF the native runti
 The prompts are bench_gemma's 16 chat prompts (in the file's chat template) and 16 plain-text
 openings; each is decoded greedy `--tokens` long by every configuration in turn (interleaved, so a
 slow spell of the shared machine falls on all of them), `--rounds` times. One sequence at a time:
-the gate's single-stream judgment. Prints decode tok/s (after the first token) and its ratio to
+the gate's single-stream judgment; each `--budgets` value as given, and the default budget under
+the cap measured at attach (`speculative.max_verify_cost`). Prints decode tok/s (after the first token) and its ratio to
 plain, tokens per decode step, and ms per decode step. The gate is right where the gated rows are
 near the ungated ones when drafting pays, and near plain (at least 0.97x) when it does not.
 """
@@ -58,10 +59,14 @@ def main(argv: Optional[list[str]] = None) -> None:
     drafters = [d.strip() for d in args.drafters.split(",") if d.strip()]
     extra = {"eagle": {"weights": str(args.eagle), "quantize": "int4"}} if args.eagle else {}
     configs: dict[str, Optional[dict]] = {"plain": None}
-    for budget in (int(b) for b in args.budgets.split(",")):
+    for budget in [*(int(b) for b in args.budgets.split(",")), None]:
         for gated in (True, False):
-            configs[f"{'+'.join(drafters)}, {budget} tokens, {'gated' if gated else 'ungated'}"] = {
-                "drafters": drafters, "max_draft_tokens": budget, "cost_gate": gated, **extra}
+            # A given budget as it is (max_verify_cost 0); None: the default budget under the cap
+            # measured at attach (verify_cost.py), as a manifest without these knobs gets it.
+            knobs = {"max_draft_tokens": budget, "max_verify_cost": 0} if budget else {}
+            label = f"{budget} tokens" if budget else "default budget, measured cap"
+            configs[f"{'+'.join(drafters)}, {label}, {'gated' if gated else 'ungated'}"] = {
+                "drafters": drafters, "cost_gate": gated, **knobs, **extra}
     engines = {name: GenerationEngine(model, tokenizer, strategy(section) if section else None, max_sequences=1,
                                       max_length=1024) for name, section in configs.items()}
     template = getattr(tokenizer, "apply_chat_template", None)
@@ -89,6 +94,10 @@ def main(argv: Optional[list[str]] = None) -> None:
                 tally[name][2] += max(stats["steps"] - 1, 0)
     print(f"{args.file.name}, {len(prompts)} prompts x {args.rounds} rounds, {args.tokens} tokens greedy, "
           f"one sequence at a time, {args.threads} threads")
+    capped = next(engine.strategy for name, engine in engines.items() if "measured cap" in name)
+    print("verifying drafts, one sequence, in one-row steps: "
+          + ", ".join(f"{k} drafts {r:.2f}x" for k, r in sorted(capped.verify_costs.items()))
+          + f"; the cap: {capped.controller.max_tokens} draft tokens")
     plain = tally["plain"][0] / tally["plain"][1]
     print("\n| configuration | decode tok/s | / plain | tokens per step | ms per step |\n|---|---|---|---|---|")
     for name, (tokens, seconds, steps) in tally.items():

@@ -10,6 +10,7 @@
       adaptive: true           # adapt each sequence's budget to its recent acceptance
       batch_draft_tokens: 64   # draft nodes per step across all active sequences
       cost_gate: true          # per sequence, speculate only while it yields more tokens per second than plain
+      max_verify_cost: 1.5     # cap max_draft_tokens where verifying them costs more plain steps (measured; 0: off)
       ngram: {max_ngram: 4}    # options of one drafter, under its name
 
 This module imports no torch: a manifest can be checked without loading a framework.
@@ -81,9 +82,18 @@ def read_bool(options: Mapping[str, Any], name: str, default: bool) -> bool:
     return value
 
 
+def _read_verify_cost(section: Mapping[str, Any]) -> float:
+    """`max_verify_cost`: 0 (no cap), or how many one-row steps a full budget's step may cost (>= 1)."""
+    value = read_float(section, "max_verify_cost", SpeculativeConfig.max_verify_cost, 0.0, 1e6)
+    if 0 < value < 1:
+        raise OptionError("max_verify_cost", f"expected 0 (no cap) or a ratio of at least 1, the cost of a "
+                                             f"one-row step (got {value!r})")
+    return value
+
+
 KNOBS = (
     "drafters", "max_draft_tokens", "min_draft_tokens", "max_depth", "prob_threshold",
-    "max_children", "adaptive", "batch_draft_tokens", "cost_gate",
+    "max_children", "adaptive", "batch_draft_tokens", "cost_gate", "max_verify_cost",
 )
 
 
@@ -100,6 +110,7 @@ class SpeculativeConfig:
     adaptive: bool = True
     batch_draft_tokens: int = 64
     cost_gate: bool = True
+    max_verify_cost: float = 1.5
     drafter_options: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @classmethod
@@ -145,6 +156,7 @@ class SpeculativeConfig:
             adaptive=read_bool(section, "adaptive", cls.adaptive),
             batch_draft_tokens=read_int(section, "batch_draft_tokens", cls.batch_draft_tokens, 0, 1 << 20),
             cost_gate=read_bool(section, "cost_gate", cls.cost_gate),
+            max_verify_cost=_read_verify_cost(section),
             drafter_options=options,
         )
 

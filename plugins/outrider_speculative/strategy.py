@@ -37,6 +37,7 @@ from .config import OptionError, SpeculativeConfig
 from .cost_gate import CostGate
 from .drafters import make_ngram_drafter, sequence_key
 from .tree import SpecTree, merge_trees, prune_tree
+from .verify_cost import verify_cap
 
 log = logging.getLogger("outrider.speculative")
 
@@ -100,6 +101,12 @@ class BudgetController:
             budget = max(self.min_tokens, budget // 2)
         self._budget[seq_id] = budget
 
+    def cap(self, max_tokens: int) -> None:
+        """Lower the most draft tokens a sequence may get (the measured verify cost's cap)."""
+        self.max_tokens = max(1, min(self.max_tokens, max_tokens))
+        self.min_tokens = min(self.min_tokens, self.max_tokens)
+        self._budget = {key: min(budget, self.max_tokens) for key, budget in self._budget.items()}
+
     def release(self, seq_id: Hashable) -> None:
         """Forget a sequence."""
         self._budget.pop(seq_id, None)
@@ -142,6 +149,7 @@ class SpeculativeStrategy:
         self.stats: dict[str, int] = {"steps": 0, "draft_tokens": 0, "accepted_tokens": 0, "drafter_errors": 0,
                                       "gated_steps": 0}
         self._depth: dict[Hashable, int] = {}  # depth of each sequence's last proposal
+        self.verify_costs: dict[int, float] = {}  # draft tokens -> a verifying step's cost in one-row steps
 
     @classmethod
     def from_manifest(cls, manifest: Manifest) -> "SpeculativeStrategy":
@@ -184,7 +192,28 @@ class SpeculativeStrategy:
             except (TypeError, ValueError) as exc:
                 raise ManifestError(f"{self.where}: field 'speculative.{name}': {exc}") from None
         self.drafters = drafters
+        if model is not None and self.config.max_verify_cost > 0:
+            self._cap_budget(model)
         self.attached = True
+
+    def _cap_budget(self, model: Any) -> None:
+        """Measure what verifying drafts costs on `model` (verify_cost.py) and cap the budget there."""
+        limit, budget = self.config.max_verify_cost, self.controller.max_tokens
+        try:
+            cap, ratios = verify_cap(model, budget, limit)
+        except Exception as exc:  # a model that cannot be timed so keeps the configured budget
+            log.warning("speculative: could not time verification on this model (%s: %s); max_draft_tokens "
+                        "stays %d", type(exc).__name__, exc, budget)
+            return
+        self.verify_costs = ratios
+        shown = ", ".join(f"{k} drafts {r:.2f}x" for k, r in sorted(ratios.items()))
+        if cap < budget:
+            log.info("speculative: a step verifying drafts costs (one row = 1x) %s; max_draft_tokens %d -> %d "
+                     "(max_verify_cost %.2g)", shown, budget, cap, limit)
+        else:
+            log.info("speculative: a step verifying drafts costs (one row = 1x) %s; max_draft_tokens stays %d",
+                     shown, budget)
+        self.controller.cap(cap)
 
     # -- per-sequence state ---------------------------------------------------------------
 
