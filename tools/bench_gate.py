@@ -4,6 +4,7 @@ with the gate on and off, at several draft budgets, on any GGUF the native runti
 
   python tools/bench_gate.py                                   Gemma 3 270M (bench_gemma's file), n-gram
   python tools/bench_gate.py --file MODEL.gguf --budgets 4,16 --drafters ngram,eagle --eagle HEAD
+  python tools/bench_gate.py --file MODEL.gguf --costs         what verifying 1-16 drafts costs, the cap
 
 The prompts are bench_gemma's 16 chat prompts (in the file's chat template) and 16 plain-text
 openings; each is decoded greedy `--tokens` long by every configuration in turn (interleaved, so a
@@ -36,6 +37,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--costs", action="store_true",
+                        help="only print what verifying 1-16 drafts costs on the file (verify_cost.py) and the cap")
     args = parser.parse_args(argv)
 
     from outrider.generation.engine import GenerationEngine
@@ -48,6 +51,16 @@ def main(argv: Optional[list[str]] = None) -> None:
 
     native_c.set_threads(args.threads)
     model, tokenizer = load_tiles(load_gguf_tiles(args.file))
+    if args.costs:
+        from outrider_speculative.config import SpeculativeConfig
+        from outrider_speculative.verify_cost import verify_cap
+
+        limit = SpeculativeConfig.max_verify_cost
+        cap, ratios = verify_cap(model, SpeculativeConfig.max_draft_tokens, limit)
+        print(f"{args.file.name}: a step verifying k drafts, in one-row steps: "
+              + ", ".join(f"{k}: {r:.2f}x" for k, r in sorted(ratios.items()))
+              + f"; the cap at max_verify_cost {limit}: {cap}")
+        return
     registry = create_registry(["outrider_llm", "outrider_speculative"], load_entry_points=False)
 
     def strategy(section: dict) -> Any:
