@@ -15,7 +15,8 @@
 
 `propose` is the one place the draft budget is decided: the smallest of the sequence's adaptive
 budget (a `BudgetController`, grown when most of the drafted depth is accepted and shrunk when
-little is), its share of `batch_draft_tokens` among the `n_active` sequences of the step (a full
+little is, up to `max_draft_tokens` as capped at attach where verifying it costs more than
+`max_verify_cost` one-row steps: verify_cost.py), its share of `batch_draft_tokens` among the `n_active` sequences of the step (a full
 batch has no spare compute for tokens that will mostly be thrown away), and nothing at all when
 a `CostGate` finds drafting slower than plain for the sequence or for the step; the tree is
 also cut to `room` deep.
