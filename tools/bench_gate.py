@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -56,10 +57,12 @@ def main(argv: Optional[list[str]] = None) -> None:
         from outrider_speculative.verify_cost import verify_cap
 
         limit = SpeculativeConfig.max_verify_cost
+        started = time.perf_counter()
         cap, ratios = verify_cap(model, SpeculativeConfig.max_draft_tokens, limit)
         print(f"{args.file.name}: a step verifying k drafts, in one-row steps: "
               + ", ".join(f"{k}: {r:.2f}x" for k, r in sorted(ratios.items()))
-              + f"; the cap at max_verify_cost {limit}: {cap}")
+              + f"; the cap at max_verify_cost {limit}: {cap}; measured in {time.perf_counter() - started:.1f} s "
+              f"(what a load with speculation on spends on it)")
         return
     registry = create_registry(["outrider_llm", "outrider_speculative"], load_entry_points=False)
 
