@@ -16,10 +16,6 @@ import numpy as np
 import torch
 
 
-def _numpy(values: Any) -> np.ndarray:
-    return values.numpy() if isinstance(values, torch.Tensor) else np.asarray(values)
-
-
 class HostTarget:
     """`model` (a numpy `CausalLM`) with the members the collection, the trainer and the report use,
     in torch: forward's logits and hidden, embed, lm_head_rows, make_linear."""
@@ -46,13 +42,14 @@ class HostTarget:
         return SimpleNamespace(logits=torch.from_numpy(out.logits), hidden=torch.from_numpy(out.hidden))
 
     def embed(self, tokens: Any) -> torch.Tensor:
-        """fp32 [n, hidden] input embeddings, as the model feeds its first layer (Gemma's scaled)."""
-        return torch.from_numpy(self.model.embed(_numpy(tokens).astype(np.int64)))
+        """fp32 [n, hidden] input embeddings, as the model feeds its first layer (Gemma's scaled); the
+        model reads `tokens` (a tensor too) as int64 itself."""
+        return torch.from_numpy(self.model.embed(tokens))
 
     def lm_head_rows(self, tokens: Any) -> torch.Tensor:
         """fp32 [k, hidden] rows of the LM head (not the scaled embeddings: Gemma ties them to the
         unscaled table)."""
-        return torch.from_numpy(np.ascontiguousarray(self.model.lm_head_rows(_numpy(tokens).astype(np.int64))))
+        return torch.from_numpy(self.model.lm_head_rows(tokens))
 
     def make_linear(self, weight: torch.Tensor, dtype: Any = None, quantize: Any = None) -> Callable:
         """The model's own matmul for a head's weight (what the host drafter runs), tensors in and out."""

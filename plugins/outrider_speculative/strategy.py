@@ -104,9 +104,8 @@ class BudgetController:
 
     def cap(self, max_tokens: int) -> None:
         """Lower the most draft tokens a sequence may get (the measured verify cost's cap)."""
-        self.max_tokens = max(1, min(self.max_tokens, max_tokens))
+        self.max_tokens = max(1, min(self.max_tokens, max_tokens))  # budget() caps every sequence by it
         self.min_tokens = min(self.min_tokens, self.max_tokens)
-        self._budget = {key: min(budget, self.max_tokens) for key, budget in self._budget.items()}
 
     def release(self, seq_id: Hashable) -> None:
         """Forget a sequence."""
@@ -207,13 +206,9 @@ class SpeculativeStrategy:
                         "stays %d", type(exc).__name__, exc, budget)
             return
         self.verify_costs = ratios
-        shown = ", ".join(f"{k} drafts {r:.2f}x" for k, r in sorted(ratios.items()))
-        if cap < budget:
-            log.info("speculative: a step verifying drafts costs (one row = 1x) %s; max_draft_tokens %d -> %d "
-                     "(max_verify_cost %.2g)", shown, budget, cap, limit)
-        else:
-            log.info("speculative: a step verifying drafts costs (one row = 1x) %s; max_draft_tokens stays %d",
-                     shown, budget)
+        log.info("speculative: a step verifying drafts costs (one row = 1x) %s; max_draft_tokens %d -> %d "
+                 "(max_verify_cost %.2g)", ", ".join(f"{k} drafts {r:.2f}x" for k, r in sorted(ratios.items())),
+                 budget, cap, limit)
         self.controller.cap(cap)
 
     # -- per-sequence state ---------------------------------------------------------------

@@ -39,7 +39,7 @@ def verify_cap(model: Any, max_tokens: int, limit: float, seconds: float = 0.5,
     Each size's time is its fastest of several rounds, the sizes interleaved within a round, so a slow
     spell of a shared machine falls on every size alike; as many rounds as fit in about `seconds`
     (within `rounds`: a 270M model's 5 ms steps get the most, an 8B model's the fewest)."""
-    budgets = [max_tokens >> i for i in range(max_tokens.bit_length()) if max_tokens >> i >= 1]
+    budgets = [max_tokens >> i for i in range(max_tokens.bit_length())]  # max_tokens, its halves, ... 1
     cache = model.new_cache(1, max_tokens + 1)
     sizes = [1, *(b + 1 for b in budgets)]
     started = time.perf_counter()
