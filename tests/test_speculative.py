@@ -1007,3 +1007,32 @@ def test_the_draft_budget_is_capped_where_verifying_it_costs_more_than_max_verif
     assert verify_cost.verify_cap(_TimedModel(clock, 0.0, 0.001), 16, 1.5)[0] == 1
     with pytest.raises(ManifestError, match="max_verify_cost.*at least 1"):
         SpeculativeConfig.from_section({"drafters": ["ngram"], "max_verify_cost": 0.5})
+
+
+def test_a_step_of_several_sequences_verifies_only_the_draft_rows_it_can_afford(monkeypatch):
+    """Rows cost 0.95 + 0.05 R one-row steps here (measured up to 17 rows, priced past them along
+    the last segment). A step of 8 sequences (1.35) may add the rows that keep it within 1.5 times
+    itself: 13; of 4, 11; of 1, 10. The engine's first sequences take their budgets, each spending
+    what it drafted, and the rest draft what is left; a new step has all its rows again."""
+    from outrider_speculative import verify_cost
+
+    clock = [0.0]
+    monkeypatch.setattr(verify_cost.time, "perf_counter", lambda: clock[0])
+    strategy = SpeculativeStrategy(SpeculativeConfig.from_section({"drafters": ["ngram"], "cost_gate": False,
+                                                                   "prob_threshold": 0.0}))
+    strategy.attach(_TimedModel(clock, 0.0095, 0.0005))
+    assert [strategy.step_draft_rows(n) for n in (1, 4, 8)] == [10, 11, 13]
+    points = verify_cost.row_costs(strategy.verify_costs)
+    assert verify_cost.cost_at(points, 33) == pytest.approx(0.95 + 0.05 * 33)
+    # noise that timed more rows as cheaper does not make them so
+    assert verify_cost.row_costs({1: 1.2, 2: 1.1, 4: 1.3}) == [(1, 1.0), (2, 1.2), (3, 1.2), (5, 1.3)]
+
+    sequences = [Seq([1, 2, 3, 4, 5, 6, 7, 8, 9] * 3) for _ in range(8)]  # each repeats: the n-gram drafts its budget
+    for step in (1, 2):
+        sizes = [len(strategy.propose(seq, DraftLimits(64, 8, step))) for seq in sequences]
+        assert sizes == [8, 5, 0, 0, 0, 0, 0, 0], sizes  # the cap (8) a sequence, 13 a step
+    # without a measured cost (max_verify_cost 0) a step shares batch_draft_tokens as before
+    free = SpeculativeStrategy(SpeculativeConfig.from_section({"drafters": ["ngram"], "cost_gate": False,
+                                                               "prob_threshold": 0.0, "max_verify_cost": 0}))
+    free.attach(_TimedModel(clock, 0.0095, 0.0005))
+    assert [len(free.propose(seq, DraftLimits(64, 8, 1))) for seq in sequences] == [8] * 8

@@ -5,6 +5,7 @@ with the gate on and off, at several draft budgets, on any GGUF the native runti
   python tools/bench_gate.py                                   Gemma 3 270M (bench_gemma's file), n-gram
   python tools/bench_gate.py --file MODEL.gguf --budgets 4,16 --drafters ngram,eagle --eagle HEAD
   python tools/bench_gate.py --file MODEL.gguf --costs         what verifying 1-16 drafts costs, the cap
+  python tools/bench_gate.py --streams 4,8                     several sequences per step: aggregate tok/s
 
 The prompts are bench_gemma's 16 chat prompts (in the file's chat template) and 16 plain-text
 openings; each is decoded greedy `--tokens` long by every configuration in turn (interleaved, so a
@@ -13,6 +14,13 @@ the gate's single-stream judgment; each `--budgets` value as given, and the defa
 the cap measured at attach (`speculative.max_verify_cost`). Prints decode tok/s (after the first token) and its ratio to
 plain, tokens per decode step, and ms per decode step. The gate is right where the gated rows are
 near the ungated ones when drafting pays, and near plain (at least 0.97x) when it does not.
+
+--streams N,...: N sequences share each step, two ways, each configuration in turn per group of
+prompts. Burst: N prompts admitted at once, the group over when its slowest ends (a closed batch,
+as N clients that each send one request see it). Sustained: a new prompt admitted as soon as one
+ends, N always in flight (a server under steady load, vLLM's benchmark_serving --max-concurrency
+N). Prints aggregate tok/s (all new tokens, prefill included, over the wall time) and its ratio to
+plain; a second plain engine ("plain again") runs the same groups: its ratio is the noise floor.
 """
 
 from __future__ import annotations
@@ -34,10 +42,14 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--file", type=Path, default=FILE, help="a GGUF (default: the Gemma 3 270M file)")
     parser.add_argument("--drafters", default="ngram", help="comma-separated drafters (default ngram)")
     parser.add_argument("--eagle", type=Path, default=None, metavar="HEAD", help="eagle weights, for drafters: eagle")
+    parser.add_argument("--draft-model", type=Path, default=None, metavar="GGUF",
+                        help="the draft model's file, for drafters: model")
     parser.add_argument("--budgets", default="4,8,16", help="max_draft_tokens values (default 4,8,16)")
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--streams", default="", help="comma-separated stream counts: aggregate tok/s, burst and "
+                        "sustained, instead of one sequence at a time")
     parser.add_argument("--costs", action="store_true",
                         help="only print what verifying 1-16 drafts costs on the file (verify_cost.py) and the cap")
     args = parser.parse_args(argv)
@@ -73,9 +85,11 @@ def main(argv: Optional[list[str]] = None) -> None:
         return made
 
     drafters = [d.strip() for d in args.drafters.split(",") if d.strip()]
-    extra = {"eagle": {"weights": str(args.eagle), "quantize": "int4"}} if args.eagle else {}
+    extra: dict = {"eagle": {"weights": str(args.eagle), "quantize": "int4"}} if args.eagle else {}
+    if args.draft_model:
+        extra["model"] = {"path": str(args.draft_model)}
     configs: dict[str, Optional[dict]] = {"plain": None}
-    for budget in [*(int(b) for b in args.budgets.split(",")), None]:
+    for budget in [*(int(b) for b in args.budgets.split(",") if b.strip()), None]:
         for gated in (True, False):
             # A given budget as it is (max_verify_cost 0); None: the default budget under the cap
             # measured at attach (verify_cost.py), as a manifest without these knobs gets it.
@@ -83,11 +97,19 @@ def main(argv: Optional[list[str]] = None) -> None:
             label = f"{budget} tokens" if budget else "default budget, measured cap"
             configs[f"{'+'.join(drafters)}, {label}, {'gated' if gated else 'ungated'}"] = {
                 "drafters": drafters, "cost_gate": gated, **knobs, **extra}
-    engines = {name: GenerationEngine(model, tokenizer, strategy(section) if section else None, max_sequences=1,
-                                      max_length=1024) for name, section in configs.items()}
     template = getattr(tokenizer, "apply_chat_template", None)
     prompts = [template([{"role": "user", "content": p}]) for p in PROMPTS] if template else []
     prompts += TEXTS
+    if args.streams:
+        configs["plain again"] = None
+        for streams in (int(n) for n in args.streams.split(",")):
+            engines = {name: GenerationEngine(model, tokenizer, strategy(section) if section else None,
+                                              max_sequences=streams, max_length=1024)
+                       for name, section in configs.items()}
+            streamed(engines, prompts, streams, args)
+        return
+    engines = {name: GenerationEngine(model, tokenizer, strategy(section) if section else None, max_sequences=1,
+                                      max_length=1024) for name, section in configs.items()}
     tally = {name: [0, 0.0, 0] for name in configs}  # decoded tokens, seconds, decode steps
     replies: dict = {}
 
@@ -120,6 +142,58 @@ def main(argv: Optional[list[str]] = None) -> None:
         rate = tokens / seconds
         print(f"| {name} | {rate:.1f} | {rate / plain:.2f}x | {tokens / max(steps, 1):.2f} | "
               f"{seconds / max(steps, 1) * 1e3:.2f} |")
+
+
+def streamed(engines: dict, prompts: list[str], streams: int, args: argparse.Namespace) -> None:
+    """Aggregate tok/s of each engine with `streams` sequences per step, burst and sustained (module doc)."""
+    from outrider.serving.request import PendingRequest
+
+    tally = {(name, way): [0, 0.0] for name in engines for way in ("burst", "sustained")}  # tokens, seconds
+    done: dict = {}
+    request_ids = iter(range(1, 1 << 30))
+
+    def send(request: Any, kind: str, header: dict, outputs: Any) -> None:
+        if kind != "chunk":
+            done[request.id] = header["stats"]["new_tokens"]
+
+    def admit(engine: Any, prompt: str) -> int:
+        request_id = next(request_ids)
+        params = {"prompt": prompt, "max_tokens": args.tokens, "temperature": 0.0}
+        engine.admit([PendingRequest(b"bench", request_id, "generate", "bench", {}, params, send)])
+        return request_id
+
+    for _ in range(args.rounds):
+        for first in range(0, len(prompts), streams):
+            group = prompts[first:first + streams]
+            for name, engine in engines.items():  # burst: the group at once, over when its last ends
+                started = time.perf_counter()
+                ids = [admit(engine, prompt) for prompt in group]
+                while engine.busy():
+                    engine.step()
+                tally[(name, "burst")][1] += time.perf_counter() - started
+                tally[(name, "burst")][0] += sum(done.pop(i) for i in ids)
+        for name, engine in engines.items():  # sustained: every prompt, `streams` always in flight
+            queue, in_flight = list(prompts), set()
+            started = time.perf_counter()
+            while queue or engine.busy():
+                while queue and len(in_flight) < streams:
+                    in_flight.add(admit(engine, queue.pop(0)))
+                engine.step()
+                for request_id in [i for i in in_flight if i in done]:
+                    in_flight.discard(request_id)
+                    tally[(name, "sustained")][0] += done.pop(request_id)
+            tally[(name, "sustained")][1] += time.perf_counter() - started
+    print(f"\n{args.file.name}, {streams} streams, {len(prompts)} prompts x {args.rounds} rounds, {args.tokens} "
+          f"tokens greedy, {args.threads} threads")
+    capped = next((e.strategy for name, e in engines.items() if "measured cap" in name), None)
+    if capped is not None:
+        print(f"measured cap: {capped.controller.max_tokens} draft tokens a sequence; a step of {streams} "
+              f"sequences may verify {capped.step_draft_rows(streams)} draft rows")
+    print("| configuration | burst tok/s | / plain | sustained tok/s | / plain |\n|---|---|---|---|---|")
+    rate = {key: tokens / seconds for key, (tokens, seconds) in tally.items()}
+    for name in engines:
+        print(f"| {name} | {rate[(name, 'burst')]:.1f} | {rate[(name, 'burst')] / rate[('plain', 'burst')]:.2f}x | "
+              f"{rate[(name, 'sustained')]:.1f} | {rate[(name, 'sustained')] / rate[('plain', 'sustained')]:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@
       adaptive: true           # adapt each sequence's budget to its recent acceptance
       batch_draft_tokens: 64   # draft nodes per step across all active sequences
       cost_gate: true          # per sequence, speculate only while it yields more tokens per second than plain
-      max_verify_cost: 1.5     # cap max_draft_tokens where verifying them costs more plain steps (measured; 0: off)
+      max_verify_cost: 1.5     # cap max_draft_tokens where verifying them costs more plain steps, and a step's
+                               # draft rows across its sequences likewise (measured at attach; 0: off)
       ngram: {max_ngram: 4}    # options of one drafter, under its name
 
 This module imports no torch: a manifest can be checked without loading a framework.

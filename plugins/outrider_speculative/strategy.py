@@ -17,9 +17,11 @@
 budget (a `BudgetController`, grown when most of the drafted depth is accepted and shrunk when
 little is, up to `max_draft_tokens` as capped at attach where verifying it costs more than
 `max_verify_cost` one-row steps: verify_cost.py), its share of `batch_draft_tokens` among the `n_active` sequences of the step (a full
-batch has no spare compute for tokens that will mostly be thrown away), and nothing at all when
-a `CostGate` finds drafting slower than plain for the sequence or for the step; the tree is
-also cut to `room` deep.
+batch has no spare compute for tokens that will mostly be thrown away), what is left of the step's
+draft rows (the rows a step of `n_active` sequences can add within `max_verify_cost` of itself, by
+the same measurement: taken in the engine's order, each sequence's proposal spending what it
+drafted), and nothing at all when a `CostGate` finds drafting slower than plain for the sequence
+or for the step; the tree is also cut to `room` deep.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from .config import OptionError, SpeculativeConfig
 from .cost_gate import CostGate
 from .drafters import make_ngram_drafter, sequence_key
 from .tree import SpecTree, merge_trees, prune_tree
-from .verify_cost import verify_cap
+from .verify_cost import affordable_drafts, row_costs, verify_cap
 
 log = logging.getLogger("outrider.speculative")
 
@@ -150,6 +152,10 @@ class SpeculativeStrategy:
                                       "gated_steps": 0}
         self._depth: dict[Hashable, int] = {}  # depth of each sequence's last proposal
         self.verify_costs: dict[int, float] = {}  # draft tokens -> a verifying step's cost in one-row steps
+        self._row_costs: list[tuple[int, float]] = []  # (rows, cost in one-row steps), from verify_costs
+        self._step_rows: dict[int, int] = {}  # n_active -> draft rows a step of that many may add
+        self._rows_left = self.config.batch_draft_tokens  # of this step's draft rows
+        self._step_seqs: set = set()  # the sequences that proposed in this step
 
     @classmethod
     def from_manifest(cls, manifest: Manifest) -> "SpeculativeStrategy":
@@ -206,6 +212,7 @@ class SpeculativeStrategy:
                         "stays %d", type(exc).__name__, exc, budget)
             return
         self.verify_costs = ratios
+        self._row_costs, self._step_rows = row_costs(ratios), {}
         log.info("speculative: a step verifying drafts costs (one row = 1x) %s; max_draft_tokens %d -> %d "
                  "(max_verify_cost %.2g)", ", ".join(f"{k} drafts {r:.2f}x" for k, r in sorted(ratios.items())),
                  budget, cap, limit)
@@ -267,6 +274,8 @@ class SpeculativeStrategy:
         timing and ask the step gate whether this one drafts."""
         previous, self._step = self._step, limits.step
         self._step_drafts = True
+        self._rows_left = self.step_draft_rows(limits.n_active)
+        self._step_seqs.clear()
         if self.step_gate is None:
             return
         now = time.perf_counter()
@@ -276,12 +285,27 @@ class SpeculativeStrategy:
             else:  # steps without proposals came between: not one step's time
                 self.step_gate.forget_step(self._step_key)
         self._step_key = None
-        if limits.n_active >= 2 and share > 0:
+        if limits.n_active >= 2 and min(share, self._rows_left) > 0:
             self._step_key = ("streams", limits.n_active)
             # A losing step still lets seeded sampling requests draft, for reproducibility.
             # A prompt fed beside the decoding rows costs the step many times a decode step: timed,
             # it would sink whichever kind of step it fell on (in steady serving, a step in ten).
             self._step_drafts = self.step_gate.begin(self._step_key, now, timed=not limits.prefilling)
+
+    def step_draft_rows(self, n_active: int) -> int:
+        """Draft rows a step of `n_active` sequences may verify: `batch_draft_tokens`, and where the
+        verify cost was measured, no more than keep the step within `max_verify_cost` of itself.
+        Why: with several streams the step's rows are already many, so a draft row costs more of the
+        step than it does beside one sequence (Gemma 3 270M, 8 streams: 1-2 draft tokens a sequence
+        gained 1.15-1.26x plain, the default budget 0.96-1.04x; tools/bench_gate.py --streams 8)."""
+        most = self.config.batch_draft_tokens
+        if not self._row_costs:
+            return most
+        rows = self._step_rows.get(n_active)
+        if rows is None:
+            rows = self._step_rows[n_active] = affordable_drafts(self._row_costs, max(1, n_active),
+                                                                 self.config.max_verify_cost, most)
+        return rows
 
     def budget(self, seq: Any, n_active: int = 1) -> int:
         """Draft nodes for this sequence this step: its adaptive budget, capped by the batch share."""
@@ -297,9 +321,10 @@ class SpeculativeStrategy:
         key = sequence_key(seq)
         gate = self._gate(seq)
         share = self.controller.batch_budget(limits.n_active)
-        if limits.step != self._step:
+        if limits.step != self._step or key in self._step_seqs:  # a sequence proposes once a step
             self._begin_step(limits, share)
-        budget = min(share, self.controller.budget(key))
+        self._step_seqs.add(key)
+        budget = min(share, self._rows_left, self.controller.budget(key))
         tree = SpecTree()
         if budget <= 0 or limits.room <= 0:
             return tree
@@ -331,6 +356,7 @@ class SpeculativeStrategy:
             if gate is not None and key is not None:
                 gate.spent(key, time.perf_counter() - started)
                 gate.proposed(key, len(tree))
+        self._rows_left -= len(tree)
         if key is not None:
             self._depth[key] = max(tree.depths(), default=0)
         return tree

@@ -1,6 +1,8 @@
 """What verifying drafts costs on the attached model, measured once at attach: the time of one
 sequence's step over 1 + k rows against one row. The draft budget is capped where a step that
-verifies a full budget would cost more than `max_verify_cost` plain steps.
+verifies a full budget would cost more than `max_verify_cost` plain steps, and a step of several
+sequences verifies at most the draft rows that keep it within `max_verify_cost` of the same step
+without drafts (`affordable_drafts`).
 
 Why measured and not assumed: where a decode step is bound by reading the weights, extra rows ride
 along almost free; where it is bound by arithmetic they cost nearly their share. Which one holds
@@ -51,3 +53,41 @@ def verify_cap(model: Any, max_tokens: int, limit: float, seconds: float = 0.5,
     cache.reset(0)
     ratios = {b: best[b + 1] / best[1] for b in budgets}
     return next((b for b in budgets if ratios[b] <= limit), 1), ratios
+
+
+def row_costs(ratios: dict[int, float]) -> list[tuple[int, float]]:
+    """[(rows, cost in one-row steps)] from `verify_cap`'s {drafts: ratio}, by rows, made
+    non-decreasing (a shared machine's noise can time 3 rows under 2; more rows never cost less)."""
+    points, top = [], 0.0
+    for rows, cost in sorted({1: 1.0, **{k + 1: r for k, r in ratios.items()}}.items()):
+        top = max(top, cost)
+        points.append((rows, top))
+    return points
+
+
+def cost_at(points: list[tuple[int, float]], rows: int) -> float:
+    """A step over `rows` rows in one-row steps: linear between measured sizes, and past the largest
+    along its last segment (once a step is bound by arithmetic, each row costs its share)."""
+    for (r0, c0), (r1, c1) in zip(points, points[1:]):
+        if rows <= r1:
+            return c0 + (c1 - c0) * (rows - r0) / (r1 - r0)
+    if len(points) < 2:
+        return points[-1][1]
+    (r0, c0), (r1, c1) = points[-2], points[-1]
+    return c1 + (c1 - c0) * (rows - r1) / (r1 - r0)
+
+
+def affordable_drafts(points: list[tuple[int, float]], sequences: int, limit: float, most: int) -> int:
+    """The most draft rows (up to `most`) a step of `sequences` one-row sequences may add and cost at
+    most `limit` times itself without them.
+
+    The rows of several sequences are priced as one sequence's rows of the same count: the weights'
+    matmuls, which decide whether extra rows ride along or cost their share, see only the count
+    (each sequence's attention over its own context is not in it). One sequence's answer is the
+    single-stream cap's; at 8 streams on 2 cores a step is already near the arithmetic bound, and
+    few draft rows fit (tools/bench_gate.py --streams)."""
+    bound = limit * cost_at(points, sequences) * (1 + 1e-9)  # a ratio exactly at the limit is within it
+    drafts = 0
+    while drafts < most and cost_at(points, sequences + drafts + 1) <= bound:
+        drafts += 1
+    return drafts
