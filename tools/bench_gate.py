@@ -8,7 +8,7 @@ with the gate on and off, at several draft budgets, on any GGUF the native runti
   python tools/bench_gate.py --streams 4,8                     several sequences per step: aggregate tok/s
 
 The prompts are bench_gemma's 16 chat prompts (in the file's chat template) and 16 plain-text
-openings; each is decoded greedy `--tokens` long by every configuration in turn (interleaved, so a
+openings; each is decoded `--tokens` long (greedy unless --temperature) by every configuration in turn (interleaved, so a
 slow spell of the shared machine falls on all of them), `--rounds` times. One sequence at a time:
 the gate's single-stream judgment; each `--budgets` value as given, and the default budget under
 the cap measured at attach (`speculative.max_verify_cost`). Prints decode tok/s (after the first token) and its ratio to
@@ -46,6 +46,8 @@ def main(argv: Optional[list[str]] = None) -> None:
                         help="the draft model's file, for drafters: model")
     parser.add_argument("--budgets", default="4,8,16", help="max_draft_tokens values (default 4,8,16)")
     parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sampling temperature (default 0: greedy); requests are unseeded, so the gate learns from them")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--streams", default="", help="comma-separated stream counts: aggregate tok/s, burst and "
@@ -122,7 +124,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         for prompt in prompts:
             for name, engine in engines.items():
                 request_id += 1
-                params = {"prompt": prompt, "max_tokens": args.tokens, "temperature": 0.0}
+                params = {"prompt": prompt, "max_tokens": args.tokens, "temperature": args.temperature}
                 engine.admit([PendingRequest(b"bench", request_id, "generate", "bench", {}, params, send)])
                 while engine.busy():
                     engine.step()
@@ -130,7 +132,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                 tally[name][0] += stats["new_tokens"] - 1
                 tally[name][1] += stats["seconds"] - stats["time_to_first_token"]
                 tally[name][2] += max(stats["steps"] - 1, 0)
-    print(f"{args.file.name}, {len(prompts)} prompts x {args.rounds} rounds, {args.tokens} tokens greedy, "
+    print(f"{args.file.name}, {len(prompts)} prompts x {args.rounds} rounds, {args.tokens} tokens at T={args.temperature:g}, "
           f"one sequence at a time, {args.threads} threads")
     capped = next(engine.strategy for name, engine in engines.items() if "measured cap" in name)
     print("verifying drafts, one sequence, in one-row steps: "
@@ -158,7 +160,7 @@ def streamed(engines: dict, prompts: list[str], streams: int, args: argparse.Nam
 
     def admit(engine: Any, prompt: str) -> int:
         request_id = next(request_ids)
-        params = {"prompt": prompt, "max_tokens": args.tokens, "temperature": 0.0}
+        params = {"prompt": prompt, "max_tokens": args.tokens, "temperature": args.temperature}
         engine.admit([PendingRequest(b"bench", request_id, "generate", "bench", {}, params, send)])
         return request_id
 
@@ -184,7 +186,7 @@ def streamed(engines: dict, prompts: list[str], streams: int, args: argparse.Nam
                     tally[(name, "sustained")][0] += done.pop(request_id)
             tally[(name, "sustained")][1] += time.perf_counter() - started
     print(f"\n{args.file.name}, {streams} streams, {len(prompts)} prompts x {args.rounds} rounds, {args.tokens} "
-          f"tokens greedy, {args.threads} threads")
+          f"tokens at T={args.temperature:g}, {args.threads} threads")
     capped = next((e.strategy for name, e in engines.items() if "measured cap" in name), None)
     if capped is not None:
         print(f"measured cap: {capped.controller.max_tokens} draft tokens a sequence; a step of {streams} "

@@ -303,8 +303,10 @@ class SpeculativeStrategy:
             return most
         rows = self._step_rows.get(n_active)
         if rows is None:
-            rows = self._step_rows[n_active] = affordable_drafts(self._row_costs, max(1, n_active),
-                                                                 self.config.max_verify_cost, most)
+            rows = affordable_drafts(self._row_costs, max(1, n_active), self.config.max_verify_cost, most)
+            if n_active <= 1:  # alone, at least the one draft token the cap leaves (the gate judges it)
+                rows = max(rows, min(1, most))
+            self._step_rows[n_active] = rows
         return rows
 
     def budget(self, seq: Any, n_active: int = 1) -> int:

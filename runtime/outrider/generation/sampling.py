@@ -226,6 +226,10 @@ def host_array(values: Any) -> np.ndarray:
     return values.detach().float().cpu().numpy()  # duck-typed: this module never imports torch
 
 
+_NEAR_TOP = np.float32(np.exp(-9.0))  # target_distribution's cuts look first among entries this close to the top
+_NEAR_TOP_MOST = 4096  # and only when they are few enough to sort
+
+
 def target_distribution(logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0) -> np.ndarray:
     """Probabilities the target samples from at T > 0: softmax(logits / T), then top-k, then top-p.
 
@@ -238,44 +242,87 @@ def target_distribution(logits: np.ndarray, temperature: float, top_k: int = 0, 
     logits = host_array(logits)
     if logits.ndim > 1:
         return np.stack([target_distribution(row, temperature, top_k, top_p) for row in logits])
-    scaled = logits / np.float32(max(float(temperature), SAMPLING_EPS))
+    probs = logits / np.float32(max(float(temperature), SAMPLING_EPS))  # a new array: worked in place below
     with np.errstate(over="ignore", invalid="ignore"):
-        probs = np.exp(scaled - scaled.max())
+        probs -= probs.max()
+        np.exp(probs, out=probs)
         total = probs.sum()
     if not np.isfinite(total) or not total > 0:
         raise ValueError("the model's logits are not finite (inf or NaN): cannot sample from them")
-    probs /= total
     vocab = probs.shape[-1]
-    if top_k and top_k < vocab:
-        kth = np.partition(probs, vocab - top_k)[vocab - top_k]
-        probs = np.where(probs >= kth, probs, np.float32(0))
-    if top_p < 1.0:
+    if (top_k and top_k < vocab) or top_p < 1.0:
+        # The cuts keep the largest entries: find them among the few within e^-9 of the maximum
+        # (which is 1 here) when those hold them, not by partitioning or sorting the whole
+        # vocabulary (0.55 ms at 49,152 tokens, 3.1 ms at 262,144; tools/bench_sampling.py).
+        near = probs[probs >= _NEAR_TOP]
+        if len(near) > _NEAR_TOP_MOST:
+            near = None
+        if top_k and top_k < vocab:
+            if near is not None and len(near) >= top_k:
+                kth = np.partition(near, len(near) - top_k)[len(near) - top_k]
+                near = near[near >= kth]
+            else:
+                kth = np.partition(probs, vocab - top_k)[vocab - top_k]
+                near = None  # the kept entries reach below the near ones
+            probs = np.where(probs >= kth, probs, np.float32(0))
+        if top_p < 1.0:
+            total = probs.sum()
+            values = None
+            if near is not None and near.sum(dtype=np.float64) >= top_p * total:
+                values = np.sort(near)[::-1]
+                cumulative = np.cumsum(values)
+            else:  # grow a top-k until it holds top_p of the mass (sorting all entries costs ~2 ms a row)
+                k = min(64, vocab)
+                while True:
+                    values = np.sort(np.partition(probs, vocab - k)[vocab - k:])[::-1]
+                    cumulative = np.cumsum(values)
+                    if k == vocab or cumulative[-1] >= top_p * total:
+                        break
+                    k = min(vocab, k * 4)
+            # The smallest prefix whose mass reaches top_p: the last kept value is the threshold.
+            threshold = values[(cumulative - values) < top_p * total].min()
+            probs = np.where(probs >= threshold, probs, np.float32(0))
         total = probs.sum()
-        # Sorting all 49k entries costs ~2 ms a row; grow a top-k until it holds top_p of the mass.
-        k = min(64, vocab)
-        while True:
-            values = np.sort(np.partition(probs, vocab - k)[vocab - k:])[::-1]
-            cumulative = np.cumsum(values)
-            if k == vocab or cumulative[-1] >= top_p * total:
-                break
-            k = min(vocab, k * 4)
-        # The smallest prefix whose mass reaches top_p: the last kept value is the threshold.
-        threshold = values[(cumulative - values) < top_p * total].min()
-        probs = np.where(probs >= threshold, probs, np.float32(0))
-    return probs / probs.sum()
+    probs /= total
+    return probs
+
+
+DRAW_BLOCK = 256  # entries per block of `draw`'s two-level inverse CDF
 
 
 def draw(probs: np.ndarray, generator: Optional[np.random.Generator]) -> int:
     """One index from (unnormalized, non-negative) probabilities: the inverse CDF at one uniform
-    (from `generator`; None: fresh OS entropy)."""
+    (from `generator`; None: fresh OS entropy), in float64; an entry without mass is never drawn.
+
+    Two levels: the uniform picks a block of `DRAW_BLOCK` entries by the blocks' sums, then an
+    entry by the running sum within the block. numpy's cumsum is a sequential loop (about 9 ns an
+    entry from fp32, 0.43 ms over a 49,152-token vocabulary, 2.8 ms over Gemma's 262,144: half a
+    270M model's decode step), while the block sums are vectorized; the draws differ from a flat
+    running sum's only where the uniform falls within float64 rounding of a boundary
+    (tools/bench_sampling.py)."""
     generator = generator if generator is not None else new_generator()
-    cumulative = np.cumsum(probs, dtype=np.float64)
-    total = cumulative[-1]
+    probs = np.asarray(probs).reshape(-1)
+    n = probs.shape[0]
+    whole = n - n % DRAW_BLOCK
+    sums = np.empty(whole // DRAW_BLOCK + (whole < n), dtype=np.float64)
+    sums[:whole // DRAW_BLOCK] = probs[:whole].reshape(-1, DRAW_BLOCK).sum(axis=1, dtype=np.float64)
+    if whole < n:
+        sums[-1] = probs[whole:].sum(dtype=np.float64)
+    cumulative = np.cumsum(sums)
+    total = cumulative[-1] if len(cumulative) else 0.0
     if not total > 0:
         raise ValueError("cannot draw from a distribution with no mass")
-    index = int(np.searchsorted(cumulative, generator.random() * total, side="right"))
-    # The last entry with mass (a uniform's rounding can reach past it; zeros are never drawn).
-    return min(index, int(np.flatnonzero(probs)[-1]))
+    at = generator.random() * total
+    block = int(np.searchsorted(cumulative, at, side="right"))
+    if block >= len(sums):  # the uniform's rounding reached the total: the last block with mass
+        block = int(np.flatnonzero(sums > 0)[-1])
+    start = block * DRAW_BLOCK
+    entries = probs[start:start + DRAW_BLOCK]
+    running = np.cumsum(entries, dtype=np.float64)
+    index = int(np.searchsorted(running, at - (cumulative[block - 1] if block else 0.0), side="right"))
+    if index >= len(entries):  # rounding between the block's sum and its running sum: its last entry with mass
+        index = int(np.flatnonzero(entries)[-1])
+    return start + index
 
 
 def greedy_token(logits: np.ndarray) -> int:
