@@ -745,6 +745,37 @@ def test_cost_gate_judges_a_bursty_cheap_drafter_by_the_steps_it_drafts():
     assert gated >= 0.95 * ungated, (gated, ungated)  # 0.87x when the empty steps counted as drafting
 
 
+def test_a_gated_sequence_peeks_with_one_cheap_draft_token_and_catches_a_late_copy():
+    # 40 requests of 48 tokens whose output starts copying its input only after its first 16
+    # tokens. Before, the n-gram drafter proposes wrong drafts (7 ms a step against 5 ms plain, one
+    # token); then right ones (5.5 ms, 4 tokens). The early steps lose, and the wait they earn
+    # outlasts the request. A peek (one draft token, 5.1 ms) on a waiting step finds the copy.
+    def run(gated: bool, peeking: bool, copies: bool = True) -> float:
+        gate, now, tokens = CostGate(), 0.0, 0
+        for request in range(40):
+            made = 0
+            while made < 48:
+                copying = copies and made >= 16
+                drafting = gate.begin(request, now) if gated else True
+                if drafting:
+                    gate.spent(request, 0.0001)
+                    gate.proposed(request, 8)
+                    seconds, emitted = (0.0055, 4) if copying else (0.007, 1)
+                elif peeking and gate.peek(request):
+                    seconds, emitted = 0.0051, 2 if copying else 1
+                else:
+                    seconds, emitted = 0.005, 1
+                gate.tokens(request, emitted)
+                now, tokens, made = now + seconds, tokens + emitted, made + emitted
+            gate.release(request)
+        return tokens / now
+
+    ungated, peeks, no_peeks = run(False, False), run(True, True), run(True, False)
+    assert peeks >= 0.95 * ungated and peeks > 1.15 * no_peeks, (peeks, ungated, no_peeks)
+    # a drafter that is never right: the peeks' extra row costs within the gate's bound
+    assert run(True, True, copies=False) >= 0.97 * 200
+
+
 def test_cost_gate_learns_across_short_sequences_that_an_expensive_drafter_loses():
     # Each drafting step costs 10x a plain one and yields nothing more; 80 requests of 50 steps each.
     gate, now, tokens, drafted = CostGate(), 0.0, 0, 0
@@ -1022,6 +1053,10 @@ def test_a_step_of_several_sequences_verifies_only_the_draft_rows_it_can_afford(
                                                                    "prob_threshold": 0.0}))
     strategy.attach(_TimedModel(clock, 0.0095, 0.0005))
     assert [strategy.step_draft_rows(n) for n in (1, 4, 8)] == [10, 11, 13]
+    assert strategy._cheap_peek  # one draft row costs 1.05 steps: a gated sequence may peek (CostGate.peek)
+    dear = SpeculativeStrategy(SpeculativeConfig.from_section({"drafters": ["ngram"]}))
+    dear.attach(_TimedModel(clock, 0.0, 0.001))
+    assert not dear._cheap_peek  # each row a whole step's cost: no peeks
     points = verify_cost.row_costs(strategy.verify_costs)
     assert verify_cost.cost_at(points, 33) == pytest.approx(0.95 + 0.05 * 33)
     # noise that timed more rows as cheaper does not make them so
