@@ -115,7 +115,7 @@ class CostGate:
     def _new_state(self) -> dict:
         state = {"draft": None, "draft_n": 0, "plain": None, "plain_n": 0, "draft_s": None, "plain_s": None,
                  "since_plain": 0, "wait": 0, "probing": 0, "backoff": self.shared["backoff"], "last": None,
-                 "probed": False, "setup": self.setup_steps, "ask": None}
+                 "probed": False, "setup": self.setup_steps, "ask": None, "peek_skip": False}
         shared = self.shared
         if shared["losing"]:  # start plain, probing when the instance's wait is over
             state["plain"], state["plain_s"], state["plain_n"] = shared["plain"], shared["plain_s"], 1
@@ -219,17 +219,16 @@ class CostGate:
         costs under `tolerance` of a step (an n-gram lookup, not a draft model's forward), and on
         every other such step. The strategy peeks only where one draft row costs the step at most
         2 x `tolerance`, so peeking stays within the gate's bound. A peek that is accepted ends the
-        wait (`tokens`): the
-        n-gram drafter's gains come in bursts (the output starts copying its input), and a wait
-        that outlasts the request missed them (Gemma 3 270M: requests decoded wholly plain where
-        ungated drafting took 31-33 steps for 48 tokens)."""
+        wait (`tokens`): the n-gram drafter's gains come in bursts (the output starts copying its
+        input), and a wait that outlasts the request missed them (Gemma 3 270M: requests decoded
+        wholly plain where ungated drafting took 31-33 steps for 48 tokens)."""
         state = self._state.get(key)
         if state is None or state["last"] is None or state["last"][1] or state["wait"] <= 0:
             return False
         ask = state["ask"] if state["ask"] is not None else self.shared["ask"]  # a new sequence: the instance's
         if ask is None or ask >= self.tolerance:
             return False
-        state["peek_skip"] = not state.get("peek_skip", False)  # every other waiting step at most
+        state["peek_skip"] = not state["peek_skip"]  # every other waiting step at most
         if not state["peek_skip"]:
             return False
         state["last"][6] = True

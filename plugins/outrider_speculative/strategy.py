@@ -334,6 +334,8 @@ class SpeculativeStrategy:
         budget = min(share, self._rows_left, self.controller.budget(key))
         tree = SpecTree()
         if budget <= 0 or limits.room <= 0:
+            if gate is not None and key is not None:
+                gate.forget_step(key)  # no rows left for it: not the sequence's choice, not timed
             return tree
         if _seeded(seq):
             # A seeded sampling request's output must not depend on timing: it follows the instance's
