@@ -21,15 +21,19 @@ as N clients that each send one request see it). Sustained: a new prompt admitte
 ends, N always in flight (a server under steady load, vLLM's benchmark_serving --max-concurrency
 N). Prints aggregate tok/s (all new tokens, prefill included, over the wall time) and its ratio to
 plain; a second plain engine ("plain again") runs the same groups: its ratio is the noise floor.
+
+--flat-sampling adds a plain row that samples through the flat definitions tools/bench_sampling.py
+compares the runtime's with: what the sampling code costs a decode step (use with --temperature).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "runtime"), str(ROOT / "plugins"), str(ROOT / "tools")]
@@ -52,6 +56,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--streams", default="", help="comma-separated stream counts: aggregate tok/s, burst and "
                         "sustained, instead of one sequence at a time")
+    parser.add_argument("--flat-sampling", action="store_true",
+                        help="add a plain row that samples with the flat definitions tools/bench_sampling.py "
+                        "compares against (numpy's running sum over the vocabulary): what sampling costs a step")
     parser.add_argument("--costs", action="store_true",
                         help="only print what verifying 1-16 drafts costs on the file (verify_cost.py) and the cap")
     args = parser.parse_args(argv)
@@ -110,6 +117,8 @@ def main(argv: Optional[list[str]] = None) -> None:
                        for name, section in configs.items()}
             streamed(engines, prompts, streams, args)
         return
+    if args.flat_sampling:
+        configs["plain, flat sampling"] = None
     engines = {name: GenerationEngine(model, tokenizer, strategy(section) if section else None, max_sequences=1,
                                       max_length=1024) for name, section in configs.items()}
     tally = {name: [0, 0.0, 0] for name in configs}  # decoded tokens, seconds, decode steps
@@ -126,8 +135,9 @@ def main(argv: Optional[list[str]] = None) -> None:
                 request_id += 1
                 params = {"prompt": prompt, "max_tokens": args.tokens, "temperature": args.temperature}
                 engine.admit([PendingRequest(b"bench", request_id, "generate", "bench", {}, params, send)])
-                while engine.busy():
-                    engine.step()
+                with flat_sampling(name == "plain, flat sampling"):
+                    while engine.busy():
+                        engine.step()
                 stats = replies.pop(request_id)["stats"]
                 tally[name][0] += stats["new_tokens"] - 1
                 tally[name][1] += stats["seconds"] - stats["time_to_first_token"]
@@ -144,6 +154,29 @@ def main(argv: Optional[list[str]] = None) -> None:
         rate = tokens / seconds
         print(f"| {name} | {rate:.1f} | {rate / plain:.2f}x | {tokens / max(steps, 1):.2f} | "
               f"{seconds / max(steps, 1) * 1e3:.2f} |")
+
+
+@contextlib.contextmanager
+def flat_sampling(on: bool) -> Iterator[None]:
+    """Plain sampling through the flat reference definitions (tools/bench_sampling.py) while `on`."""
+    if not on:
+        yield
+        return
+    from bench_sampling import reference_distribution, reference_draw
+    from outrider.generation import sampling
+
+    def draw(probs: Any, generator: Any) -> int:
+        return reference_draw(probs, float((generator or sampling.new_generator()).random()))
+
+    def distribution(logits: Any, temperature: float, top_k: int = 0, top_p: float = 1.0) -> Any:
+        return reference_distribution(sampling.host_array(logits), max(temperature, sampling.SAMPLING_EPS), top_k, top_p)
+
+    saved = sampling.draw, sampling.target_distribution
+    sampling.draw, sampling.target_distribution = draw, distribution
+    try:
+        yield
+    finally:
+        sampling.draw, sampling.target_distribution = saved
 
 
 def streamed(engines: dict, prompts: list[str], streams: int, args: argparse.Namespace) -> None:
