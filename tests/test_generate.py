@@ -299,7 +299,15 @@ def _mutate(monkeypatch, mutant: str) -> None:
     if mutant == "always_accept":  # every candidate the target does not rule out is kept
         monkeypatch.setattr(verify_module, "uniform", lambda generator: 0.0)
     elif mutant == "unnormalized_residual":  # after a rejection, p - q (or p without c) not renormalized
-        monkeypatch.setattr(verify_module, "_normalized", lambda x: x if x.sum() > 0 else None)
+        def stale_without(weights, mass, token):
+            weights[token] = 0.0
+            return mass  # the old total
+
+        def stale_residual(p, mass, q, q_mass):
+            residual = (p - q * (mass / q_mass)).clip(min=0.0)
+            return (residual, mass) if residual.sum() > 0 else (p, mass)
+        monkeypatch.setattr(verify_module, "_without", stale_without)
+        monkeypatch.setattr(verify_module, "_residual", stale_residual)
     elif mutant == "untruncated_top_p":  # accept against p before its top-p cut
         monkeypatch.setattr(verify_module, "target_distribution",
                             lambda logits, temperature, top_k=0, top_p=1.0: target_distribution(logits, temperature, top_k, 1.0))

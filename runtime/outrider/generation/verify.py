@@ -17,7 +17,8 @@ decoding, whatever the tree.
 Sampling: at each reached node, with p = target_distribution(row), the node's candidates are
 tried one after another. A candidate c proposed from distribution q is accepted with probability
 min(1, p(c) / q(c)); on rejection p <- normalize(max(0, p - q)), and the next candidate is
-tried against that residual. The first accepted candidate is descended into; if all are rejected
+tried against that residual (kept unnormalized with its total: the same ratios, without a pass
+over the vocabulary to divide). The first accepted candidate is descended into; if all are rejected
 the bonus is drawn from the final residual; at a leaf it is drawn from the leaf's p.
 
 - A deterministic candidate (chosen by a rule) has q = one-hot(c): accept with p(c), else zero
@@ -153,9 +154,26 @@ def verify_greedy(tree: DraftTree, logits: np.ndarray, adjust: Optional[Adjust] 
         node = nxt
 
 
-def _normalized(x: np.ndarray) -> Optional[np.ndarray]:
-    total = x.sum()
-    return x / total if total > 0 else None
+def _without(weights: np.ndarray, mass: float, token: int) -> float:
+    """Zero `token` in unnormalized `weights` of total `mass`; the new total. Where the token held
+    all the mass (the rest is zero, or rounding left only a trace), `weights` is left as it is:
+    renormalized, the point mass on `token` is what remains."""
+    removed = float(weights[token])
+    left = mass - removed
+    if left <= mass * 1e-12:
+        left = float(weights.sum()) - removed
+        if left <= 0.0:
+            return mass
+    weights[token] = 0.0
+    return left
+
+
+def _residual(p: np.ndarray, mass: float, q: np.ndarray, q_mass: float) -> tuple[np.ndarray, float]:
+    """After a rejected draw from q: mass x max(0, p / mass - q / q_mass) and its total, unnormalized;
+    p as it is where nothing is left (p == q up to rounding)."""
+    residual = np.maximum(p - q * (mass / q_mass), 0.0)
+    residual_mass = float(residual.sum())
+    return (residual, residual_mass) if residual_mass > 0 else (p, mass)
 
 
 def verify_sampling(
@@ -167,7 +185,11 @@ def verify_sampling(
     generator: np.random.Generator,
     adjust: Optional[Adjust] = None,
 ) -> Verdict:
-    """Multi-candidate speculative sampling over the tree (see the module docstring)."""
+    """Multi-candidate speculative sampling over the tree (see the module docstring).
+
+    p and a group's q are kept unnormalized with their totals: a rejection updates a total instead
+    of dividing the whole vocabulary again (at Gemma's 262,144 tokens each such pass costs about a
+    tenth of a millisecond or more). The probabilities compared are the same ratios."""
     children = children_of(tree)
     groups = sampled_groups(tree)
     verdict = Verdict(draft_tokens=len(tree))
@@ -180,28 +202,25 @@ def verify_sampling(
             verdict.bonus = sample_from(target, generator)
             return verdict
         p = target.astype(np.float64)
+        mass = float(p.sum())
         child_of_token: dict[int, int] = {}
         for c in kids:
             child_of_token.setdefault(int(tree.tokens[c]), c)
         chosen: Optional[int] = None  # accepted token
         tried: set[int] = set()
         for group in groups.get(node, []):
-            q = np.asarray(group.q, dtype=np.float64).clip(min=0)
-            q = _normalized(q)
+            q = np.asarray(group.q, dtype=np.float64).clip(min=0)  # a copy: draws without replacement zero it
+            q_mass = float(q.sum())
             for token in group.draws:
-                if q is None or q[token] <= 0:
+                if not q_mass > 0 or q[token] <= 0:
                     raise ValueError(f"verify: draw {token} has no probability under its q (node {node})")
-                if uniform(generator) * q[token] < p[token]:
+                if uniform(generator) * q[token] * mass < p[token] * q_mass:  # u < (p / mass) / (q / q_mass)
                     chosen = token
                     break
                 tried.add(token)
-                residual = _normalized(np.maximum(p - q, 0.0))
-                if residual is not None:  # None only when p == q up to rounding: p stays
-                    p = residual
+                p, mass = _residual(p, mass, q, q_mass)
                 if not group.replacement:
-                    q = q.copy()
-                    q[token] = 0.0
-                    q = _normalized(q)
+                    q_mass = _without(q, q_mass, token)
             if chosen is not None:
                 break
         if chosen is None:
@@ -210,15 +229,10 @@ def verify_sampling(
                 if token in tried:  # already rejected: its residual probability is 0
                     continue
                 tried.add(token)
-                if uniform(generator) < p[token]:
+                if uniform(generator) * mass < p[token]:
                     chosen = token
                     break
-                p[token] = 0.0
-                residual = _normalized(p)
-                if residual is None:  # p was all on `token` yet rejected: only by rounding
-                    p[token] = 1.0
-                    residual = p
-                p = residual
+                mass = _without(p, mass, token)
         if chosen is None:
             verdict.bonus = sample_from(p, generator)
             return verdict
