@@ -299,8 +299,8 @@ def _mutate(monkeypatch, mutant: str) -> None:
     if mutant == "always_accept":  # every candidate the target does not rule out is kept
         monkeypatch.setattr(verify_module, "uniform", lambda generator: 0.0)
     elif mutant == "unnormalized_residual":  # after a rejection, p - q (or p without c) not renormalized
-        def stale_without(weights, mass, token):
-            weights[token] = 0.0
+        def stale_without(p, mass, token):
+            p[token] = 0.0
             return mass  # the old total
 
         def stale_residual(p, mass, q, q_mass):

@@ -1071,3 +1071,17 @@ def test_a_step_of_several_sequences_verifies_only_the_draft_rows_it_can_afford(
                                                                "prob_threshold": 0.0, "max_verify_cost": 0}))
     free.attach(_TimedModel(clock, 0.0095, 0.0005))
     assert [len(free.propose(seq, DraftLimits(64, 8, 1))) for seq in sequences] == [8] * 8
+
+
+def test_a_group_whose_draw_has_no_probability_under_its_q_is_refused():
+    """A drafter bug, not a request's: a draw q gives no mass to, or a token drawn twice from a group
+    without replacement, fails verification with a clear error (the engine fails that request)."""
+    from outrider.generation.contract import SampledChildren
+
+    logits = np.array([[10.0, -30.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]], np.float32)  # p(1) ~ e^-40: rejected
+    for draws, q in (([1, 1], [0.0, 1.0, 0.0, 0.0]), ([2], [0.0, 1.0, 0.0, 0.0])):
+        tree = SpecTree()
+        tree.tokens, tree.parents, tree.probs = [draws[0]], [-1], [1.0]
+        tree.sampled[-1] = [SampledChildren(q=np.array(q, np.float32), draws=draws, replacement=False)]
+        with pytest.raises(ValueError, match="no probability under its q"):
+            verify(tree, logits, SamplingParams(temperature=1.0), new_generator(0))

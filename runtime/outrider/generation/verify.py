@@ -155,9 +155,9 @@ def verify_greedy(tree: DraftTree, logits: np.ndarray, adjust: Optional[Adjust] 
 
 
 def _without(weights: np.ndarray, mass: float, token: int) -> float:
-    """Zero `token` in unnormalized `weights` of total `mass`; the new total. Where the token held
-    all the mass (the rest is zero, or rounding left only a trace), `weights` is left as it is:
-    renormalized, the point mass on `token` is what remains."""
+    """Zero a rejected deterministic candidate in unnormalized p of total `mass`; the new total.
+    Where the token held all the mass (the rest is zero, or rounding left only a trace), p is left
+    as it is: renormalized, the point mass on `token` is what remains."""
     removed = float(weights[token])
     left = mass - removed
     if left <= mass * 1e-12:
@@ -219,8 +219,9 @@ def verify_sampling(
                     break
                 tried.add(token)
                 p, mass = _residual(p, mass, q, q_mass)
-                if not group.replacement:
-                    q_mass = _without(q, q_mass, token)
+                if not group.replacement:  # the next draw came from q without this token
+                    q_mass -= q[token]
+                    q[token] = 0.0
             if chosen is not None:
                 break
         if chosen is None:
