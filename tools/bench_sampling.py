@@ -117,9 +117,8 @@ def main(argv: list[str] | None = None) -> None:
         for label, knobs in KNOBS.items():
             t_new = statistics.median(_us(lambda r=r: target_distribution(r, *knobs), args.repeat) for r in rows)
             t_ref = statistics.median(_us(lambda r=r: reference_distribution(r, *knobs), args.repeat) for r in rows)
-            gap = max(float(np.abs(target_distribution(r, *knobs) - reference_distribution(r, *knobs)).max())
-                      for r in rows)
             probs = [target_distribution(r, *knobs) for r in rows]
+            gap = max(float(np.abs(p - reference_distribution(r, *knobs)).max()) for p, r in zip(probs, rows))
             fixed = _Fixed()
             d_new = statistics.median(_us(lambda p=p: draw(p, fixed), args.repeat) for p in probs)
             d_ref = statistics.median(_us(lambda p=p: reference_draw(p, 0.5), args.repeat) for p in probs)

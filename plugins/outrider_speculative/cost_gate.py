@@ -7,6 +7,9 @@ from __future__ import annotations
 from typing import Any, Hashable, Optional
 
 
+TOLERANCE = 0.03  # how far behind plain drafting may fall before it stops (CostGate's default)
+
+
 class CostGate:
     """Draft only while drafting steps yield more tokens per second than plain steps.
 
@@ -39,7 +42,7 @@ class CostGate:
 
     def __init__(self, plain_every: int = 32, probe_steps: int = 3, backoff: int = 8, max_backoff: int = 8,
                  max_wait: int = 4096, overhead: float = 0.015, alpha: float = 0.15, first_steps: int = 4,
-                 tolerance: float = 0.03, setup_steps: int = 1, clock: Optional[list] = None) -> None:
+                 tolerance: float = TOLERANCE, setup_steps: int = 1, clock: Optional[list] = None) -> None:
         self.plain_every = plain_every
         self.probe_steps = probe_steps
         self.first_backoff = backoff
@@ -109,8 +112,7 @@ class CostGate:
             state[kind + "_n"] += 1
             if last[1]:  # what asking the drafters costs of a step, for `peek`
                 for table in (state, self.shared):
-                    ask = table["ask"]
-                    table["ask"] = last[4] / seconds if ask is None else (1 - self.alpha) * ask + self.alpha * last[4] / seconds
+                    self._ema(table, "ask", last[4] / seconds)
 
     def _new_state(self) -> dict:
         state = {"draft": None, "draft_n": 0, "plain": None, "plain_n": 0, "draft_s": None, "plain_s": None,
@@ -135,6 +137,11 @@ class CostGate:
             wait = max(wait, int(self.probe_steps * loss / self.overhead))
         return min(wait, self.max_wait)
 
+    def _start_probe(self, state: dict) -> None:
+        """Draft the next `probe_steps` steps, judged afresh."""
+        state["draft"], state["draft_n"], state["probing"] = None, 0, self.probe_steps
+        state["probed"] = True
+
     def _decide(self, state: dict) -> bool:
         if state["wait"] > 0:  # backing off: plain, then a probe
             state["wait"] -= 1
@@ -144,8 +151,7 @@ class CostGate:
                 # one per sequence (8 streams probing at once cost more than the gate saves).
                 state["wait"] = shared["wait"] - shared["plain_since_probe"]
             elif state["wait"] == 0:
-                state["draft"], state["draft_n"], state["probing"] = None, 0, self.probe_steps
-                state["probed"] = True
+                self._start_probe(state)
                 shared["plain_since_probe"] = 0
             return False
         if state["probing"] > 0:
@@ -240,8 +246,8 @@ class CostGate:
         if state is not None and state["last"] is not None:
             state["last"][2] += emitted
             if state["last"][6] and emitted > 1 and state["wait"] > 0:  # a peek was accepted: probe now
-                state["wait"], state["draft"], state["draft_n"] = 0, None, 0
-                state["probing"], state["probed"] = self.probe_steps, True
+                state["wait"] = 0
+                self._start_probe(state)
 
     def release(self, key: Hashable) -> None:
         """Forget a sequence (the instance keeps what it learned)."""

@@ -37,7 +37,7 @@ from outrider.generation.contract import DraftLimits, DraftTree, DrafterContext,
 from outrider.generation.sampling import is_greedy
 
 from .config import OptionError, SpeculativeConfig
-from .cost_gate import CostGate
+from .cost_gate import TOLERANCE, CostGate
 from .drafters import make_ngram_drafter, sequence_key
 from .tree import SpecTree, merge_trees, prune_tree
 from .verify_cost import affordable_drafts, row_costs, verify_cap
@@ -216,7 +216,7 @@ class SpeculativeStrategy:
         # a peek's one draft row, taken every other waiting step at most, must cost the step at most
         # twice the gate's tolerance (6% of a plain step; Gemma 3 270M measured 1.00-1.05x, SmolLM2
         # 0.97-1.04x, the 3B Q4_0 about 1.07x)
-        self._cheap_peek = ratios.get(1, 2.0) <= 1.0 + 2 * CostGate().tolerance
+        self._cheap_peek = ratios.get(1, 2.0) <= 1.0 + 2 * TOLERANCE
         self._row_costs, self._step_rows = row_costs(ratios), {}
         log.info("speculative: a step verifying drafts costs (one row = 1x) %s; max_draft_tokens %d -> %d "
                  "(max_verify_cost %.2g)", ", ".join(f"{k} drafts {r:.2f}x" for k, r in sorted(ratios.items())),
