@@ -140,6 +140,21 @@ void check_groups(const KernelSet& set) {
           });
         }
       }
+      for (float value : {1.f, -1.f}) {  // the largest sums a path may hold (AVX2 sums in 16 bits)
+        const int64_t in = 256, blocks = out / 16 * (in / 32);
+        std::vector<uint8_t> w(blocks * block, 0xFF);
+        for (int64_t b = 0; b < blocks; ++b) {
+          const std::vector<uint16_t> header = halves(has_m ? 32 : 16, true);
+          std::memcpy(w.data() + b * block, header.data(), header.size() * 2);
+        }
+        const std::vector<float> x(4 * in, value);
+        against_scalar(set, "matmul group blocks w" + std::to_string(layout) + (has_m ? " with minimums" : "") +
+                                " extreme x " + std::to_string(value), [&] {
+          std::vector<float> y(4 * out);
+          a8_matmul(x.data(), 4, in, 32, w.data(), nullptr, nullptr, out, bits, y.data());
+          return y;
+        });
+      }
     }
   }
 }

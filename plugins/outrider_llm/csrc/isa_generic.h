@@ -27,8 +27,11 @@
 //     const int8_t* a, const int8_t* b) (one oct of 16 outputs against rows a and b's 8 activations),
 //     unpair(P, I& a, I& b) (each row's 16 lanes of sums; NEON i8mm);
 //   kSuperRows, kSuperTiles: rows and tiles per pass of the super-block matmul (register budget);
-//   kInt16Sums: the file has dot4_int16<R>(acc, w, x_words, j0, j1), summing octs j0..j1 (at
-//     most 4) of 4-bit weights for R rows in 16 bits before widening (AVX2: vpmaddubsw).
+//   kInt16Sums: the file has H (16 lanes of 16-bit sums), hzero(), hdot(H, W lo, W hi, int32 xl,
+//     int32 xh) (one oct's two pairs of products per lane added in 16 bits: AVX2's vpmaddubsw, whose
+//     widening vpmaddwd is the other half of dot4's cost) and widen(I, H) (the pairs of H summed
+//     into I). The matmuls sum int16_octs(top weight) octs in H before widening; the integers are
+//     the same, since no sum can reach 2^15.
 
 // The one horizontal sum of 16 lanes every path uses (what AVX-512's transpose tree computes):
 // per 128-bit quarter L, (e[4L] + e[4L+2]) + (e[4L+1] + e[4L+3]); then (P0 + P1) + (P2 + P3).
@@ -135,6 +138,10 @@ constexpr int64_t kPrefetchBytes = 4096;
 // Rows of the pass that starts at row r0: the rows split into as few passes as kRows allows, of
 // sizes that differ by at most one (9 rows under kRows 8 would be 8 + 1, a second pass over every
 // weight for one row; 5 + 4 costs the same decoding of weights and keeps both passes full).
+// Octs one 16-bit lane can sum without saturating: each adds two pairs of products, 4 products of
+// at most top x 128 (top 15: 4 octs, a 4-bit group of 32; 31: 2; 63: 1).
+constexpr int int16_octs(int top) { return 32767 / (4 * top * 128); }
+
 inline int pass_rows(int64_t rows, int64_t r0, int k_rows) {
   const int64_t left = rows - r0, passes = (left + k_rows - 1) / k_rows;
   return static_cast<int>((left + passes - 1) / passes);
@@ -143,6 +150,24 @@ inline int pass_rows(int64_t rows, int64_t r0, int k_rows) {
 // Bytes of one oct (16 outputs x 8 inputs) of the separate-table layouts: 4-bit nibbles, 5-bit
 // nibbles and their fifth bits, or 8-bit bytes.
 constexpr int64_t oct_bytes(int bits) { return bits == 4 ? 64 : bits == 5 ? 80 : 128; }
+
+// One oct's two weight vectors (inputs k0..k0+3 and k0+4..k0+7) in that layout: 4-bit nibbles; the
+// same then 8 + 8 bytes of fifth bits; or 8-bit bytes.
+template <class A, int Bits>
+inline void oct_values(const uint8_t* oct, typename A::W& lo, typename A::W& hi) {
+  if constexpr (Bits == 8) {
+    lo = A::wload(oct);
+    hi = A::wload(oct + 64);
+  } else {
+    const typename A::W v = A::wload(oct);
+    lo = A::lo_nibbles(v);
+    hi = A::hi_nibbles(v);
+    if constexpr (Bits == 5) {
+      lo = A::with_high_bits(lo, oct + 64);
+      hi = A::with_high_bits(hi, oct + 72);
+    }
+  }
+}
 
 template <class A, int Bits, int R, bool F32>
 void dot_rows(const int32_t* const* x_words, const float* const* x_scale, const float* const* x_sum,
@@ -160,26 +185,22 @@ void dot_rows(const int32_t* const* x_words, const float* const* x_scale, const 
         __builtin_prefetch(w + g * octs_per_group * kOctBytes + kPrefetchBytes + at);
     I acc[R];
     for (int r = 0; r < R; ++r) acc[r] = A::izero();
-    if constexpr (Bits == 4 && A::kInt16Sums) {
-      // Up to 4 octs (32 inputs) summed in 16 bits first: each lane holds at most 16 products of
-      // <= 15 x 127 (30480), so no sum can saturate; then one widening add per 32 inputs.
-      for (int64_t j = g * octs_per_group; j < (g + 1) * octs_per_group; j += 4)
-        A::template dot4_int16<R>(acc, w, x_words, j, min64(j + 4, (g + 1) * octs_per_group));
+    if constexpr (Bits != 8 && A::kInt16Sums) {
+      constexpr int64_t kRun = int16_octs(Bits == 4 ? 15 : 31);
+      for (int64_t j0 = g * octs_per_group; j0 < (g + 1) * octs_per_group; j0 += kRun) {
+        typename A::H h[R];
+        for (int r = 0; r < R; ++r) h[r] = A::hzero();
+        for (int64_t j = j0; j < min64(j0 + kRun, (g + 1) * octs_per_group); ++j) {
+          W lo, hi;
+          oct_values<A, Bits>(w + j * kOctBytes, lo, hi);
+          for (int r = 0; r < R; ++r) h[r] = A::hdot(h[r], lo, hi, x_words[r][2 * j], x_words[r][2 * j + 1]);
+        }
+        for (int r = 0; r < R; ++r) acc[r] = A::widen(acc[r], h[r]);
+      }
     } else
     for (int64_t j = g * octs_per_group; j < (g + 1) * octs_per_group; ++j) {
       W lo, hi;
-      if (Bits == 4) {
-        const W v = A::wload(w + j * 64);
-        lo = A::lo_nibbles(v);  // inputs k0..k0+3
-        hi = A::hi_nibbles(v);  // inputs k0+4..k0+7
-      } else if (Bits == 5) {  // per oct: 64 bytes of nibbles, then 8 + 8 bytes of fifth bits
-        const W v = A::wload(w + j * 80);
-        lo = A::with_high_bits(A::lo_nibbles(v), w + j * 80 + 64);
-        hi = A::with_high_bits(A::hi_nibbles(v), w + j * 80 + 72);
-      } else {
-        lo = A::wload(w + j * 128);
-        hi = A::wload(w + j * 128 + 64);
-      }
+      oct_values<A, Bits>(w + j * kOctBytes, lo, hi);
       for (int r = 0; r < R; ++r) {
         if (Bits != 8) {  // 0..31: every path's 4-bit dot holds it (pairs of products <= 31 x 128 x 2)
           acc[r] = A::dot4(acc[r], lo, x_words[r][2 * j]);
@@ -281,13 +302,8 @@ struct SuperShape<6> {  // Q6_K: d, sc[16] (int8), then octs of 96 bytes (nibble
 // The two weight vectors of one oct (inputs k0..k0+3 and k0+4..k0+7), values 0..15, 0..31 or 0..63.
 template <class A, int Layout>
 inline void super_oct(const uint8_t* oct, typename A::W& lo, typename A::W& hi) {
-  const typename A::W v = A::wload(oct);
-  lo = A::lo_nibbles(v);
-  hi = A::hi_nibbles(v);
-  if constexpr (Layout == 5) {
-    lo = A::with_high_bits(lo, oct + 64);
-    hi = A::with_high_bits(hi, oct + 72);
-  } else if constexpr (Layout == 6) {
+  oct_values<A, Layout == 5 ? 5 : 4>(oct, lo, hi);
+  if constexpr (Layout == 6) {
     lo = A::with_crumbs(lo, oct + 64);
     hi = A::with_crumbs(hi, oct + 80);
   }
@@ -343,6 +359,24 @@ void super_dot(const int32_t* const* x_words, const float* const* x_scale, const
         }
         for (int p = 0; p < R / 2; ++p)
           for (int t = 0; t < T; ++t) A::unpair(pairs[p][t], dot[2 * p][t], dot[2 * p + 1][t]);
+      } else if constexpr (A::kInt16Sums) {
+        constexpr int kRun = int16_octs(Layout == 4 ? 15 : Layout == 5 ? 31 : 63);
+        static_assert(S::kOctsPerGroup % kRun == 0, "a group's octs split into whole 16-bit runs");
+        for (int o0 = 0; o0 < S::kOctsPerGroup; o0 += kRun) {
+          typename A::H h[R][T];
+          for (int r = 0; r < R; ++r)
+            for (int t = 0; t < T; ++t) h[r][t] = A::hzero();
+          for (int o = o0; o < o0 + kRun; ++o) {
+            const int64_t j = b * 32 + g * S::kOctsPerGroup + o;
+            W lo[T], hi[T];
+            for (int t = 0; t < T; ++t)
+              super_oct<A, Layout>(base[t] + S::kOcts + (g * S::kOctsPerGroup + o) * S::kOctBytes, lo[t], hi[t]);
+            for (int r = 0; r < R; ++r)
+              for (int t = 0; t < T; ++t) h[r][t] = A::hdot(h[r][t], lo[t], hi[t], x_words[r][2 * j], x_words[r][2 * j + 1]);
+          }
+          for (int r = 0; r < R; ++r)
+            for (int t = 0; t < T; ++t) dot[r][t] = A::widen(dot[r][t], h[r][t]);
+        }
       } else
       for (int o = 0; o < S::kOctsPerGroup; ++o) {
         const int64_t j = b * 32 + g * S::kOctsPerGroup + o;  // the oct of the row
@@ -497,20 +531,23 @@ void group_dot(const int32_t* const* x_words, const float* const* x_scale, const
       for (int64_t at = 0; at < kBytes; at += 64) __builtin_prefetch(block + kPrefetchBytes + at);
     I acc[R];
     for (int r = 0; r < R; ++r) acc[r] = A::izero();
+    if constexpr (Bits != 8 && A::kInt16Sums) {
+      constexpr int kRun = int16_octs(Bits == 4 ? 15 : 31);
+      for (int o0 = 0; o0 < 4; o0 += kRun) {
+        typename A::H h[R];
+        for (int r = 0; r < R; ++r) h[r] = A::hzero();
+        for (int o = o0; o < o0 + kRun; ++o) {
+          W lo, hi;
+          oct_values<A, Bits>(values + o * oct_bytes(Bits), lo, hi);
+          const int64_t j = g * 4 + o;
+          for (int r = 0; r < R; ++r) h[r] = A::hdot(h[r], lo, hi, x_words[r][2 * j], x_words[r][2 * j + 1]);
+        }
+        for (int r = 0; r < R; ++r) acc[r] = A::widen(acc[r], h[r]);
+      }
+    } else
     for (int o = 0; o < 4; ++o) {
       W lo, hi;
-      if constexpr (Bits == 4) {
-        const W v = A::wload(values + o * 64);
-        lo = A::lo_nibbles(v);
-        hi = A::hi_nibbles(v);
-      } else if constexpr (Bits == 5) {
-        const W v = A::wload(values + o * 80);
-        lo = A::with_high_bits(A::lo_nibbles(v), values + o * 80 + 64);
-        hi = A::with_high_bits(A::hi_nibbles(v), values + o * 80 + 72);
-      } else {
-        lo = A::wload(values + o * 128);
-        hi = A::wload(values + o * 128 + 64);
-      }
+      oct_values<A, Bits>(values + o * oct_bytes(Bits), lo, hi);
       const int64_t j = g * 4 + o;
       for (int r = 0; r < R; ++r) {
         if (Bits != 8) {

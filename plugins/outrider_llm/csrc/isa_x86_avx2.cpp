@@ -21,24 +21,14 @@ struct Avx2 : Avx2Base {
   static constexpr int kSuperRows = 4, kSuperTiles = 1;
   static constexpr bool kInt16Sums = true;
   static constexpr bool kRowPairs = false;
-  template <int R>
-  static void dot4_int16(I* acc, const uint8_t* w, const int32_t* const* x_words, int64_t j0, int64_t j1) {
-    __m256i sa[R], sb[R];
-    for (int r = 0; r < R; ++r) sa[r] = sb[r] = _mm256_setzero_si256();
-    for (int64_t j = j0; j < j1; ++j) {
-      const W v = wload(w + j * 64);
-      const W lo = lo_nibbles(v), hi = hi_nibbles(v);
-      for (int r = 0; r < R; ++r) {
-        const __m256i xl = _mm256_set1_epi32(x_words[r][2 * j]), xh = _mm256_set1_epi32(x_words[r][2 * j + 1]);
-        sa[r] = _mm256_add_epi16(sa[r], _mm256_add_epi16(_mm256_maddubs_epi16(lo.a, xl), _mm256_maddubs_epi16(hi.a, xh)));
-        sb[r] = _mm256_add_epi16(sb[r], _mm256_add_epi16(_mm256_maddubs_epi16(lo.b, xl), _mm256_maddubs_epi16(hi.b, xh)));
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      acc[r].a = _mm256_add_epi32(acc[r].a, pairs(sa[r]));
-      acc[r].b = _mm256_add_epi32(acc[r].b, pairs(sb[r]));
-    }
+  struct H { __m256i a, b; };
+  static H hzero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+  static H hdot(H h, W lo, W hi, int32_t xl, int32_t xh) {
+    const __m256i bl = _mm256_set1_epi32(xl), bh = _mm256_set1_epi32(xh);
+    return {_mm256_add_epi16(h.a, _mm256_add_epi16(_mm256_maddubs_epi16(lo.a, bl), _mm256_maddubs_epi16(hi.a, bh))),
+            _mm256_add_epi16(h.b, _mm256_add_epi16(_mm256_maddubs_epi16(lo.b, bl), _mm256_maddubs_epi16(hi.b, bh)))};
   }
+  static I widen(I acc, H h) { return {_mm256_add_epi32(acc.a, pairs(h.a)), _mm256_add_epi32(acc.b, pairs(h.b))}; }
   static __m256i pairs(__m256i products16) { return _mm256_madd_epi16(products16, _mm256_set1_epi16(1)); }
   static I dot4(I acc, W w, int32_t x) {
     const __m256i xb = _mm256_set1_epi32(x);
