@@ -13,6 +13,13 @@ model's layers do, not from a cache that one matrix fits in. Per case: median ms
 ratio to one row, the weight bytes read per call over the time (GB/s: one row is bound by memory
 bandwidth) and the multiply-adds per second (many rows are bound by the integer dot products).
 A column of the same table on another kernel set comes from `--isa` (forced per call).
+
+  python tools/bench_matmul_rows.py --against /tmp/old/_native_c.cpython-311-x86_64-linux-gnu.so
+
+`--against LIB` compares another build of the C library (a copy of the installed one taken before
+a kernel change) with the installed one in the same run: each case is timed on both, the two
+alternating call by call, and a line "against" follows each line with that build's times and the
+installed build's speed-up over it (the ratio of the two medians) per row count.
 """
 
 from __future__ import annotations
@@ -40,16 +47,6 @@ def random_blocks(type_name: str, rows: int, cols: int, rng: np.random.Generator
     return np.ascontiguousarray(blocks.reshape(rows, -1))
 
 
-def median_ms(fn, repeat: int) -> float:
-    fn()
-    samples = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples) * 1e3
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--types", default="Q4_K,Q6_K,Q5_0,Q8_0,Q4_0")
@@ -59,8 +56,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--footprint-mb", type=float, default=512.0)
     parser.add_argument("--isa", default="", help="comma-separated kernel sets (default: the one in use)")
+    parser.add_argument("--against", default="", help="another build of the C library to compare with, call by call")
     args = parser.parse_args()
     native_c.set_threads(args.threads)
+    libraries = [native_c.loaded_library()]
+    if args.against:
+        libraries.append(native_c.open_library(args.against))
+        libraries[1].outrider_set_threads(args.threads)
     sets = args.isa.split(",") if args.isa else [native_c.kernels()]
     rows_list = [int(r) for r in args.rows.split(",")]
     rng = np.random.default_rng(0)
@@ -80,13 +82,36 @@ def main() -> None:
             xs = {r: rng.standard_normal((r, cols), dtype=np.float32) for r in rows_list}
             ys = {r: np.empty((r, part.out), np.float32) for r in rows_list}
             for kernel_set in sets:
-                native_c.select(kernel_set)
-                ms = {r: median_ms(lambda r=r: copies[next(turn) % len(copies)].matmul(xs[r], ys[r]), args.repeat)
-                      for r in rows_list}
-                cells = "".join(f"{ms[r]:>8.2f} {ms[r] / ms[rows_list[0]]:>5.2f}x" for r in rows_list)
+                for lib in libraries:
+                    if not lib.outrider_select(kernel_set.encode()):
+                        raise SystemExit(f"kernel set {kernel_set} does not run here")
+                ms = {}
+                for r in rows_list:
+                    calls = [lambda r=r, lib=lib: copies[next(turn) % len(copies)].matmul(xs[r], ys[r], lib)
+                             for lib in libraries]
+                    ms[r] = alternating_medians(calls, args.repeat)
+                cells = "".join(f"{ms[r][0]:>8.2f} {ms[r][0] / ms[rows_list[0]][0]:>5.2f}x" for r in rows_list)
                 last = rows_list[-1]
                 print(f"{type_name:<6}{shape:<11}{kernel_set:<13}{mb:>7.1f}{cells}"
-                      f"{mb / ms[rows_list[0]]:>12.1f}{last * cols * out / ms[last] / 1e6:>18.1f}", flush=True)
+                      f"{mb / ms[rows_list[0]][0]:>12.1f}{last * cols * out / ms[last][0] / 1e6:>18.1f}", flush=True)
+                if len(libraries) > 1:
+                    cells = "".join(f"{ms[r][1]:>8.2f} {ms[r][1] / ms[r][0]:>5.2f}x" for r in rows_list)
+                    print(f"{'':<6}{'':<11}{'against':<13}{'':>7}{cells}   (the other build's ms; its time / this build's)",
+                          flush=True)
+
+
+def alternating_medians(calls: list, repeat: int) -> list[float]:
+    """Median ms of each call, the calls taking turns (so a slow spell of a shared machine falls
+    on all of them alike)."""
+    for call in calls:
+        call()
+    samples: list[list[float]] = [[] for _ in calls]
+    for _ in range(repeat):
+        for call, kept in zip(calls, samples):
+            start = time.perf_counter()
+            call()
+            kept.append(time.perf_counter() - start)
+    return [statistics.median(kept) * 1e3 for kept in samples]
 
 
 if __name__ == "__main__":

@@ -143,10 +143,7 @@ def _load() -> tuple[bool, str]:
     if path is None:
         return False, f"{why} (reinstall with a C++ compiler present: pip install --no-build-isolation)"
     try:
-        lib = ctypes.CDLL(str(path))
-        for name, (restype, argtypes) in _SIGNATURES.items():
-            function = getattr(lib, name)
-            function.restype, function.argtypes = restype, argtypes
+        lib = open_library(path)
     except (OSError, AttributeError) as exc:  # a missing libgomp, a library older than this file
         return False, f"{path.name} does not load: {exc}"
     for name, struct in _STRUCTS.items():
@@ -155,6 +152,17 @@ def _load() -> tuple[bool, str]:
             return False, f"{path.name}: {name} is {size} bytes there, {ctypes.sizeof(struct)} in native_c.py"
     _C = lib
     return True, serving_report(kernels(), kernel_sets)
+
+
+def open_library(path: Path) -> ctypes.CDLL:
+    """The C library at `path` with every signature this file declares (OSError where it does not
+    load, AttributeError where it lacks a function). The runtime opens only its own build; a
+    benchmark opens another build beside it to compare the two in one process."""
+    lib = ctypes.CDLL(str(path))
+    for name, (restype, argtypes) in _SIGNATURES.items():
+        function = getattr(lib, name)
+        function.restype, function.argtypes = restype, argtypes
+    return lib
 
 
 def built_library(stem: str, report: Path) -> tuple[Optional[Path], str]:

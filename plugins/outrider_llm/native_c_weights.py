@@ -81,9 +81,10 @@ class Part:
     def out(self) -> int:
         return self.w.shape[0] * TILE
 
-    def matmul(self, x: np.ndarray, y: Optional[np.ndarray] = None) -> np.ndarray:
-        """`a8_matmul` of x float32 [rows, inputs] with this weight (into y where given)."""
-        return _matmul(loaded_library(), x, self.inputs, self.out, self.group, *self.pointers, self.bits, y)
+    def matmul(self, x: np.ndarray, y: Optional[np.ndarray] = None, library: Optional[ctypes.CDLL] = None) -> np.ndarray:
+        """`a8_matmul` of x float32 [rows, inputs] with this weight (into y where given), by the loaded
+        library or another build of it (`native_c.open_library`: a benchmark comparing two builds)."""
+        return _matmul(library or loaded_library(), x, self.inputs, self.out, self.group, *self.pointers, self.bits, y)
 
     @classmethod
     def from_affine(cls, groups: Any, symmetric: bool = True) -> "Part":

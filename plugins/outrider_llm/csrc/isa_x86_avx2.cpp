@@ -25,9 +25,16 @@ struct Avx2 : Avx2Base {
   static H hzero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
   static H hdot(H h, W lo, W hi, int32_t xl, int32_t xh) {
     const __m256i bl = _mm256_set1_epi32(xl), bh = _mm256_set1_epi32(xh);
-    return {_mm256_add_epi16(h.a, _mm256_add_epi16(_mm256_maddubs_epi16(lo.a, bl), _mm256_maddubs_epi16(hi.a, bh))),
-            _mm256_add_epi16(h.b, _mm256_add_epi16(_mm256_maddubs_epi16(lo.b, bl), _mm256_maddubs_epi16(hi.b, bh)))};
+    H r = {_mm256_add_epi16(h.a, _mm256_add_epi16(_mm256_maddubs_epi16(lo.a, bl), _mm256_maddubs_epi16(hi.a, bh))),
+           _mm256_add_epi16(h.b, _mm256_add_epi16(_mm256_maddubs_epi16(lo.b, bl), _mm256_maddubs_epi16(hi.b, bh)))};
+    settled(r.a, r.b);
+    return r;
   }
+  // Each oct's sum is settled into its register before the next oct's products: integer adds may be
+  // reassociated, and GCC 12 then computed every product of a group's unrolled octs before adding
+  // any, spilling most of them on 16 ymm (313 stack moves in the Q4_0 matmul, 99 with this; several
+  // rows ran 1.3-1.4x faster here). An empty asm with the vectors as in-out operands costs nothing.
+  static void settled(__m256i& a, __m256i& b) { asm("" : "+x"(a), "+x"(b)); }
   static I widen(I acc, H h) { return {_mm256_add_epi32(acc.a, pairs(h.a)), _mm256_add_epi32(acc.b, pairs(h.b))}; }
   static __m256i pairs(__m256i products16) { return _mm256_madd_epi16(products16, _mm256_set1_epi16(1)); }
   static I dot4(I acc, W w, int32_t x) {
@@ -41,7 +48,9 @@ struct Avx2 : Avx2Base {
   }
   static I dot8(I acc, W w, int32_t x) {
     const __m256i xb = _mm256_set1_epi32(x);
-    return {_mm256_add_epi32(acc.a, signed_dot(w.a, xb)), _mm256_add_epi32(acc.b, signed_dot(w.b, xb))};
+    I r = {_mm256_add_epi32(acc.a, signed_dot(w.a, xb)), _mm256_add_epi32(acc.b, signed_dot(w.b, xb))};
+    settled(r.a, r.b);
+    return r;
   }
 };
 
