@@ -30,8 +30,9 @@
 //   kInt16Sums: the file has H (16 lanes of 16-bit sums), hzero(), hdot(H, W lo, W hi, int32 xl,
 //     int32 xh) (one oct's two pairs of products per lane added in 16 bits: AVX2's vpmaddubsw, whose
 //     widening vpmaddwd is the other half of dot4's cost) and widen(I, H) (the pairs of H summed
-//     into I). The matmuls sum int16_octs(top weight) octs in H before widening; the integers are
-//     the same, since no sum can reach 2^15.
+//     into I), widen_scaled(I, H, I s) (the same, each pair times its lane's scale, s from
+//     pair_scale(I) of scales 0..63). The matmuls sum int16_octs(top weight) octs in H before
+//     widening; the integers are the same, since no sum can reach 2^15.
 
 // The one horizontal sum of 16 lanes every path uses (what AVX-512's transpose tree computes):
 // per 128-bit quarter L, (e[4L] + e[4L+2]) + (e[4L+1] + e[4L+3]); then (P0 + P1) + (P2 + P3).
@@ -362,6 +363,11 @@ void super_dot(const int32_t* const* x_words, const float* const* x_scale, const
       } else if constexpr (A::kInt16Sums) {
         constexpr int kRun = int16_octs(Layout == 4 ? 15 : Layout == 5 ? 31 : 63);
         static_assert(S::kOctsPerGroup % kRun == 0, "a group's octs split into whole 16-bit runs");
+        // Q4_K, Q5_K: the widening multiply takes the group's (unsigned) scale, so each run goes
+        // straight into the total; Q6_K's scale multiplies the sum less its offset, below.
+        I run_scale[T];
+        if constexpr (Layout != 6)
+          for (int t = 0; t < T; ++t) run_scale[t] = A::pair_scale(A::load_u8(base[t] + S::kScales + g * 16));
         for (int o0 = 0; o0 < S::kOctsPerGroup; o0 += kRun) {
           typename A::H h[R][T];
           for (int r = 0; r < R; ++r)
@@ -375,7 +381,12 @@ void super_dot(const int32_t* const* x_words, const float* const* x_scale, const
               for (int t = 0; t < T; ++t) h[r][t] = A::hdot(h[r][t], lo[t], hi[t], x_words[r][2 * j], x_words[r][2 * j + 1]);
           }
           for (int r = 0; r < R; ++r)
-            for (int t = 0; t < T; ++t) dot[r][t] = A::widen(dot[r][t], h[r][t]);
+            for (int t = 0; t < T; ++t) {
+              if constexpr (Layout != 6)
+                total[r][t] = A::widen_scaled(total[r][t], h[r][t], run_scale[t]);
+              else
+                dot[r][t] = A::widen(dot[r][t], h[r][t]);
+            }
         }
       } else
       for (int o = 0; o < S::kOctsPerGroup; ++o) {
@@ -391,6 +402,7 @@ void super_dot(const int32_t* const* x_words, const float* const* x_scale, const
           }
         }
       }
+      if constexpr (!A::kInt16Sums || Layout == 6 || (A::kRowPairs && R >= 2))
       for (int t = 0; t < T; ++t) {
         const I scale = Layout == 6 ? A::load_i8(reinterpret_cast<const int8_t*>(base[t] + S::kScales + g * 16))
                                     : A::load_u8(base[t] + S::kScales + g * 16);
