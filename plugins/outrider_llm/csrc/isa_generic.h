@@ -136,13 +136,13 @@ inline typename A::F group_minimum(const void* m, int64_t i, typename A::F scale
 // measured 3x the time of the same pass over weights already in L2.
 constexpr int64_t kPrefetchBytes = 4096;
 
-// Rows of the pass that starts at row r0: the rows split into as few passes as kRows allows, of
-// sizes that differ by at most one (9 rows under kRows 8 would be 8 + 1, a second pass over every
-// weight for one row; 5 + 4 costs the same decoding of weights and keeps both passes full).
 // Octs one 16-bit lane can sum without saturating: each adds two pairs of products, 4 products of
 // at most top x 128 (top 15: 4 octs, a 4-bit group of 32; 31: 2; 63: 1).
 constexpr int int16_octs(int top) { return 32767 / (4 * top * 128); }
 
+// Rows of the pass that starts at row r0: the rows split into as few passes as kRows allows, of
+// sizes that differ by at most one (9 rows under kRows 8 would be 8 + 1, a second pass over every
+// weight for one row; 5 + 4 costs the same decoding of weights and keeps both passes full).
 inline int pass_rows(int64_t rows, int64_t r0, int k_rows) {
   const int64_t left = rows - r0, passes = (left + k_rows - 1) / k_rows;
   return static_cast<int>((left + passes - 1) / passes);
@@ -324,6 +324,10 @@ void super_dot(const int32_t* const* x_words, const float* const* x_scale, const
   using W = typename A::W;
   using S = SuperShape<Layout>;
   constexpr int64_t kBytes = outrider_native::super_block_bytes(Layout);
+  // Q4_K, Q5_K summed in 16 bits: the widening multiply takes the group's (unsigned) scale, so each
+  // run goes straight into the total; otherwise (Q6_K's scale multiplies the sum less its offset)
+  // the group's sum is scaled after its octs.
+  constexpr bool kScaledRuns = A::kInt16Sums && !(A::kRowPairs && R >= 2) && Layout != 6;
   F out[R][T];
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < T; ++t) out[r][t] = A::fzero();
@@ -363,10 +367,8 @@ void super_dot(const int32_t* const* x_words, const float* const* x_scale, const
       } else if constexpr (A::kInt16Sums) {
         constexpr int kRun = int16_octs(Layout == 4 ? 15 : Layout == 5 ? 31 : 63);
         static_assert(S::kOctsPerGroup % kRun == 0, "a group's octs split into whole 16-bit runs");
-        // Q4_K, Q5_K: the widening multiply takes the group's (unsigned) scale, so each run goes
-        // straight into the total; Q6_K's scale multiplies the sum less its offset, below.
         I run_scale[T];
-        if constexpr (Layout != 6)
+        if constexpr (kScaledRuns)
           for (int t = 0; t < T; ++t) run_scale[t] = A::pair_scale(A::load_u8(base[t] + S::kScales + g * 16));
         for (int o0 = 0; o0 < S::kOctsPerGroup; o0 += kRun) {
           typename A::H h[R][T];
@@ -382,7 +384,7 @@ void super_dot(const int32_t* const* x_words, const float* const* x_scale, const
           }
           for (int r = 0; r < R; ++r)
             for (int t = 0; t < T; ++t) {
-              if constexpr (Layout != 6)
+              if constexpr (kScaledRuns)
                 total[r][t] = A::widen_scaled(total[r][t], h[r][t], run_scale[t]);
               else
                 dot[r][t] = A::widen(dot[r][t], h[r][t]);
@@ -402,7 +404,7 @@ void super_dot(const int32_t* const* x_words, const float* const* x_scale, const
           }
         }
       }
-      if constexpr (!A::kInt16Sums || Layout == 6 || (A::kRowPairs && R >= 2))
+      if constexpr (!kScaledRuns)
       for (int t = 0; t < T; ++t) {
         const I scale = Layout == 6 ? A::load_i8(reinterpret_cast<const int8_t*>(base[t] + S::kScales + g * 16))
                                     : A::load_u8(base[t] + S::kScales + g * 16);
