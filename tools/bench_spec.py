@@ -299,7 +299,9 @@ def main() -> None:
         rows += [TransformersRow("transformers generate", hf, tokenizer, False),
                  TransformersRow("transformers prompt lookup", hf, tokenizer, True)]
 
-    sets = [("HumanEval", [{"prompt": p, "max_tokens": args.tokens} for p in humaneval_prompts(args.prompts)])]
+    sets = []
+    if args.prompts:  # --prompts 0: the chat set alone
+        sets.append(("HumanEval", [{"prompt": p, "max_tokens": args.tokens} for p in humaneval_prompts(args.prompts)]))
     if args.chat:
         sets.append(("chat", [{"messages": [{"role": "user", "content": c}], "max_tokens": args.tokens}
                               for c in CHAT[: args.chat]]))
