@@ -232,7 +232,7 @@ def test_a_draft_head_trains_on_the_native_runtime_and_drafts_gemma_exactly(tmp_
     assert torch.equal(embeds, rows * np.float32(np.sqrt(np.float32(target.hidden_size))))
     out, data = tmp_path / "head.safetensors", tmp_path / "features.safetensors"
     args = cli.build_parser().parse_args([
-        "--gguf", str(path), "--minutes", "0.4", "--gen-minutes", "0.05", "--text-minutes", "0.03", "--out", str(out),
+        "--gguf", str(path), "--minutes", "0.6", "--gen-minutes", "0.05", "--text-minutes", "0.03", "--out", str(out),
         "--data-cache", str(data), "--batch-sequences", "8", "--draft-vocab", "128", "--intermediate", "64"])
     assert cli.run(args, target, target_tokenizer, f"{path.stem} ({path.name})", time.monotonic()) == 0
     trainer = Trainer(target, Features.load(str(data)), TrainConfig(draft_vocab=128, intermediate_size=64))
