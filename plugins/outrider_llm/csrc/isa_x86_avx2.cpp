@@ -32,7 +32,7 @@ struct Avx2 : Avx2Base {
   }
   // Each oct's sum is settled into its register before the next oct's products: integer adds may be
   // reassociated, and GCC 12 then computed every product of a group's unrolled octs before adding
-  // any, spilling most of them on 16 ymm (313 stack moves in the Q4_0 matmul, 99 with this; several
+  // any, spilling most of them on 16 ymm (313 stack moves in the Q4_0 matmul, 87 with this; several
   // rows ran 1.3-1.4x faster here). An empty asm with the vectors as in-out operands costs nothing.
   static void settled(__m256i& a, __m256i& b) { asm("" : "+x"(a), "+x"(b)); }
   static I widen(I acc, H h) { return {_mm256_add_epi32(acc.a, pairs(h.a)), _mm256_add_epi32(acc.b, pairs(h.b))}; }
