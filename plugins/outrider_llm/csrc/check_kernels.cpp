@@ -115,6 +115,19 @@ void check_super(const KernelSet& set) {
   }
 }
 
+// A group-block weight (kernels.h kGroupBlocks, code `bits`, `block` bytes a block) of `out` outputs
+// and `in` inputs: random bytes, or `fill` (when not 0) in every byte, with normal fp16 values in each
+// block's header (scale, and minimum where has_m).
+std::vector<uint8_t> group_weight(int64_t block, bool has_m, int64_t out, int64_t in, int fill) {
+  const int64_t blocks = out / 16 * (in / 32);
+  std::vector<uint8_t> w = fill ? std::vector<uint8_t>(blocks * block, static_cast<uint8_t>(fill)) : bytes(blocks * block);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const std::vector<uint16_t> header = halves(has_m ? 32 : 16, true);
+    std::memcpy(w.data() + b * block, header.data(), header.size() * 2);
+  }
+  return w;
+}
+
 // The simple GGUF types at their file's bytes (kernels.h kGroupBlocks): random values, normal fp16
 // scales (and minimums) in each block's header; with and without minimums (Q4_1 / Q4_0 and kin).
 void check_groups(const KernelSet& set) {
@@ -124,12 +137,7 @@ void check_groups(const KernelSet& set) {
       const int bits = kGroupBlocks | (has_m ? layout : with_offset(layout, layout == 4 ? 3 : layout == 5 ? 4 : 7));
       const int64_t block = group_block_bytes(bits);
       for (int64_t in : {32, 576}) {
-        const int64_t blocks = out / 16 * (in / 32);
-        std::vector<uint8_t> w = bytes(blocks * block);
-        for (int64_t b = 0; b < blocks; ++b) {
-          const std::vector<uint16_t> header = halves(has_m ? 32 : 16, true);
-          std::memcpy(w.data() + b * block, header.data(), header.size() * 2);
-        }
+        const std::vector<uint8_t> w = group_weight(block, has_m, out, in, 0);
         for (int64_t rows : {1, 2, 5, 8, 9, 12, 13, 17, 25}) {
           const std::vector<float> x = floats(rows * in, -3.f, 3.f);
           against_scalar(set, "matmul group blocks w" + std::to_string(layout) + (has_m ? " with minimums" : "") +
@@ -141,12 +149,8 @@ void check_groups(const KernelSet& set) {
         }
       }
       for (float value : {1.f, -1.f}) {  // the largest sums a path may hold (AVX2 sums in 16 bits)
-        const int64_t in = 256, blocks = out / 16 * (in / 32);
-        std::vector<uint8_t> w(blocks * block, 0xFF);
-        for (int64_t b = 0; b < blocks; ++b) {
-          const std::vector<uint16_t> header = halves(has_m ? 32 : 16, true);
-          std::memcpy(w.data() + b * block, header.data(), header.size() * 2);
-        }
+        const int64_t in = 256;
+        const std::vector<uint8_t> w = group_weight(block, has_m, out, in, 0xFF);
         const std::vector<float> x(4 * in, value);
         against_scalar(set, "matmul group blocks w" + std::to_string(layout) + (has_m ? " with minimums" : "") +
                                 " extreme x " + std::to_string(value), [&] {
