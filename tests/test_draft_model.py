@@ -80,6 +80,39 @@ def test_greedy_output_with_a_draft_model_is_the_targets(target, files, shape):
     assert drafter.shape == shape
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_sequences_of_a_step_draft_together_one_forward_a_depth(target, files, temperature, monkeypatch):
+    """Four sequences decoding side by side: the draft model syncs them in one forward and grows
+    their chains side by side (propose_batch), so a step costs about one draft forward per depth,
+    not one per sequence and depth; the output is the target's either way (greedy: plain's tokens;
+    seeded T=1: the same draws as when each sequence drafts alone, as each draws from its own stream)."""
+    model, tokenizer = target
+    params = [{"prompt": p, "max_tokens": 24, "temperature": temperature, "seed": 7 + i, "ignore_eos": True}
+              for i, p in enumerate(PROMPTS[:4])]
+    options = {"path": str(files["same"]), "max_sequences": 4, "prob_threshold": 0.0}
+
+    def run():
+        strategy = _strategy(["model"], model=options, prob_threshold=0.0, cost_gate=False, adaptive=False,
+                             max_draft_tokens=4, batch_draft_tokens=64)
+        out = _run(model, tokenizer, strategy, params)
+        assert strategy.stats["drafter_errors"] == 0
+        return out, strategy.drafters[0].calls
+
+    from outrider_speculative.draft_model import DraftModelDrafter
+
+    together, calls_together = run()
+    monkeypatch.delattr(DraftModelDrafter, "propose_batch")  # the strategy then asks it one sequence at a time
+    alone, calls_alone = run()
+    for i in range(4):
+        assert together[i]["token_ids"] == alone[i]["token_ids"], PROMPTS[i]
+    assert sum(together[i]["stats"]["accepted_tokens"] for i in range(4)) > 0
+    if temperature == 0.0:
+        plain = _run(model, tokenizer, None, params)
+        assert [together[i]["token_ids"] for i in range(4)] == [plain[i]["token_ids"] for i in range(4)]
+    # 4 sequences a step: about a quarter of the forwards.
+    assert calls_together * 2 < calls_alone, (calls_together, calls_alone)
+
+
 def test_a_poor_draft_model_is_still_exact(target, files):
     model, tokenizer = target
     params = [{"prompt": p, "max_tokens": 24} for p in PROMPTS[:3]]

@@ -78,6 +78,7 @@ class DraftModelDrafter:
         self.frontier = frontier
         self.sample = sample
         self.catch_up = catch_up
+        self.max_sequences = max_sequences
         self.cache = draft.new_cache(max_sequences, max_length)
         # A chain keeps its drafted rows and truncates what the target did not keep; a ring cache
         # cannot truncate, so a sliding-window draft drafts trees.
@@ -127,9 +128,10 @@ class DraftModelDrafter:
 
     # -- the draft model's forwards ---------------------------------------------------------
 
-    def _forward(self, chunk: Chunk, rows: list[int]) -> np.ndarray:
+    def _forward(self, chunks: list[Chunk], rows: list[int]) -> np.ndarray:
+        """The logits of `rows` (indices into the chunks' tokens, concatenated) in the target's vocabulary."""
         started = time.perf_counter()
-        logits = host_array(self.draft.forward(self.cache, [chunk], logit_rows=np.asarray(rows, dtype=np.int64)).logits)
+        logits = host_array(self.draft.forward(self.cache, chunks, logit_rows=np.asarray(rows, dtype=np.int64)).logits)
         self.calls += 1
         self.seconds += time.perf_counter() - started
         return self._in_target_vocab(np.asarray(logits, dtype=np.float32))
@@ -145,7 +147,14 @@ class DraftModelDrafter:
         return out
 
     def _sync(self, slot: int, tokens: list[int]) -> np.ndarray:
-        """Commit what the sequence gained since the last call; the logits after its pending token.
+        """Commit what the sequence gained since the last call; the logits after its pending token."""
+        chunk = self._sync_feed(slot, tokens)
+        if chunk is None:
+            return self._root[slot]
+        return self._synced(slot, tokens, chunk, self._forward([chunk], [len(chunk.tokens) - 1])[0])
+
+    def _sync_feed(self, slot: int, tokens: list[int]) -> Optional[Chunk]:
+        """What the slot must be fed to have seen `tokens` (None: it has, and its root logits are kept).
 
         A gap longer than `catch_up` tokens (the sequence decoded plain while drafting did not pay)
         is bridged with its last `catch_up` tokens only, at their true positions: the draft's cache
@@ -168,7 +177,7 @@ class DraftModelDrafter:
             self.cache.reset(slot)  # not this sequence's prefix (a reused key): start over
             have = 0
         if have == n and slot in self._root:
-            return self._root[slot]
+            return None
         if have == n:  # committed without its logits kept (cannot happen after _sync; be safe): start over
             self.cache.reset(slot)
             have = 0
@@ -179,10 +188,13 @@ class DraftModelDrafter:
             self.cache.reset(slot)  # full of old rows: start over on the last rows only
             have = max(0, n - self.catch_up)
             new = np.asarray(tokens[have:], dtype=np.int64)
-        logits = self._forward(Chunk(slot, new, np.arange(have, n, dtype=np.int64)), [len(new) - 1])[0]
-        self.cache.commit(slot, list(range(len(new))))
+        return Chunk(slot, new, np.arange(have, n, dtype=np.int64))
+
+    def _synced(self, slot: int, tokens: list[int], chunk: Chunk, logits: np.ndarray) -> np.ndarray:
+        """Commit `chunk` (from `_sync_feed`, just forwarded: `logits` after its last token)."""
+        self.cache.commit(slot, list(range(len(chunk.tokens))))
         self._rows[slot] = self.cache.length(slot)
-        self._covered[slot] = n
+        self._covered[slot] = len(tokens)
         self._last[slot] = int(tokens[-1])
         self._root[slot] = logits
         return logits
@@ -205,7 +217,7 @@ class DraftModelDrafter:
                 node = node.parent
         tokens = np.array([members[i].token for i in order], dtype=np.int64)
         positions = np.array([committed - 1 + members[i].depth for i in order], dtype=np.int64)
-        return self._forward(Chunk(slot, tokens, positions, mask), [row_of[node.index] for node in nodes])
+        return self._forward([Chunk(slot, tokens, positions, mask)], [row_of[node.index] for node in nodes])
 
     # -- proposing ------------------------------------------------------------------------
 
@@ -228,40 +240,27 @@ class DraftModelDrafter:
 
     def _propose_chain(self, slot: int, n: int, root: np.ndarray, budget: int, sampled: bool,
                        knobs: tuple, generator: Any) -> SpecTree:
-        """The draft's own continuation, one token a forward (its argmax, or a draw from its q at
-        T > 0), each fed and committed so the next costs one row; cut where the cumulative draft
-        probability falls below `prob_threshold`. The rows stay for the next step's `_sync`."""
-        tree, logits, cumulative, fed = SpecTree(), root, 1.0, []
-        depth = min(budget, self.max_depth)
-        rng = generator if generator is not None else np.random.default_rng()
-        while len(tree.tokens) < depth:
-            parent = len(tree.tokens) - 1
-            if sampled:
-                q = target_distribution(logits, *knobs)
-                group = sample_children(q, 1, rng)
-                if not group.draws:
-                    break
-                token = group.draws[0]
-                # Recorded before the threshold looks at it: a draw left out would bias the rule.
-                tree.sampled.setdefault(parent, []).append(group)
-                prob = float(q[token] / q.sum(dtype=np.float64))
-            else:
-                token = int(np.argmax(logits))
-                prob = float(1.0 / np.exp(logits - logits[token]).sum(dtype=np.float64))
-            cumulative *= prob
-            if cumulative < self.prob_threshold:
+        """The draft's own continuation (see `_Chain`); the rows stay for the next step's `_sync`."""
+        chain = _Chain(slot, n, root, min(budget, self.max_depth), sampled, knobs, generator)
+        self._grow([chain])
+        return chain.tree
+
+    def _grow(self, chains: list["_Chain"]) -> None:
+        """Grow every chain to its end, each round one forward that feeds (and commits) the token
+        each unfinished chain just took: d rounds for chains of depth d, however many there are."""
+        while True:
+            taken = [(chain, token) for chain in chains if (token := chain.take(self.prob_threshold)) is not None]
+            if not taken:
                 break
-            tree.tokens.append(token)
-            tree.parents.append(parent)
-            tree.probs.append(cumulative)
-            if len(tree.tokens) >= depth:
-                break
-            logits = self._forward(Chunk(slot, np.array([token], dtype=np.int64),
-                                         np.array([n + len(tree.tokens) - 1], dtype=np.int64)), [0])[0]
-            self.cache.commit(slot, [0])
-            fed.append(token)
-        self._chain[slot] = fed
-        return tree
+            chunks = [Chunk(chain.slot, np.array([token], dtype=np.int64),
+                            np.array([chain.n + len(chain.tree.tokens) - 1], dtype=np.int64)) for chain, token in taken]
+            logits = self._forward(chunks, list(range(len(chunks))))
+            for (chain, token), row in zip(taken, logits):
+                self.cache.commit(chain.slot, [0])
+                chain.fed.append(token)
+                chain.logits = row
+        for chain in chains:
+            self._chain[chain.slot] = chain.fed
 
     def propose(self, view: Any, budget: int) -> SpecTree:
         """At most `budget` nodes after the pending token: a chain (default) or a best-first tree
@@ -294,6 +293,43 @@ class DraftModelDrafter:
                 if key is None:  # nothing to find it by next time
                     self._release(slot)
 
+    def propose_batch(self, items: list[tuple[Any, int]]) -> list[SpecTree]:
+        """`propose` for several sequences of one step: their syncs in one forward, then their chains
+        side by side, one forward a depth (trees are drafted one sequence at a time)."""
+        if self.shape != "chain":
+            return [self.propose(view, budget) for view, budget in items]
+        out = [SpecTree() for _ in items]
+        todo = [(i, view, budget) for i, (view, budget) in enumerate(items)
+                if budget > 0 and 0 < len(view.token_ids) and len(view.token_ids) + self.max_depth <= self.cache.max_length]
+        with self._lock:
+            # At most as many sequences at once as the cache has slots: one group never evicts its own.
+            for start in range(0, len(todo), self.max_sequences):
+                group = todo[start:start + self.max_sequences]
+                slots = [self._slot(sequence_key(view)) for _, view, _ in group]
+                try:
+                    tokens = [list(view.token_ids) for _, view, _ in group]
+                    feeds = [self._sync_feed(slot, t) for slot, t in zip(slots, tokens)]
+                    fed = [j for j, chunk in enumerate(feeds) if chunk is not None]
+                    if fed:
+                        ends = np.cumsum([len(feeds[j].tokens) for j in fed]) - 1
+                        logits = self._forward([feeds[j] for j in fed], [int(e) for e in ends])
+                        for j, row in zip(fed, logits):
+                            self._synced(slots[j], tokens[j], feeds[j], row)
+                    chains = []
+                    for (i, view, budget), slot, t in zip(group, slots, tokens):
+                        temperature, top_k, top_p = sampling_knobs(view.params)
+                        chains.append(_Chain(slot, len(t), self._root[slot], min(budget, self.max_depth),
+                                             self.sample and not is_greedy(temperature), (temperature, top_k, top_p),
+                                             view.generator))
+                    self._grow(chains)
+                    for (i, _, _), chain in zip(group, chains):
+                        out[i] = chain.tree
+                finally:
+                    for (_, view, _), slot in zip(group, slots):
+                        if sequence_key(view) is None:  # nothing to find it by next time
+                            self._release(slot)
+        return out
+
     def warmup(self) -> None:
         """One sync and one tree forward, so the first request pays no set-up."""
         class _View:  # greedy, and with no seq_id: propose releases its slot when done
@@ -307,6 +343,54 @@ class DraftModelDrafter:
         self.propose(_View(), min(4, self.max_depth))
         with self._lock:
             self.calls, self.seconds = 0, 0.0
+
+
+class _Chain:
+    """One sequence's draft chain as it grows: the draft's argmax, or at T > 0 a draw from its q,
+    one token a draft forward; it ends where the cumulative draft probability falls below the
+    threshold or at its depth, so its length follows the draft's confidence."""
+
+    def __init__(self, slot: int, n: int, logits: np.ndarray, depth: int, sampled: bool, knobs: tuple,
+                 generator: Optional[np.random.Generator]) -> None:
+        self.slot, self.n, self.logits, self.depth = slot, n, logits, depth
+        self.sampled, self.knobs = sampled, knobs
+        self.rng = generator if generator is not None else np.random.default_rng()
+        self.tree = SpecTree()
+        self.cumulative = 1.0
+        self.fed: list[int] = []  # tokens fed to the draft and committed after the sequence's own
+        self.ended = False
+
+    def take(self, prob_threshold: float) -> Optional[int]:
+        """Take the next token from `logits`; the token to feed next, or None once the chain has ended."""
+        tree = self.tree
+        if self.ended or len(tree.tokens) >= self.depth:
+            self.ended = True
+            return None
+        parent = len(tree.tokens) - 1
+        if self.sampled:
+            q = target_distribution(self.logits, *self.knobs)
+            group = sample_children(q, 1, self.rng)
+            if not group.draws:
+                self.ended = True
+                return None
+            token = group.draws[0]
+            # Recorded before the threshold looks at it: a draw left out would bias the rule.
+            tree.sampled.setdefault(parent, []).append(group)
+            prob = float(q[token] / q.sum(dtype=np.float64))
+        else:
+            token = int(np.argmax(self.logits))
+            prob = float(1.0 / np.exp(self.logits - self.logits[token]).sum(dtype=np.float64))
+        self.cumulative *= prob
+        if self.cumulative < prob_threshold:
+            self.ended = True
+            return None
+        tree.tokens.append(token)
+        tree.parents.append(parent)
+        tree.probs.append(self.cumulative)
+        if len(tree.tokens) >= self.depth:
+            self.ended = True
+            return None
+        return token
 
 
 def check_vocabulary(target: Any, draft: Any, path: str) -> None:

@@ -4,9 +4,9 @@
     strategy.bind_registry(registry)                         # core: drafter factories by name
     strategy.attach(model, tokenizer)                        # once the model is loaded
     strategy.start(seq)                                      # admitted (indexes the prompt)
-    each step, for each decoding sequence:
-        tree = strategy.propose(seq, DraftLimits(room, n_active, step))
-        ... the engine: one forward over [pending, *tree.tokens], verify.verify, commit, emit ...
+    each step, for the decoding sequences:
+        trees = strategy.propose_batch([(seq, DraftLimits(room, n_active, step)), ...])
+        ... the engine: one forward over each [pending, *tree.tokens], verify.verify, commit, emit ...
         strategy.observe(seq, StepOutcome(phase, drafted, accepted, new_tokens))
     strategy.finish(seq)                                     # ended or cancelled
 
@@ -323,8 +323,62 @@ class SpeculativeStrategy:
     def propose(self, seq: Any, limits: DraftLimits) -> SpecTree:
         """Decide this step's budget, ask every drafter, merge, and cut to the budget, `limits.room`
         deep, the probability threshold and the fan-out cap."""
+        return self.propose_batch([(seq, limits)])[0]
+
+    def propose_batch(self, items: list[tuple[Any, DraftLimits]]) -> list[SpecTree]:
+        """`propose` for the step's decoding sequences, in the engine's order. Drafters with a
+        `propose_batch` of their own (a draft model) are asked once for all the sequences that
+        draft, so their forwards serve every sequence at once; the others are asked per sequence.
+        Such a drafter's rows are reserved at each sequence's full budget while the step's rows are
+        shared out, and what it leaves unspent is handed back after it answers."""
         if not self.attached:
             self.attach()
+        together = [d for d in self.drafters if callable(getattr(d, "propose_batch", None))] if len(items) > 1 else []
+        alone = [d for d in self.drafters if not any(d is t for t in together)]
+        trees = [SpecTree() for _ in items]
+        waiting: list[tuple[int, int, list[DraftTree], float]] = []  # (item, budget, its trees, seconds spent)
+        for index, (seq, limits) in enumerate(items):
+            budget = self._budget_of(seq, limits)
+            if budget is None:
+                continue
+            drafted: list[DraftTree] = []
+            started = time.perf_counter()
+            if budget > 0:
+                for drafter in alone:
+                    drafted.extend(self._asked(drafter, lambda d: [d.propose(seq, budget)], 1))
+            spent = time.perf_counter() - started
+            if budget > 0 and together:
+                self._rows_left -= budget  # reserved until the drafters that serve the batch answer
+                waiting.append((index, budget, drafted, spent))
+            else:
+                trees[index] = self._proposed(seq, limits, budget, drafted, spent)
+        if waiting:
+            started = time.perf_counter()
+            asks = [(items[index][0], budget) for index, budget, _, _ in waiting]
+            answers = [self._asked(drafter, lambda d: d.propose_batch(asks), len(asks)) for drafter in together]
+            shared = (time.perf_counter() - started) / len(waiting)  # each sequence's part of the batch's time
+            for j, (index, budget, drafted, spent) in enumerate(waiting):
+                self._rows_left += budget
+                drafted += [answer[j] for answer in answers if answer]
+                trees[index] = self._proposed(items[index][0], items[index][1], budget, drafted, spent + shared)
+        return trees
+
+    def _asked(self, drafter: Any, ask: Callable[[Any], Any], count: int) -> list[DraftTree]:
+        """What `ask(drafter)` proposed (`count` trees), or nothing: a drafter bug costs speed, never
+        a request, as an empty draft is valid."""
+        try:
+            trees = list(ask(drafter))
+            if len(trees) != count:
+                raise ValueError(f"{len(trees)} drafts for {count} sequences")
+            return trees
+        except Exception:
+            self.stats["drafter_errors"] += 1
+            log.exception("drafter %r failed; drafting without it", drafter.name)
+            return []
+
+    def _budget_of(self, seq: Any, limits: DraftLimits) -> Optional[int]:
+        """This step's draft nodes for `seq` (0: gated), or None where it has no rows or room at all
+        (then nothing of it is timed or counted)."""
         key = sequence_key(seq)
         gate = self._gate(seq)
         share = self.controller.batch_budget(limits.n_active)
@@ -332,11 +386,10 @@ class SpeculativeStrategy:
             self._begin_step(limits, share)
         self._step_seqs.add(key)
         budget = min(share, self._rows_left, self.controller.budget(key))
-        tree = SpecTree()
         if budget <= 0 or limits.room <= 0:
             if gate is not None and key is not None:
                 gate.forget_step(key)  # no rows left for it: not the sequence's choice, not timed
-            return tree
+            return None
         if _seeded(seq):
             # A seeded sampling request's output must not depend on timing: it follows the instance's
             # verdict as it stood when the request started, for its whole length.
@@ -352,23 +405,24 @@ class SpeculativeStrategy:
             # the start of a burst (CostGate.peek) where verifying it costs the step next to nothing.
             budget = 1 if self._cheap_peek and gate.peek(key) else 0
             self.stats["gated_steps"] += 1
+        return budget
+
+    def _proposed(self, seq: Any, limits: DraftLimits, budget: int, drafted: list[DraftTree],
+                  seconds: float) -> SpecTree:
+        """The drafters' trees merged and cut to the budget, `limits.room` deep, the probability
+        threshold and the fan-out cap; the step's rows and the gate told what it cost."""
+        key = sequence_key(seq)
+        tree = SpecTree()
         if budget > 0:
-            started = time.perf_counter()
-            trees: list[DraftTree] = []
-            for drafter in self.drafters:
-                try:
-                    trees.append(drafter.propose(seq, budget))
-                except Exception:  # a drafter bug costs speed, never a request: an empty draft is valid
-                    self.stats["drafter_errors"] += 1
-                    log.exception("drafter %r failed; drafting without it", drafter.name)
-            trees = [t for t in trees if len(t)]
-            if trees:
-                merged = trees[0] if len(trees) == 1 else merge_trees(*trees)
+            drafted = [t for t in drafted if len(t)]
+            if drafted:
+                merged = drafted[0] if len(drafted) == 1 else merge_trees(*drafted)
                 cfg = self.config
                 tree = prune_tree(merged, budget, min(cfg.max_depth, limits.room), cfg.prob_threshold,
                                   cfg.max_children)
+            gate = self._gate(seq)
             if gate is not None and key is not None:
-                gate.spent(key, time.perf_counter() - started)
+                gate.spent(key, seconds)
                 gate.proposed(key, len(tree))
         self._rows_left -= len(tree)
         if key is not None:

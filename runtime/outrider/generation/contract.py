@@ -236,6 +236,10 @@ class Drafter(Protocol):
     drafter never verifies, commits or counts: the engine does (verify.verify), and an exception
     in `propose` costs that step's draft, never the request.
 
+    `propose_batch(items)` (optional): the same for several sequences of one step at once, items
+    [(seq, budget)] in the engine's order, one tree per item: a drafter that runs a model of its
+    own answers them with one forward per draft depth instead of one per sequence and depth.
+
     Optional hooks, each given the engine's Sequence as a SequenceView: `start(seq)` (admitted),
     `observe(seq, outcome: StepOutcome)` (after every step of it, its new tokens appended),
     `finish(seq)` (ended or cancelled: drop its state) and `warmup()` (before the model is
@@ -245,6 +249,7 @@ class Drafter(Protocol):
     name: str
 
     def propose(self, seq: "SequenceView", budget: int) -> DraftTree: ...
+    # def propose_batch(self, items: list[tuple["SequenceView", int]]) -> list[DraftTree]: ...
 
 
 DRAFTER_MEMBERS = ("name", "propose")
@@ -281,15 +286,18 @@ class DecodeStrategy(Protocol):
         strategy.bind_registry(registry)                         # core: the drafter factories
         strategy.attach(model, tokenizer)                        # once the model is loaded
         strategy.start(seq)                                      # a sequence was admitted
-        each step, for each decoding sequence:
-            tree = strategy.propose(seq, DraftLimits(room, n_active, step))
-            ... the engine: one forward over [pending, *tree.tokens] with tree.mask(),
+        each step, for the decoding sequences, in the engine's order:
+            trees = strategy.propose_batch([(seq, DraftLimits(room, n_active, step)), ...])
+            (or tree = strategy.propose(seq, limits) for each, where there is no propose_batch)
+            ... the engine: one forward over every [pending, *tree.tokens] with tree.mask(),
                 verify.verify (the only accept rule), cache.commit, emit ...
             strategy.observe(seq, StepOutcome(...))              # also after the prefill step
         strategy.finish(seq)                                     # ended or cancelled
 
     `propose` is the one place the draft budget is decided (nodes, depth within `room`, whether
     drafting pays at all); the engine refuses a tree deeper than `room` (that request fails).
+    `propose_batch` (optional) returns one tree per item, so drafters can serve the step's
+    sequences together; should it raise, the engine asks `propose` one sequence at a time.
     Everything here is draft-side: the output is the target's whatever the strategy proposes.
     """
 
@@ -298,6 +306,7 @@ class DecodeStrategy(Protocol):
     def attach(self, model: CausalLM, tokenizer: Any) -> None: ...
     def start(self, seq: SequenceView) -> None: ...
     def propose(self, seq: SequenceView, limits: DraftLimits) -> DraftTree: ...
+    # def propose_batch(self, items: list[tuple[SequenceView, DraftLimits]]) -> list[DraftTree]: ...
     def observe(self, seq: SequenceView, outcome: StepOutcome) -> None: ...
     def finish(self, seq: SequenceView) -> None: ...
 

@@ -29,7 +29,7 @@ from outrider.serving.scheduler import Scheduler
 
 from .constraints import check_grammar_state, token_logprobs
 from .contract import Chunk, DraftLimits, DraftTree, StepOutcome, check_tokenizer
-from .drafting import draft_tree
+from .drafting import draft_trees
 from .prefix_cache import PrefixCache
 from .prefix_sharing import reuse_prefix, shares_a_prefill, store_prefix
 from .request_reader import RequestReader
@@ -152,13 +152,29 @@ class GenerationEngine:
         planned: list[tuple[Sequence, Chunk, Optional[DraftTree]]] = []
         prefilling: set[bytes] = set()  # first blocks of the prompts prefilled in this step
         prefills = sum(1 for seq in self.active if not seq.prefilled)  # DraftLimits.prefilling
+        steps: list[tuple[Sequence, "Chunk | DraftLimits"]] = []
         for seq in list(self.active):
             if shares_a_prefill(self.prefix_cache, seq, prefilling):
                 continue  # next step it finds that prompt's blocks in the prefix cache
             try:
-                planned.append((seq, *self._plan(seq, prefills)))
-            except Exception as exc:  # drafting for this sequence: its own failure
+                steps.append((seq, self._plan(seq, prefills)))
+            except Exception as exc:  # preparing this sequence's prompt: its own failure
                 self._abort(seq, exc, "preparing its step")
+        # The decoding sequences' drafts, asked together so a drafting model runs once for all.
+        wanted = [(seq, plan) for seq, plan in steps if isinstance(plan, DraftLimits) and seq.speculate and plan.room > 0]
+        drafts = dict(zip((id(seq) for seq, _ in wanted), draft_trees(wanted, self.strategy))) if wanted else {}
+        for seq, plan in steps:
+            if isinstance(plan, Chunk):
+                planned.append((seq, plan, None))
+                continue
+            tree = drafts.get(id(seq), DraftTree())
+            if isinstance(tree, Exception):  # drafting for this sequence: its own failure
+                self._abort(seq, tree, "preparing its step")
+                continue
+            length = self.cache.length(seq.slot)
+            tokens = np.array([seq.token_ids[-1], *tree.tokens], dtype=np.int64)
+            positions = length + np.array([0, *tree.depths()], dtype=np.int64)
+            planned.append((seq, Chunk(seq.slot, tokens, positions, tree.mask() if len(tree) else None), tree))
         if not planned:
             return
         decoding = sum(1 for _, _, tree in planned if tree is not None)
@@ -195,8 +211,8 @@ class GenerationEngine:
             self.stats.add("decode_steps", 1)
             self.stats.add("decode_sequences", decoding)
 
-    def _plan(self, seq: Sequence, prefills: int) -> tuple[Chunk, Optional[DraftTree]]:
-        """What `seq` feeds this step: its prompt (tree None), or its pending token plus a draft tree
+    def _plan(self, seq: Sequence, prefills: int) -> "Chunk | DraftLimits":
+        """What `seq` feeds this step: its prompt (a Chunk), or, decoding, the limits of its draft
         (`prefills` sequences of the step feed their prompts: DraftLimits.prefilling)."""
         length = self.cache.length(seq.slot)
         if not seq.prefilled:
@@ -205,16 +221,11 @@ class GenerationEngine:
                 reuse_prefix(self.prefix_cache, self.cache, seq, self.stats)
                 length = self.cache.length(seq.slot)
             return Chunk(seq.slot, np.array(seq.token_ids[length:], dtype=np.int64),
-                         np.arange(length, n, dtype=np.int64)), None
-        tree = DraftTree()
+                         np.arange(length, n, dtype=np.int64))
+        seq.forced_draft = False
         remaining = seq.params.max_tokens - len(seq.generated)
         room = min(self.max_length - length - 1, remaining - 1)
-        seq.forced_draft = False
-        if seq.speculate and room > 0:
-            tree = draft_tree(seq, self.strategy, DraftLimits(room, len(self.active), self.steps, prefills))
-        tokens = np.array([seq.token_ids[-1], *tree.tokens], dtype=np.int64)
-        positions = length + np.array([0, *tree.depths()], dtype=np.int64)
-        return Chunk(seq.slot, tokens, positions, tree.mask() if len(tree) else None), tree
+        return DraftLimits(room, len(self.active), self.steps, prefills)
 
     def _advance(self, seq: Sequence, chunk: Chunk, tree: Optional[DraftTree], hidden: Any,
                  logits: np.ndarray) -> None:
