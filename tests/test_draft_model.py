@@ -113,6 +113,20 @@ def test_the_sequences_of_a_step_draft_together_one_forward_a_depth(target, file
     assert calls_together * 2 < calls_alone, (calls_together, calls_alone)
 
 
+def test_the_draft_model_passes_the_drafter_conformance_kit(target, files):
+    """outrider.testing.check_drafter: well-formed trees alone and two sequences at once
+    (propose_batch), greedy and sampled, and two sequences a step through the engine equal to plain."""
+    from outrider.plugins import create_registry
+    from outrider.testing import check_drafter
+
+    model, tokenizer = target
+    registry = create_registry(["outrider_llm", "outrider_speculative"], load_entry_points=False)
+    counts = check_drafter(registry, "model", model, tokenizer, tokenizer.encode("the cat sat on the mat"),
+                           {"path": str(files["same"]), "prob_threshold": 0.0})
+    assert counts["proposals"] == 26 and counts["nodes"] > 0 and counts["sampled_groups"] > 0
+    assert counts["engine_draft_tokens"] > 0
+
+
 def test_a_poor_draft_model_is_still_exact(target, files):
     model, tokenizer = target
     params = [{"prompt": p, "max_tokens": 24} for p in PROMPTS[:3]]

@@ -168,13 +168,12 @@ class GenerationEngine:
                 planned.append((seq, plan, None))
                 continue
             tree = drafts.get(id(seq), DraftTree())
-            if isinstance(tree, Exception):  # drafting for this sequence: its own failure
-                self._abort(seq, tree, "preparing its step")
-                continue
-            length = self.cache.length(seq.slot)
-            tokens = np.array([seq.token_ids[-1], *tree.tokens], dtype=np.int64)
-            positions = length + np.array([0, *tree.depths()], dtype=np.int64)
-            planned.append((seq, Chunk(seq.slot, tokens, positions, tree.mask() if len(tree) else None), tree))
+            try:
+                if isinstance(tree, Exception):
+                    raise tree
+                planned.append((seq, self._decode_chunk(seq, tree), tree))
+            except Exception as exc:  # drafting for this sequence: its own failure
+                self._abort(seq, exc, "preparing its step")
         if not planned:
             return
         decoding = sum(1 for _, _, tree in planned if tree is not None)
@@ -226,6 +225,13 @@ class GenerationEngine:
         remaining = seq.params.max_tokens - len(seq.generated)
         room = min(self.max_length - length - 1, remaining - 1)
         return DraftLimits(room, len(self.active), self.steps, prefills)
+
+    def _decode_chunk(self, seq: Sequence, tree: DraftTree) -> Chunk:
+        """`seq`'s pending token and its draft tree, each at its position (depth past the pending one)."""
+        length = self.cache.length(seq.slot)
+        tokens = np.array([seq.token_ids[-1], *tree.tokens], dtype=np.int64)
+        positions = length + np.array([0, *tree.depths()], dtype=np.int64)
+        return Chunk(seq.slot, tokens, positions, tree.mask() if len(tree) else None)
 
     def _advance(self, seq: Sequence, chunk: Chunk, tree: Optional[DraftTree], hidden: Any,
                  logits: np.ndarray) -> None:

@@ -203,10 +203,11 @@ def check_drafter(registry: PluginRegistry, name: str, model: Any, tokenizer: An
     be a well-formed tree (parents before children, lengths agreeing, sampled groups on existing
     nodes with a q over the vocabulary) of at most `budget` nodes, for greedy and for sampling
     parameters; `start`, `observe` and `finish` (where defined) must take a sequence's life; and the
-    engine's greedy output with the drafter must be the target's own, token for token. The kit's own
+    engine's greedy output with the drafter must be the target's own, token for token (two sequences
+    a step; a drafter with `propose_batch` also gets two sequences at once directly). The kit's own
     sequences carry no hidden states (`last_hidden`, `new_features` are None): a drafter that reads
     them proposes empty trees there, which is valid, and drafts in the engine part."""
-    from ..generation.contract import DrafterContext, StepOutcome, sampled_groups
+    from ..generation.contract import DrafterContext, StepOutcome
     from ..generation.engine import GenerationEngine
     from ..generation.sampling import SamplingParams, new_generator
 
@@ -224,29 +225,24 @@ def check_drafter(registry: PluginRegistry, name: str, model: Any, tokenizer: An
             budget = 1 + step % 8
             tree = drafter.propose(view, budget)
             n = len(tree.tokens)
-            assert len(tree.parents) == n and (not tree.probs or len(tree.probs) == n), \
-                f"{name}: {n} tokens, {len(tree.parents)} parents, {len(tree.probs)} probs"
-            assert n <= budget, f"{name}: proposed {n} nodes for a budget of {budget}"
-            assert all(-1 <= p < i for i, p in enumerate(tree.parents)), f"{name}: a parent comes after its child"
-            assert all(0 <= t < vocab for t in tree.tokens), f"{name}: a drafted token is outside the vocabulary"
-            for parent, groups in sampled_groups(tree).items():
-                assert -1 <= parent < n, f"{name}: a sampled group under missing node {parent}"
-                for group in groups:
-                    q = np.asarray(group.q)
-                    assert q.shape == (vocab,) and np.all(q >= 0) and q.sum() > 0, \
-                        f"{name}: a sampled q is not a distribution over the vocabulary"
-                    assert all(q[t] > 0 for t in group.draws), f"{name}: a draw has q = 0"
-                counts["sampled_groups"] += len(groups)
-            counts["proposals"] += 1
-            counts["nodes"] += n
+            _check_tree(name, tree, budget, vocab, counts)
             new = [int(tree.tokens[0])] if n else [int(prompt_ids[-1])]  # as if the first node were accepted
             view.token_ids += new
             if hasattr(drafter, "observe"):
                 drafter.observe(view, StepOutcome("decode", n, min(1, n), new))
         if hasattr(drafter, "finish"):
             drafter.finish(view)
+    if callable(getattr(drafter, "propose_batch", None)):  # several sequences of one step at once
+        views = [_View(f"conformance-batch-{i}", prompt_ids[:len(prompt_ids) - i], params, new_generator(i))
+                 for i, params in enumerate((SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=5)))]
+        trees = drafter.propose_batch([(view, 2 + 2 * i) for i, view in enumerate(views)])
+        assert len(trees) == len(views), f"{name}: propose_batch gave {len(trees)} trees for {len(views)} sequences"
+        for i, (view, tree) in enumerate(zip(views, trees)):
+            _check_tree(name, tree, 2 + 2 * i, vocab, counts)
+            if hasattr(drafter, "finish"):
+                drafter.finish(view)
 
-    # Through the engine: greedy output with the drafter is the target's.
+    # Through the engine: greedy output with the drafter is the target's, two sequences a step.
     generating = [b for b in registry.backends.values() if b.generates]
     assert generating, "no plugin registers a generating backend to run the drafter under"
     manifest = validate_manifest({"name": "conformance", "backend": generating[0].name,
@@ -256,14 +252,38 @@ def check_drafter(registry: PluginRegistry, name: str, model: Any, tokenizer: An
     strategy = strategy.for_instance()
     strategy.attach(model, tokenizer)
     outputs = []
-    request = {"prompt": tokenizer.decode(prompt_ids), "max_tokens": 24, "temperature": 0.0}
+    requests = [{"prompt": tokenizer.decode(prompt_ids[:len(prompt_ids) - i]), "max_tokens": 24, "temperature": 0.0}
+                for i in range(2)]
     for strat in (None, strategy):
         engine = GenerationEngine(model, tokenizer, strat, max_sequences=2, max_length=len(prompt_ids) + 64)
-        finals, _ = _run_generations(engine, [request])
-        assert finals[0].get("ok", True), f"{name}: the generation failed: {finals}"
-        outputs.append(finals[0])
-    assert outputs[1]["token_ids"] == outputs[0]["token_ids"], \
-        f"{name}: greedy output with the drafter differs from the target's: {outputs[1]['token_ids']} vs " \
-        f"{outputs[0]['token_ids']}"
-    counts["engine_draft_tokens"] = outputs[1]["stats"]["draft_tokens"]
+        finals, _ = _run_generations(engine, requests)
+        assert all(finals[i].get("ok", True) for i in range(2)), f"{name}: a generation failed: {finals}"
+        outputs.append(finals)
+    for i in range(2):
+        assert outputs[1][i]["token_ids"] == outputs[0][i]["token_ids"], \
+            f"{name}: greedy output with the drafter differs from the target's: {outputs[1][i]['token_ids']} vs " \
+            f"{outputs[0][i]['token_ids']}"
+    counts["engine_draft_tokens"] = sum(outputs[1][i]["stats"]["draft_tokens"] for i in range(2))
     return counts
+
+
+def _check_tree(name: str, tree: Any, budget: int, vocab: int, counts: dict[str, Any]) -> None:
+    """Assert `tree` is a well-formed proposal of at most `budget` nodes; count it."""
+    from ..generation.contract import sampled_groups
+
+    n = len(tree.tokens)
+    assert len(tree.parents) == n and (not tree.probs or len(tree.probs) == n), \
+        f"{name}: {n} tokens, {len(tree.parents)} parents, {len(tree.probs)} probs"
+    assert n <= budget, f"{name}: proposed {n} nodes for a budget of {budget}"
+    assert all(-1 <= p < i for i, p in enumerate(tree.parents)), f"{name}: a parent comes after its child"
+    assert all(0 <= t < vocab for t in tree.tokens), f"{name}: a drafted token is outside the vocabulary"
+    for parent, groups in sampled_groups(tree).items():
+        assert -1 <= parent < n, f"{name}: a sampled group under missing node {parent}"
+        for group in groups:
+            q = np.asarray(group.q)
+            assert q.shape == (vocab,) and np.all(q >= 0) and q.sum() > 0, \
+                f"{name}: a sampled q is not a distribution over the vocabulary"
+            assert all(q[t] > 0 for t in group.draws), f"{name}: a draw has q = 0"
+        counts["sampled_groups"] += len(groups)
+    counts["proposals"] += 1
+    counts["nodes"] += n
