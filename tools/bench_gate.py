@@ -20,7 +20,9 @@ prompts. Burst: N prompts admitted at once, the group over when its slowest ends
 as N clients that each send one request see it). Sustained: a new prompt admitted as soon as one
 ends, N always in flight (a server under steady load, vLLM's benchmark_serving --max-concurrency
 N). Prints aggregate tok/s (all new tokens, prefill included, over the wall time) and its ratio to
-plain; a second plain engine ("plain again") runs the same groups: its ratio is the noise floor.
+plain, and for a draft model the forwards it ran and the seconds they took (the sequences of a step
+draft together: one forward a depth); a second plain engine ("plain again") runs the same groups:
+its ratio is the noise floor.
 
 --flat-sampling adds a plain row that samples through the flat definitions tools/bench_sampling.py
 compares the runtime's with: what the sampling code costs a decode step (use with --temperature).
@@ -184,6 +186,7 @@ def streamed(engines: dict, prompts: list[str], streams: int, args: argparse.Nam
     from outrider.serving.request import PendingRequest
 
     tally = {(name, way): [0, 0.0] for name in engines for way in ("burst", "sustained")}  # tokens, seconds
+    drafting = {name: draft_work(engine) for name, engine in engines.items()}  # counted from here
     done: dict = {}
     request_ids = iter(range(1, 1 << 30))
 
@@ -224,11 +227,22 @@ def streamed(engines: dict, prompts: list[str], streams: int, args: argparse.Nam
     if capped is not None:
         print(f"measured cap: {capped.controller.max_tokens} draft tokens a sequence; a step of {streams} "
               f"sequences may verify {capped.step_draft_rows(streams)} draft rows")
-    print("| configuration | burst tok/s | / plain | sustained tok/s | / plain |\n|---|---|---|---|---|")
+    print("| configuration | burst tok/s | / plain | sustained tok/s | / plain | draft forwards, s in them |\n"
+          "|---|---|---|---|---|---|")
     rate = {key: tokens / seconds for key, (tokens, seconds) in tally.items()}
-    for name in engines:
+    for name, engine in engines.items():
+        calls, seconds = (now - then for now, then in zip(draft_work(engine), drafting[name]))
+        work = f"{calls:.0f}, {seconds:.2f} s" if calls else "-"
         print(f"| {name} | {rate[(name, 'burst')]:.1f} | {rate[(name, 'burst')] / rate[('plain', 'burst')]:.2f}x | "
-              f"{rate[(name, 'sustained')]:.1f} | {rate[(name, 'sustained')] / rate[('plain', 'sustained')]:.2f}x |")
+              f"{rate[(name, 'sustained')]:.1f} | {rate[(name, 'sustained')] / rate[('plain', 'sustained')]:.2f}x | "
+              f"{work} |")
+
+
+def draft_work(engine: Any) -> tuple[float, float]:
+    """(forwards, seconds) the engine's model-running drafters (a draft model) have run so far."""
+    drafters = getattr(engine.strategy, "drafters", None) or []
+    return (float(sum(getattr(d, "calls", 0) for d in drafters)),
+            float(sum(getattr(d, "seconds", 0.0) for d in drafters)))
 
 
 if __name__ == "__main__":
