@@ -63,7 +63,7 @@ cross-tools:
 
 ## Install what the tests need and run them.
 test: install-dev cross-tools
-	$(VENV)/bin/python -m pytest -q
+	$(VENV)/bin/python -m pytest -q --durations=15
 
 ## Ray Serve integration (outrider_http.ray_serve): installs the ray extra (~320 MB, ~40 s
 ## here), which `make test` leaves out, and runs its tests (a local 2-CPU Ray cluster, ~70 s).

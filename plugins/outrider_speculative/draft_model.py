@@ -241,13 +241,6 @@ class DraftModelDrafter:
             return []
         return SampledExpansion(group, [(t, float(q[t])) for t in group.draws])
 
-    def _propose_chain(self, slot: int, n: int, root: np.ndarray, budget: int, sampled: bool,
-                       knobs: tuple, generator: Any) -> SpecTree:
-        """The draft's own continuation (see `_Chain`); the rows stay for the next step's `_sync`."""
-        chain = _Chain(slot, n, root, min(budget, self.max_depth), sampled, knobs, generator)
-        self._grow([chain])
-        return chain.tree
-
     def _grow(self, chains: list["_Chain"]) -> None:
         """Grow every chain to its end, each round one forward that feeds (and commits) the token
         each unfinished chain just took: d rounds for chains of depth d, however many there are."""
@@ -268,10 +261,12 @@ class DraftModelDrafter:
     def propose(self, view: Any, budget: int) -> SpecTree:
         """At most `budget` nodes after the pending token: a chain (default) or a best-first tree
         (`shape: tree`), drawn from q at T > 0."""
+        if not self._can_draft(view, budget):
+            return SpecTree()
+        if self.shape == "chain":
+            return self._draft_chains([(view, budget)])[0]
         tokens = view.token_ids
         n = len(tokens)
-        if budget <= 0 or n == 0 or n + self.max_depth > self.cache.max_length:
-            return SpecTree()
         temperature, top_k, top_p = sampling_knobs(view.params)
         sampled = self.sample and not is_greedy(temperature)
         generator = view.generator
@@ -280,9 +275,6 @@ class DraftModelDrafter:
             slot = self._slot(key)
             try:
                 root = self._sync(slot, list(tokens))
-                if self.shape == "chain":
-                    return self._propose_chain(slot, n, root, budget, sampled, (temperature, top_k, top_p),
-                                               generator)
 
                 def expand_fn(nodes: list) -> list:
                     rows = root[None] if nodes[0].token is None else self._tree_rows(slot, nodes, n)
@@ -296,14 +288,21 @@ class DraftModelDrafter:
                 if key is None:  # nothing to find it by next time
                     self._release(slot)
 
+    def _can_draft(self, view: Any, budget: int) -> bool:
+        n = len(view.token_ids)
+        return budget > 0 and n > 0 and n + self.max_depth <= self.cache.max_length
+
     def propose_batch(self, items: list[tuple[Any, int]]) -> list[SpecTree]:
-        """`propose` for several sequences of one step: their syncs in one forward, then their chains
-        side by side, one forward a depth (trees are drafted one sequence at a time)."""
+        """`propose` for several sequences of one step: chains (the default shape) together, their
+        syncs in one forward, then one forward a depth for every chain still growing; trees one
+        sequence at a time. Each chain draws from its own sequence's random stream."""
         if self.shape != "chain":
             return [self.propose(view, budget) for view, budget in items]
+        return self._draft_chains(items)
+
+    def _draft_chains(self, items: list[tuple[Any, int]]) -> list[SpecTree]:
         out = [SpecTree() for _ in items]
-        todo = [(i, view, budget) for i, (view, budget) in enumerate(items)
-                if budget > 0 and 0 < len(view.token_ids) and len(view.token_ids) + self.max_depth <= self.cache.max_length]
+        todo = [(i, view, budget) for i, (view, budget) in enumerate(items) if self._can_draft(view, budget)]
         with self._lock:
             # At most as many sequences at once as the cache has slots: one group never evicts its own.
             for start in range(0, len(todo), self.max_sequences):
