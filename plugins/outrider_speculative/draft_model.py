@@ -22,8 +22,8 @@ tokens the target accepted and truncates the rest (llama.cpp's draft-simple, wit
 the accepted tokens). It stops where the cumulative draft probability falls below
 `prob_threshold` or at the step's budget, so its length follows the draft's confidence.
 The sequences of one step draft together (`propose_batch`): their syncs in one forward, then one
-forward per depth with a row for each chain still growing, so four streams cost about the draft
-forwards of one (tests/test_draft_model.py counts them).
+forward per depth with a row for each chain still growing, not one per sequence and depth
+(tests/test_draft_model.py counts them).
 
 `shape: tree`: a best-first tree by cumulative draft probability (`tree.build_dynamic_tree`): wide
 where the draft is unsure, deep where it is confident, cut at `prob_threshold`, up to `frontier`
