@@ -23,12 +23,12 @@ MAX_FORCED_DRAFT = 16  # forced tokens drafted in one step
 
 def draft_trees(wanted: list[tuple[Sequence, DraftLimits]], strategy: Any) -> list[Union[DraftTree, Exception]]:
     """Each sequence's draft for this step, in order: a tree at most its `limits.room` deep, or the
-    exception that fails that sequence alone. Sequences the grammar forces draft what it forces; the
-    rest are asked of the strategy together (`propose_batch`, where it has one; else one by one)."""
+    exception that fails that sequence alone. Sequences the grammar forces draft what it forces (and
+    are marked `forced_draft`, which the engine clears each step); the rest are asked of the strategy
+    together (`propose_batch`, where it has one; else one by one)."""
     out: list[Union[DraftTree, Exception, None]] = [None] * len(wanted)
     asked: list[int] = []
     for index, (seq, limits) in enumerate(wanted):
-        seq.forced_draft = False
         try:
             forced = seq.rules.forced_tokens(min(limits.room, MAX_FORCED_DRAFT)) if seq.rules is not None else []
         except Exception as exc:  # the grammar engine on this sequence's state
